@@ -1,0 +1,71 @@
+//! Command-line parsing and dispatch. Every failure is one line on stderr and exit code 2;
+//! nothing here panics on user input.
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod plan;
+
+/// Exact, fast attention (FlashAttention) on NVIDIA GPUs and the CPU.
+#[derive(Parser, Debug)]
+#[command(name = "fa4", version, about)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Plan a kernel and explain the plan (tiles, tensor memory, shared memory, support).
+    Plan(plan::PlanArgs),
+}
+
+/// Parses the arguments, runs the command and maps every error to one line and exit code 2.
+pub fn main() -> ExitCode {
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(e) => return clap_error(e),
+    };
+    let result = match cli.command {
+        Command::Plan(args) => plan::run(args),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fa4: error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// Help and version go to stdout as clap formats them; a usage error becomes one line.
+fn clap_error(e: clap::Error) -> ExitCode {
+    use clap::error::ErrorKind;
+    if matches!(
+        e.kind(),
+        ErrorKind::DisplayHelp
+            | ErrorKind::DisplayVersion
+            | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    ) {
+        // Printing help cannot meaningfully fail; a closed stdout is not an error worth a panic.
+        let _ = e.print();
+        return if e.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand {
+            ExitCode::from(2)
+        } else {
+            ExitCode::SUCCESS
+        };
+    }
+    let rendered = e.render().to_string();
+    let line = rendered
+        .lines()
+        .map(str::trim)
+        .filter(|l| {
+            !l.is_empty() && !l.starts_with("For more information") && !l.starts_with("Usage:")
+        })
+        .map(|l| l.strip_prefix("error: ").unwrap_or(l))
+        .collect::<Vec<_>>()
+        .join(" ");
+    eprintln!("fa4: error: {line}");
+    ExitCode::from(2)
+}

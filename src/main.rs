@@ -1,0 +1,7 @@
+//! The `fa4` command: plan kernels (and, as backends land, run, check and benchmark attention).
+
+mod cli;
+
+fn main() -> std::process::ExitCode {
+    cli::main()
+}

@@ -1,0 +1,109 @@
+//! `fa4 plan` end to end: the JSON form reproduces the contract's table; bad input is one line
+//! on stderr and exit code 2.
+
+use std::process::Command;
+
+fn fa4(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_fa4"))
+        .args(args)
+        .output()
+        .expect("the fa4 binary runs");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn json_reproduces_every_worked_row() {
+    // dtype, depth, BM, pd, BN, S1, C0, C1, O0, O1, tmem_used, kv_stages, smem_used, supported
+    let rows = [
+        (
+            "bf16", "64", 256, 64, 192, 192, 96, 288, 384, 448, 512, 8, 229_628, true,
+        ),
+        (
+            "bf16", "128", 256, 128, 128, 128, 64, 192, 256, 384, 512, 5, 229_580, true,
+        ),
+        (
+            "fp16", "256", 128, 256, 256, 1_048_576, 128, 1_048_704, 256, 1_048_832, 512, 1,
+            196_748, false,
+        ),
+        (
+            "fp8", "128", 256, 128, 128, 128, 64, 192, 256, 384, 512, 12, 229_692, true,
+        ),
+        (
+            "fp8", "256", 128, 256, 256, 1_048_576, 128, 1_048_704, 256, 1_048_832, 512, 3,
+            229_548, true,
+        ),
+    ];
+    for (dt, d, bm, pd, bn, s1, c0, c1, o0, o1, tmem, kv, smem, ok) in rows {
+        let (code, out, err) = fa4(&[
+            "plan", "--depth", d, "--dtype", dt, "--group", "4", "--json",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+        let want = serde_json::json!({
+            "BM": bm, "padded_depth": pd, "BN": bn, "TMEM_S1": s1, "TMEM_C0": c0, "TMEM_C1": c1,
+            "TMEM_O0": o0, "TMEM_O1": o1, "tmem_used": tmem, "num_kv_stages": kv,
+            "smem_used": smem, "supported": ok, "split_m": d == "256", "swizzle_mode": "128B",
+            "num_kv_heads": 8, "num_q_heads": 32, "group": 4,
+        });
+        for (k, w) in want.as_object().unwrap() {
+            assert_eq!(&v[k], w, "{dt} d={d}: key {k}");
+        }
+    }
+}
+
+#[test]
+fn report_shows_tmem_map_budget_and_verdict() {
+    let (code, out, _) = fa4(&["plan", "--depth", "256"]);
+    assert_eq!(code, 0);
+    for needle in [
+        "tensor memory",
+        "O1",
+        "1048832",
+        "[256, 512)",
+        "smem_used",
+        "196748",
+        "supported: no",
+        "K/V stage",
+    ] {
+        assert!(out.contains(needle), "report lacks {needle:?}:\n{out}");
+    }
+    let (_, out, _) = fa4(&["plan", "--depth", "128"]);
+    assert!(out.contains("supported: yes"), "{out}");
+}
+
+#[test]
+fn bad_arguments_are_one_line_and_exit_2() {
+    let cases: [(&[&str], &str); 9] = [
+        (&["plan", "--depth", "0"], "depth"),
+        (&["plan", "--depth", "-4"], "depth"),
+        (&["plan", "--depth", "abc"], "depth"),
+        (&["plan", "--depth", "64", "--group", "3"], "group"),
+        (&["plan", "--depth", "64", "--group", "0"], "group"),
+        (
+            &["plan", "--depth", "64", "--num-q-heads", "0"],
+            "num_q_heads",
+        ),
+        (&["plan", "--depth", "64", "--dtype", "int4"], "dtype"),
+        (&["plan", "--depth", "64", "--swizzle", "16B"], "swizzle"),
+        (&["plan"], "depth"),
+    ];
+    for (args, name) in cases {
+        let (code, out, err) = fa4(args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        assert!(out.is_empty(), "{args:?} printed to stdout: {out}");
+        assert_eq!(
+            err.trim_end().lines().count(),
+            1,
+            "{args:?}: not one line:\n{err}"
+        );
+        assert!(
+            err.contains(name),
+            "{args:?}: error does not name {name}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}

@@ -37,9 +37,19 @@
 #![warn(missing_docs)]
 
 pub mod arch;
+pub mod backend;
+pub mod check;
 pub mod config;
+pub mod cpu;
 pub mod dtype;
 pub mod error;
+pub mod mask;
+pub mod problem;
+pub mod tensor;
 
+pub use backend::Backend;
 pub use dtype::DType;
 pub use error::{Error, Result};
+pub use mask::Mask;
+pub use problem::{Options, Problem};
+pub use tensor::{Element, Tensor, TensorMut};

@@ -5,7 +5,10 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod bench;
+mod check;
 mod plan;
+mod run;
 
 /// Exact, fast attention (FlashAttention) on NVIDIA GPUs and the CPU.
 #[derive(Parser, Debug)]
@@ -19,6 +22,13 @@ struct Cli {
 enum Command {
     /// Plan a kernel and explain the plan (tiles, tensor memory, shared memory, support).
     Plan(plan::PlanArgs),
+    /// Compute attention: on a random problem (checked against the float64 oracle), or on
+    /// Q, K, V from .npy files.
+    Run(run::RunArgs),
+    /// Run the correctness matrix against the float64 oracle on a backend.
+    Check(check::CheckArgs),
+    /// Benchmark a backend against its peers, measured in the same run.
+    Bench(bench::BenchArgs),
 }
 
 /// Parses the arguments, runs the command and maps every error to one line and exit code 2.
@@ -29,6 +39,9 @@ pub fn main() -> ExitCode {
     };
     let result = match cli.command {
         Command::Plan(args) => plan::run(args),
+        Command::Run(args) => run::run(args),
+        Command::Check(args) => check::run(args),
+        Command::Bench(args) => bench::run(args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -1,0 +1,148 @@
+//! Backends behind one type: a caller writes the same code for the CPU and the GPU.
+//!
+//! [`Backend::forward`] (fixed-length batches) and [`Backend::forward_varlen`] (packed
+//! variable-length batches) validate the call into a [`Problem`] and run it;
+//! [`Backend::run`] runs an already validated problem on raw slices.
+
+use crate::cpu::CpuBackend;
+use crate::error::{Error, Result};
+use crate::problem::{Options, Problem};
+use crate::tensor::{Element, Layout, Tensor, TensorMut};
+
+/// Where attention is computed.
+#[derive(Debug, Clone, Default)]
+#[non_exhaustive]
+pub enum Backend {
+    /// The tiled, multi-threaded CPU backend.
+    #[default]
+    Cpu,
+    /// The CPU backend with explicit settings (threads, tiles).
+    CpuWith(CpuBackend),
+}
+
+impl Backend {
+    /// The best backend this machine has: a working GPU, else the CPU.
+    pub fn auto() -> Backend {
+        Backend::Cpu
+    }
+
+    /// A short name for reports.
+    pub fn name(&self) -> String {
+        match self {
+            Backend::Cpu | Backend::CpuWith(_) => "cpu".to_string(),
+        }
+    }
+
+    /// Attention over a fixed-length batch.
+    ///
+    /// - `q`: `[batch, seqlen_q, heads_q, head_dim]`
+    /// - `k`: `[batch, seqlen_k, heads_kv, head_dim]`, `heads_q % heads_kv == 0`
+    /// - `v`: `[batch, seqlen_k, heads_kv, head_dim_v]`
+    /// - `out`: `[batch, seqlen_q, heads_q, head_dim_v]`, written
+    /// - `lse`: `batch · heads_q · seqlen_q` f32 in `[batch, heads_q, seqlen_q]` order, written
+    ///   if given (natural log; `-inf` for rows with no allowed key)
+    ///
+    /// Each tensor's last dimension is contiguous; other strides are free.
+    pub fn forward<T: Element>(
+        &self,
+        q: &Tensor<'_, T>,
+        k: &Tensor<'_, T>,
+        v: &Tensor<'_, T>,
+        out: &mut TensorMut<'_, T>,
+        lse: Option<&mut [f32]>,
+        opts: &Options,
+    ) -> Result<()> {
+        self.forward_impl(q, k, v, None, out, lse, opts)
+    }
+
+    /// Attention over a packed variable-length batch: `q` `[total_q, heads_q, head_dim]`,
+    /// `k` `[total_k, heads_kv, head_dim]`, `v` `[total_k, heads_kv, head_dim_v]`, `out`
+    /// `[total_q, heads_q, head_dim_v]`; sequence `b` is rows `cu[b] .. cu[b+1]` of `cu_seqlens_q`
+    /// and `cu_seqlens_k` (`batch + 1` entries from 0, non-decreasing, ending at the total).
+    /// `lse` is `[heads_q, total_q]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_varlen<T: Element>(
+        &self,
+        q: &Tensor<'_, T>,
+        k: &Tensor<'_, T>,
+        v: &Tensor<'_, T>,
+        cu_seqlens_q: &[i32],
+        cu_seqlens_k: &[i32],
+        out: &mut TensorMut<'_, T>,
+        lse: Option<&mut [f32]>,
+        opts: &Options,
+    ) -> Result<()> {
+        self.forward_impl(q, k, v, Some((cu_seqlens_q, cu_seqlens_k)), out, lse, opts)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward_impl<T: Element>(
+        &self,
+        q: &Tensor<'_, T>,
+        k: &Tensor<'_, T>,
+        v: &Tensor<'_, T>,
+        cu: Option<(&[i32], &[i32])>,
+        out: &mut TensorMut<'_, T>,
+        lse: Option<&mut [f32]>,
+        opts: &Options,
+    ) -> Result<()> {
+        let (o, ol) = out.parts();
+        let p = Problem::new(
+            T::DTYPE,
+            q.layout(),
+            k.layout(),
+            v.layout(),
+            &ol,
+            cu.map(|c| c.0),
+            cu.map(|c| c.1),
+            opts,
+        )?;
+        self.run(&p, q.data(), k.data(), v.data(), o, lse)
+    }
+
+    /// Runs a validated problem on slices laid out as the problem says.
+    pub fn run<T: Element>(
+        &self,
+        p: &Problem,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        out: &mut [T],
+        lse: Option<&mut [f32]>,
+    ) -> Result<()> {
+        if T::DTYPE != p.dtype() {
+            return Err(Error::invalid(
+                "q",
+                format!(
+                    "element type {} does not match the problem's {}",
+                    T::DTYPE,
+                    p.dtype()
+                ),
+            ));
+        }
+        fits("q", p.q_layout(), q.len())?;
+        fits("k", p.k_layout(), k.len())?;
+        fits("v", p.v_layout(), v.len())?;
+        fits("out", p.o_layout(), out.len())?;
+        if let Some(l) = lse.as_deref() {
+            p.check_lse(l)?;
+        }
+        match self {
+            Backend::Cpu => CpuBackend::default().forward(p, q, k, v, out, lse),
+            Backend::CpuWith(cpu) => cpu.forward(p, q, k, v, out, lse),
+        }
+    }
+}
+
+fn fits(name: &str, l: &Layout, len: usize) -> Result<()> {
+    match l.extent() {
+        Some(e) if e <= len => Ok(()),
+        _ => Err(Error::invalid(
+            name,
+            format!(
+                "buffer of {len} elements is too small for shape {:?} strides {:?}",
+                l.dims, l.strides
+            ),
+        )),
+    }
+}

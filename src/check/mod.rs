@@ -1,0 +1,279 @@
+//! Judging a backend against the float64 oracle, by the tolerance rule of `spec/attention.md`,
+//! and drawing the random inputs the rule is applied to.
+//!
+//! ```text
+//! 16-bit storage:  max|O − O_ref| ≤ 2 · max|O_lowp − O_ref| + atol,  atol = max|round(O_ref) − O_ref|
+//! f32 storage:     max|O − O_ref| ≤ 2e-5 · max(1, max|O_ref|)
+//! LSE, finite rows: max|LSE − LSE_ref| ≤ 1e-3 (16-bit) or 1e-5 (f32)
+//! ```
+//! and no element of O (or LSE) differs in finiteness from the reference.
+
+use std::fmt;
+
+use rand::Rng;
+use rand_distr::{Distribution, StandardNormal};
+
+use crate::cpu::reference::{self, contiguous_o_layout};
+use crate::dtype::DType;
+use crate::problem::Problem;
+use crate::tensor::Element;
+
+/// Relative bound on O for f32 storage.
+pub const F32_O_RTOL: f64 = 2e-5;
+/// LSE bound for 16-bit inputs.
+pub const LSE_TOL_16: f64 = 1e-3;
+/// LSE bound for f32 inputs.
+pub const LSE_TOL_F32: f64 = 1e-5;
+
+/// Where an element of O sits: sequence (batch entry), row within it, head, column.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
+    /// Sequence of the batch.
+    pub seq: usize,
+    /// Query row within the sequence.
+    pub row: usize,
+    /// Query head.
+    pub head: usize,
+    /// Column of head_dim_v (`None` for LSE).
+    pub col: Option<usize>,
+}
+
+impl fmt::Display for Position {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.col {
+            Some(c) => write!(
+                f,
+                "O[seq {}, row {}, head {}, col {}]",
+                self.seq, self.row, self.head, c
+            ),
+            None => write!(
+                f,
+                "LSE[seq {}, head {}, row {}]",
+                self.seq, self.head, self.row
+            ),
+        }
+    }
+}
+
+/// The verdict and its evidence.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Report {
+    /// Storage dtype judged.
+    pub dtype: DType,
+    /// Elements of O compared.
+    pub elements: usize,
+    /// `max|O − O_ref|` over elements where both are finite.
+    pub max_err: f64,
+    /// Mean of `|O − O_ref|` over the same elements.
+    pub mean_err: f64,
+    /// The bound `max_err` must not exceed.
+    pub bound: f64,
+    /// `max|O_lowp − O_ref|` (16-bit storage).
+    pub lowp_err: f64,
+    /// `max|round(O_ref) − O_ref|` (16-bit storage).
+    pub atol: f64,
+    /// `max|LSE − LSE_ref|` over finite rows, if LSE was checked.
+    pub lse_err: Option<f64>,
+    /// The LSE bound.
+    pub lse_bound: f64,
+    /// Elements whose finiteness differs from the reference (O and LSE).
+    pub finiteness_mismatches: usize,
+    /// The first element out of bounds or of the wrong finiteness, with (got, want).
+    pub first_bad: Option<(Position, f64, f64)>,
+}
+
+impl Report {
+    /// Whether the backend passes.
+    pub fn passed(&self) -> bool {
+        self.first_bad.is_none()
+            && self.finiteness_mismatches == 0
+            && self.max_err <= self.bound
+            && self.lse_err.is_none_or(|e| e <= self.lse_bound)
+    }
+}
+
+impl fmt::Display for Report {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}: max|O−ref| {:.3e} (bound {:.3e}; mean {:.3e}",
+            if self.passed() { "pass" } else { "FAIL" },
+            self.max_err,
+            self.bound,
+            self.mean_err
+        )?;
+        if self.dtype != DType::F32 {
+            write!(f, "; lowp {:.3e}, atol {:.3e}", self.lowp_err, self.atol)?;
+        }
+        write!(f, ")")?;
+        if let Some(e) = self.lse_err {
+            write!(f, ", max|LSE−ref| {:.3e} (bound {:.0e})", e, self.lse_bound)?;
+        }
+        if self.finiteness_mismatches > 0 {
+            write!(f, ", {} finiteness mismatches", self.finiteness_mismatches)?;
+        }
+        if let Some((pos, got, want)) = self.first_bad {
+            write!(f, "; first bad {pos}: got {got}, want {want}")?;
+        }
+        write!(f, " over {} elements", self.elements)
+    }
+}
+
+fn same_class(a: f64, b: f64) -> bool {
+    if a.is_finite() || b.is_finite() {
+        a.is_finite() == b.is_finite()
+    } else {
+        // Both non-finite: NaN must meet NaN, and an infinity the same infinity.
+        (a.is_nan() && b.is_nan()) || a == b
+    }
+}
+
+/// Applies the tolerance rule to a backend's O (in the problem's O layout) and optional LSE,
+/// computing the oracle and the low-precision evaluation from the same inputs.
+pub fn check<T: Element>(
+    p: &Problem,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[T],
+    lse: Option<&[f32]>,
+) -> Report {
+    let want = reference::attention_f64(p, q, k, v);
+    check_against(p, &want, q, k, v, o, lse)
+}
+
+/// [`check`] with a precomputed oracle (for several backends on one input).
+pub fn check_against<T: Element>(
+    p: &Problem,
+    want: &reference::Output<f64>,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    o: &[T],
+    lse: Option<&[f32]>,
+) -> Report {
+    let sixteen = T::DTYPE != DType::F32;
+    let (lowp_err, atol) = if sixteen {
+        let low = reference::attention_lowp(p, q, k, v);
+        let lowp_err = low
+            .o
+            .iter()
+            .zip(&want.o)
+            .filter(|(a, b)| a.is_finite() && b.is_finite())
+            .map(|(&a, &b)| (f64::from(a) - b).abs())
+            .fold(0.0, f64::max);
+        let atol = want
+            .o
+            .iter()
+            .filter(|x| x.is_finite())
+            .map(|&x| (f64::from(T::from_f64(x).to_f32()) - x).abs())
+            .fold(0.0, f64::max);
+        (lowp_err, atol)
+    } else {
+        (0.0, 0.0)
+    };
+    let max_ref = want
+        .o
+        .iter()
+        .filter(|x| x.is_finite())
+        .fold(0f64, |m, &x| m.max(x.abs()));
+    let bound = if sixteen {
+        2.0 * lowp_err + atol
+    } else {
+        F32_O_RTOL * max_ref.max(1.0)
+    };
+    let lse_bound = if sixteen { LSE_TOL_16 } else { LSE_TOL_F32 };
+
+    let ol = contiguous_o_layout(p);
+    let dv = p.head_dim_v();
+    let (mut max_err, mut sum_err, mut n, mut elements, mut mismatches) =
+        (0f64, 0f64, 0usize, 0, 0);
+    let mut first_bad = None;
+    let mut lse_err: Option<f64> = lse.map(|_| 0.0);
+    for (si, s) in p.sequences().iter().enumerate() {
+        for h in 0..p.heads_q() {
+            for i in 0..s.q_len {
+                let got_off = p.o_layout().offset(s.batch_index, s.q_start + i, h);
+                let want_off = ol.offset(s.batch_index, s.q_start + i, h);
+                for c in 0..dv {
+                    let g = f64::from(o[got_off + c].to_f32());
+                    let w = want.o[want_off + c];
+                    elements += 1;
+                    let pos = Position {
+                        seq: si,
+                        row: i,
+                        head: h,
+                        col: Some(c),
+                    };
+                    if !same_class(g, w) {
+                        mismatches += 1;
+                        first_bad.get_or_insert((pos, g, w));
+                    } else if g.is_finite() {
+                        let e = (g - w).abs();
+                        max_err = max_err.max(e);
+                        sum_err += e;
+                        n += 1;
+                        if e > bound {
+                            first_bad.get_or_insert((pos, g, w));
+                        }
+                    }
+                }
+                if let (Some(l), Some(le)) = (lse, lse_err.as_mut()) {
+                    let off = p.lse_offset(s, h, i);
+                    let (g, w) = (f64::from(l[off]), want.lse[off]);
+                    let pos = Position {
+                        seq: si,
+                        row: i,
+                        head: h,
+                        col: None,
+                    };
+                    if !same_class(g, w) {
+                        mismatches += 1;
+                        first_bad.get_or_insert((pos, g, w));
+                    } else if g.is_finite() {
+                        let e = (g - w).abs();
+                        *le = le.max(e);
+                        if e > lse_bound {
+                            first_bad.get_or_insert((pos, g, w));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Report {
+        dtype: T::DTYPE,
+        elements,
+        max_err,
+        mean_err: if n > 0 { sum_err / n as f64 } else { 0.0 },
+        bound,
+        lowp_err,
+        atol,
+        lse_err,
+        lse_bound,
+        finiteness_mismatches: mismatches,
+        first_bad,
+    }
+}
+
+/// Fills a buffer with standard-normal values rounded to `T`, then scales a few rows (of
+/// `row_len` elements) by `large` so that row maxima jump and the online softmax must rescale.
+pub fn random_fill<T: Element, R: Rng>(rng: &mut R, data: &mut [T], row_len: usize, large: f32) {
+    for x in data.iter_mut() {
+        let z: f32 = StandardNormal.sample(rng);
+        *x = T::from_f32(z);
+    }
+    if row_len == 0 || data.len() < row_len {
+        return;
+    }
+    let rows = data.len() / row_len;
+    for _ in 0..rows.div_ceil(16) {
+        let r = rng.random_range(0..rows);
+        for x in &mut data[r * row_len..(r + 1) * row_len] {
+            *x = T::from_f32(x.to_f32() * large);
+        }
+    }
+}
+
+mod matrix;
+pub use matrix::{matrix, run_case, Case, Seqlens};

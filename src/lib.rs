@@ -6,18 +6,45 @@
 //! | layer | module | what it does |
 //! |---|---|---|
 //! | hardware | [`arch`] | limits of the GPUs fa4 plans for (SMs, shared memory, TMEM) |
-//! | planners | [`config`] | pure functions from a problem's shape to a kernel plan: [`config::sm100::FA4Config`] for Blackwell |
+//! | planners | [`config`], [`cpu::plan`] | pure functions from a problem's shape to a kernel plan: [`config::sm100::FA4Config`] (Blackwell, the seed), the CPU tiles |
+//! | problem | [`problem`], [`mask`], [`tensor`] | shapes, strides, dtypes, mask, scale, softcap, varlen: validated once, trusted after |
+//! | backends | [`Backend`], [`cpu`] | one API for every backend (the CPU today, CUDA next) |
+//! | oracle | [`cpu::reference`], [`check`] | the float64 evaluation, the tolerance rule, the correctness matrix |
 //! | errors | [`error`] | one error enum; bad input is an error naming the argument, never a panic |
 //!
-//! ## Status
+//! ## Features
 //!
-//! | feature | state |
+//! | feature | CPU |
 //! |---|---|
-//! | `FA4Config` (SM100 planner), `fa4 plan` | done, matches the contract's worked values |
-//! | CPU backend (float64 oracle, tiled online softmax) | planned |
-//! | CUDA: Ampere-class (`mma.sync`), Hopper (`wgmma`), Blackwell (`tcgen05`) | planned |
+//! | f32 / f16 / bf16 storage | all |
+//! | head dims | 1–1024, `head_dim_v` free |
+//! | fixed and varlen batches, zero-length sequences, strided views | yes |
+//! | GQA/MQA, causal (bottom-right), local window, softcap, custom scale, LSE | yes |
 //!
 //! ## Example
+//!
+//! ```
+//! use fa4::{Backend, Options, Tensor, TensorMut};
+//! use half::bf16;
+//!
+//! let (b, s, h, d) = (2, 64, 4, 64);
+//! let q: Vec<bf16> = (0..b * s * h * d).map(|i| bf16::from_f32((i % 7) as f32 * 0.1)).collect();
+//! let (k, v) = (q.clone(), q.clone());
+//! let mut o = vec![bf16::ZERO; b * s * h * d];
+//! let mut lse = vec![0f32; b * h * s];
+//! Backend::auto().forward(
+//!     &Tensor::new(&q, &[b, s, h, d])?,          // [batch, seqlen_q, heads_q, head_dim]
+//!     &Tensor::new(&k, &[b, s, h, d])?,          // [batch, seqlen_k, heads_kv, head_dim]
+//!     &Tensor::new(&v, &[b, s, h, d])?,          // [batch, seqlen_k, heads_kv, head_dim_v]
+//!     &mut TensorMut::new(&mut o, &[b, s, h, d])?,
+//!     Some(&mut lse),                            // [batch, heads_q, seqlen_q]
+//!     &Options::new().causal().softcap(30.0),
+//! )?;
+//! assert!(o.iter().all(|x| x.to_f32().is_finite()));
+//! # Ok::<(), fa4::Error>(())
+//! ```
+//!
+//! The SM100 planner:
 //!
 //! ```
 //! use fa4::config::sm100::{FA4Config, FA4Inputs, Swizzle};
@@ -44,6 +71,7 @@ pub mod cpu;
 pub mod dtype;
 pub mod error;
 pub mod mask;
+pub mod npy;
 pub mod problem;
 pub mod tensor;
 

@@ -431,6 +431,11 @@ impl Problem {
     pub fn lse_offset(&self, s: &Sequence, head: usize, row: usize) -> usize {
         s.batch_index * self.lse_batch_stride + head * self.lse_head_stride + s.q_start + row
     }
+    /// `(batch, head)` element strides of the LSE output (rows are contiguous from a sequence's
+    /// `q_start`).
+    pub fn lse_strides(&self) -> (usize, usize) {
+        (self.lse_batch_stride, self.lse_head_stride)
+    }
     /// The shape of the LSE output as the spec writes it.
     pub fn lse_shape(&self) -> Vec<usize> {
         if self.varlen {

@@ -170,7 +170,7 @@ fn check_invariants(c: &FA4Config, ctx: &str) -> bool {
     let row = u64::from(c.swizzle_mode().bytes()) / c.dtype_size();
     assert_eq!(c.padded_depth() % row, 0, "{ctx}");
     assert!(c.padded_depth() - c.depth() < row, "{ctx}");
-    assert!(c.bn() % 16 == 0 && c.bn() <= 256, "{ctx}");
+    assert!(c.bn().is_multiple_of(16) && c.bn() <= 256, "{ctx}");
     assert_eq!(c.supported(), c.unsupported_reasons().is_empty(), "{ctx}");
     if !c.supported() {
         return false;

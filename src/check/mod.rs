@@ -256,8 +256,9 @@ pub fn check_against<T: Element>(
     }
 }
 
-/// Fills a buffer with standard-normal values rounded to `T`, then scales a few rows (of
-/// `row_len` elements) by `large` so that row maxima jump and the online softmax must rescale.
+/// Fills a buffer with standard-normal values rounded to `T`, then scales one row in 16 (rows of
+/// `row_len` elements, chosen without repetition) by `large`, so that row maxima jump and the
+/// online softmax must rescale.
 pub fn random_fill<T: Element, R: Rng>(rng: &mut R, data: &mut [T], row_len: usize, large: f32) {
     for x in data.iter_mut() {
         let z: f32 = StandardNormal.sample(rng);
@@ -266,9 +267,10 @@ pub fn random_fill<T: Element, R: Rng>(rng: &mut R, data: &mut [T], row_len: usi
     if row_len == 0 || data.len() < row_len {
         return;
     }
+    // Distinct rows: a row drawn twice would be scaled by large², and f32's LSE tolerance
+    // (1e-5 absolute) cannot hold once scores reach the hundreds.
     let rows = data.len() / row_len;
-    for _ in 0..rows.div_ceil(16) {
-        let r = rng.random_range(0..rows);
+    for r in rand::seq::index::sample(rng, rows, rows.div_ceil(16)) {
         for x in &mut data[r * row_len..(r + 1) * row_len] {
             *x = T::from_f32(x.to_f32() * large);
         }

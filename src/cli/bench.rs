@@ -1,12 +1,410 @@
-//! `fa4 bench`.
+//! `fa4 bench`: GFLOP/s of a backend over a grid of shapes, beside its peers measured in the
+//! same run.
+//!
+//! On the CPU the peers are the materialised evaluation ([`fa4::cpu::materialized`], candle's
+//! passes: the whole score matrix, scale, mask, `softmax_last_dim`, second product, with the
+//! same microkernels and threads; `--fused-peer` adds its fused variant) and this machine's f32
+//! FMA peak ([`fa4::cpu::peak`], measured at the start of the run). Every number is the median
+//! of `--reps` timed runs after `--warmup` untimed ones, on random normal inputs (a few rows
+//! scaled up, as in the tests); FLOPs come from [`Problem::flops`] for fa4 and the peer alike
+//! (useful FLOPs: causal is half), so their ratio is a time ratio. The peer's output is
+//! compared with fa4's (`max_abs_diff` in `--json`).
+//!
+//! Default grid: seqlens 512–8192, d = 64 and 128, with and without a causal mask, f32, batch 1
+//! and `8192 / seqlen` heads (16 at 512, 1 at 8192): every shape does the same number of query
+//! rows, so a run takes 5–200 ms and even the shortest gives every thread dozens of work items.
+//! The whole default bench takes about a minute on a 2-core machine (70 s with `--fused-peer`).
 
-use clap::Args;
+use std::time::Instant;
 
-use fa4::{Error, Result};
+use clap::{Args, ValueEnum};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+use serde::Serialize;
+
+use fa4::check::random_fill;
+use fa4::cpu::materialized::{self, Style};
+use fa4::cpu::{peak, CpuBackend, Isa};
+use fa4::tensor::Layout;
+use fa4::{DType, Element, Error, Options, Problem, Result};
+
+use super::BackendArg;
+
+/// Query rows per run when `--heads` is not given: heads = this / seqlen (at least 1), so that
+/// short sequences still give runs long enough to time and enough work items for every thread.
+const DEFAULT_ROWS: usize = 8192;
+
+/// The materialised peer is skipped when its score matrix would exceed this many bytes.
+const MATERIALIZED_LIMIT_BYTES: usize = 4 << 30;
+
+/// Which masks to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum CausalArg {
+    /// Each shape without a mask, then causal.
+    Both,
+    /// Causal only.
+    On,
+    /// No mask only.
+    Off,
+}
 
 #[derive(Args, Debug)]
-pub struct BenchArgs {}
+pub struct BenchArgs {
+    /// Backend to benchmark.
+    #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
+    backend: BackendArg,
+    /// Sequence lengths (seqlen_q = seqlen_k), comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [512, 1024, 2048, 4096, 8192])]
+    seqlens: Vec<usize>,
+    /// Head dimensions (head_dim = head_dim_v), comma-separated.
+    #[arg(long, value_delimiter = ',', default_values_t = [64, 128])]
+    head_dims: Vec<usize>,
+    /// Masks: both (none, then causal), on (causal only) or off (none only).
+    #[arg(long, value_enum, default_value_t = CausalArg::Both)]
+    causal: CausalArg,
+    /// Storage dtype: f32, fp16 or bf16.
+    #[arg(long, default_value = "f32")]
+    dtype: DType,
+    /// Batch size.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Heads (query and KV) [default: max(1, 8192 / seqlen): the same query rows per shape].
+    #[arg(long)]
+    heads: Option<usize>,
+    /// Timed runs per shape and implementation; the median is reported.
+    #[arg(long, default_value_t = 7)]
+    reps: usize,
+    /// Untimed warm-up runs before the timed ones.
+    #[arg(long, default_value_t = 1)]
+    warmup: usize,
+    /// Worker threads [default: all cores].
+    #[arg(long)]
+    threads: Option<usize>,
+    /// Skip the materialised peer.
+    #[arg(long)]
+    no_materialized: bool,
+    /// Also time the materialised evaluation with its softmax passes fused into one in-place,
+    /// vectorised pass (a stronger peer than candle's passes).
+    #[arg(long)]
+    fused_peer: bool,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+}
 
-pub fn run(_args: BenchArgs) -> Result<()> {
-    Err(Error::invalid("command", "`bench` is not implemented yet"))
+/// One shape's measurements.
+#[derive(Debug, Serialize)]
+struct Row {
+    seqlen: usize,
+    head_dim: usize,
+    causal: bool,
+    batch: usize,
+    heads: usize,
+    dtype: String,
+    flops: f64,
+    fa4_ms: f64,
+    fa4_gflops: f64,
+    materialized_ms: Option<f64>,
+    materialized_gflops: Option<f64>,
+    /// fa4 GFLOP/s over the materialised evaluation's (= its time over fa4's).
+    ratio: Option<f64>,
+    /// fa4 GFLOP/s as a percentage of the measured FMA peak.
+    pct_of_peak: f64,
+    /// `max|O_fa4 − O_materialised|`, a cross-check of the two.
+    max_abs_diff: Option<f64>,
+    /// The fused materialised evaluation (`--fused-peer`).
+    fused_ms: Option<f64>,
+    fused_gflops: Option<f64>,
+    fused_ratio: Option<f64>,
+}
+
+#[derive(Debug, Serialize)]
+struct PeakJson {
+    isa: &'static str,
+    gflops: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    backend: &'static str,
+    cpu: String,
+    threads: usize,
+    isa: &'static str,
+    fma_peak_gflops: f64,
+    fma_peaks: Vec<PeakJson>,
+    reps: usize,
+    warmup: usize,
+    results: Vec<Row>,
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    match args.backend {
+        BackendArg::Cpu | BackendArg::Auto => {}
+        BackendArg::Cuda => {
+            return Err(Error::invalid(
+                "--backend",
+                "cuda: the CUDA backend is not available in this build yet; use cpu",
+            ))
+        }
+    }
+    if args.dtype == DType::Fp8E4M3 {
+        return Err(Error::invalid("--dtype", "fp8 is not computed yet"));
+    }
+    for (name, list) in [
+        ("--seqlens", &args.seqlens),
+        ("--head-dims", &args.head_dims),
+    ] {
+        if list.is_empty() || list.contains(&0) {
+            return Err(Error::invalid(name, "give one or more values, each ≥ 1"));
+        }
+    }
+    if args.batch == 0 || args.heads == Some(0) || args.reps == 0 || args.threads == Some(0) {
+        return Err(Error::invalid(
+            "--batch/--heads/--reps/--threads",
+            "must be ≥ 1",
+        ));
+    }
+    let mut builder = rayon::ThreadPoolBuilder::new();
+    if let Some(n) = args.threads {
+        builder = builder.num_threads(n);
+    }
+    let pool = builder
+        .build()
+        .map_err(|e| Error::invalid("--threads", e.to_string()))?;
+    pool.install(|| bench(&args))
+}
+
+fn cpu_model() -> String {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|m| m.trim().to_string())
+        })
+        .unwrap_or_else(|| "unknown CPU".to_string())
+}
+
+fn bench(args: &BenchArgs) -> Result<()> {
+    let threads = rayon::current_num_threads();
+    let isa = Isa::selected();
+    // Five runs of 50 ms per instruction set.
+    let peaks = peak::measure_all(0.05, 5);
+    let best = peaks[0].gflops;
+    let cpu = cpu_model();
+    let masks: &[bool] = match args.causal {
+        CausalArg::Both => &[false, true],
+        CausalArg::On => &[true],
+        CausalArg::Off => &[false],
+    };
+    if !args.json {
+        println!(
+            "fa4 bench --backend cpu: {}, {cpu}, {threads} threads, {} kernels",
+            args.dtype,
+            isa.name()
+        );
+        let list: Vec<String> = peaks
+            .iter()
+            .map(|p| format!("{} {:.1}", p.isa.name(), p.gflops))
+            .collect();
+        println!(
+            "f32 FMA peak, measured on {threads} threads: {} GFLOP/s",
+            list.join(", ")
+        );
+        println!(
+            "median of {} runs after {} warm-up; peer (mat): materialised evaluation as candle runs it (score matrix, scale, mask, softmax_last_dim, second GEMM; same GEMM kernels and threads), same run",
+            args.reps, args.warmup
+        );
+        println!(
+            "{:>7} {:>4} {:>6} {:>7} {:>9} {:>11} {:>11} {:>7} {:>6}{}",
+            "seqlen",
+            "d",
+            "causal",
+            "b×h",
+            "fa4 ms",
+            "fa4 GFLOP/s",
+            "mat GFLOP/s",
+            "fa4/mat",
+            "%peak",
+            if args.fused_peer {
+                "  fused GFLOP/s fa4/fused"
+            } else {
+                ""
+            }
+        );
+    }
+    let mut rows = Vec::new();
+    for &d in &args.head_dims {
+        for &seqlen in &args.seqlens {
+            for &causal in masks {
+                let heads = args.heads.unwrap_or((DEFAULT_ROWS / seqlen).max(1));
+                let shape = Shape {
+                    seqlen,
+                    d,
+                    causal,
+                    batch: args.batch,
+                    heads,
+                };
+                let row = match args.dtype {
+                    DType::F32 => shape.run::<f32>(args, best)?,
+                    DType::F16 => shape.run::<half::f16>(args, best)?,
+                    DType::Bf16 => shape.run::<half::bf16>(args, best)?,
+                    DType::Fp8E4M3 => unreachable!("rejected above"),
+                };
+                if !args.json {
+                    let opt = |x: Option<f64>, prec: usize| {
+                        x.map_or("-".to_string(), |x| format!("{x:.prec$}"))
+                    };
+                    let fused = if args.fused_peer {
+                        format!(
+                            "  {:>13} {:>9}",
+                            opt(row.fused_gflops, 1),
+                            opt(row.fused_ratio, 2)
+                        )
+                    } else {
+                        String::new()
+                    };
+                    println!(
+                        "{:>7} {:>4} {:>6} {:>7} {:>9.2} {:>11.1} {:>11} {:>7} {:>5.1}%{fused}",
+                        seqlen,
+                        d,
+                        if causal { "yes" } else { "no" },
+                        format!("{}×{}", args.batch, heads),
+                        row.fa4_ms,
+                        row.fa4_gflops,
+                        opt(row.materialized_gflops, 1),
+                        opt(row.ratio, 2),
+                        row.pct_of_peak
+                    );
+                }
+                rows.push(row);
+            }
+        }
+    }
+    if args.json {
+        let report = Report {
+            backend: "cpu",
+            cpu,
+            threads,
+            isa: isa.name(),
+            fma_peak_gflops: best,
+            fma_peaks: peaks
+                .iter()
+                .map(|p| PeakJson {
+                    isa: p.isa.name(),
+                    gflops: p.gflops,
+                })
+                .collect(),
+            reps: args.reps,
+            warmup: args.warmup,
+            results: rows,
+        };
+        println!(
+            "{}",
+            serde_json::to_string(&report).map_err(|e| Error::invalid("--json", e.to_string()))?
+        );
+    }
+    Ok(())
+}
+
+struct Shape {
+    seqlen: usize,
+    d: usize,
+    causal: bool,
+    batch: usize,
+    heads: usize,
+}
+
+/// Median of `reps` timed calls after `warmup` untimed ones, in seconds.
+fn time(warmup: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {
+    for _ in 0..warmup {
+        f()?;
+    }
+    let mut t = Vec::with_capacity(reps);
+    for _ in 0..reps {
+        let t0 = Instant::now();
+        f()?;
+        t.push(t0.elapsed().as_secs_f64());
+    }
+    t.sort_by(f64::total_cmp);
+    Ok(t[t.len() / 2])
+}
+
+impl Shape {
+    fn run<T: Element>(&self, args: &BenchArgs, peak: f64) -> Result<Row> {
+        let (b, s, h, d) = (self.batch, self.seqlen, self.heads, self.d);
+        let l = Layout::new("q", &[b, s, h, d], None)?;
+        let opts = if self.causal {
+            Options::new().causal()
+        } else {
+            Options::new()
+        };
+        let p = Problem::new(T::DTYPE, &l, &l, &l, &l, None, None, &opts)?;
+        let n = l.numel();
+        let mut rng = StdRng::seed_from_u64(0x5eed ^ (s * 131 + d) as u64);
+        let mut q = vec![T::from_f32(0.0); n];
+        let mut k = q.clone();
+        let mut v = q.clone();
+        random_fill(&mut rng, &mut q, d, 1.0);
+        random_fill(&mut rng, &mut k, d, 3.0);
+        random_fill(&mut rng, &mut v, d, 1.0);
+        let mut o = vec![T::NAN; n];
+        let mut lse = vec![f32::NAN; p.lse_len()];
+
+        let cpu = CpuBackend::default();
+        let fa4_s = time(args.warmup, args.reps, || {
+            cpu.forward(&p, &q, &k, &v, &mut o, Some(&mut lse))
+        })?;
+        let flops = p.flops();
+        let fa4_gflops = flops / fa4_s / 1e9;
+
+        // Two score-sized f32 buffers.
+        let mat_bytes = s.saturating_mul(s).saturating_mul(8);
+        let skip = args.no_materialized || mat_bytes > MATERIALIZED_LIMIT_BYTES;
+        let mut o_mat = vec![T::NAN; if skip { 0 } else { n }];
+        let mut lse_mat = vec![f32::NAN; if skip { 0 } else { p.lse_len() }];
+        let mut peer = |style: Style| -> Result<Option<f64>> {
+            if skip {
+                return Ok(None);
+            }
+            time(args.warmup, args.reps, || {
+                materialized::forward_with(style, &p, &q, &k, &v, &mut o_mat, Some(&mut lse_mat))
+            })
+            .map(Some)
+        };
+        let fused_s = if args.fused_peer {
+            peer(Style::Fused)?
+        } else {
+            None
+        };
+        let mat_s = peer(Style::Candle)?;
+        let diff = mat_s.map(|_| {
+            o.iter()
+                .zip(&o_mat)
+                .map(|(a, b)| f64::from((a.to_f32() - b.to_f32()).abs()))
+                .fold(0.0, f64::max)
+        });
+        let mat_gflops = mat_s.map(|t| flops / t / 1e9);
+        let fused_gflops = fused_s.map(|t| flops / t / 1e9);
+        Ok(Row {
+            seqlen: s,
+            head_dim: d,
+            causal: self.causal,
+            batch: b,
+            heads: h,
+            dtype: T::DTYPE.to_string(),
+            flops,
+            fa4_ms: fa4_s * 1e3,
+            fa4_gflops,
+            materialized_ms: mat_s.map(|t| t * 1e3),
+            materialized_gflops: mat_gflops,
+            ratio: mat_gflops.map(|m| fa4_gflops / m),
+            pct_of_peak: 100.0 * fa4_gflops / peak,
+            max_abs_diff: diff,
+            fused_ms: fused_s.map(|t| t * 1e3),
+            fused_gflops,
+            fused_ratio: fused_gflops.map(|m| fa4_gflops / m),
+        })
+    }
 }

@@ -1,12 +1,111 @@
-//! `fa4 check`.
+//! `fa4 check`: the correctness matrix ([`fa4::check::matrix`], the one `cargo test` runs on
+//! the CPU) against the float64 oracle, on a backend. One line per case, then the summary line
+//! `N passed, M failed`; exit code 1 if any case failed.
+
+use std::process::ExitCode;
+use std::time::Instant;
 
 use clap::Args;
 
-use fa4::{Error, Result};
+use fa4::check::{matrix, run_case};
+use fa4::problem::MAX_HEAD_DIM;
+use fa4::{DType, Error, Result};
+
+use super::BackendArg;
+
+/// The matrix's head dimensions when `--head-dim` is not given.
+const HEAD_DIMS: [usize; 7] = [32, 64, 80, 96, 128, 192, 256];
+/// The matrix's dtypes when `--dtype` is not given.
+const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::Bf16];
 
 #[derive(Args, Debug)]
-pub struct CheckArgs {}
+pub struct CheckArgs {
+    /// Where attention is computed.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
+    /// Only these storage dtypes (repeat or comma-separate: f32,fp16,bf16) [default: all three].
+    #[arg(long, value_delimiter = ',')]
+    dtype: Vec<DType>,
+    /// Only these head dimensions (repeat or comma-separate) [default: 32,64,80,96,128,192,256].
+    #[arg(long, value_delimiter = ',', allow_negative_numbers = true)]
+    head_dim: Vec<usize>,
+    /// Case i draws its inputs from seed + i (tests/cpu_matrix.rs uses 1000).
+    #[arg(long, default_value_t = 1000, allow_negative_numbers = true)]
+    seed: u64,
+}
 
-pub fn run(_args: CheckArgs) -> Result<()> {
-    Err(Error::invalid("command", "`check` is not implemented yet"))
+pub fn run(args: CheckArgs) -> Result<ExitCode> {
+    let backend = args.backend.resolve()?;
+    if let Some(t) = args.dtype.iter().find(|&&t| t == DType::Fp8E4M3) {
+        return Err(Error::invalid(
+            "--dtype",
+            format!("{t} is planned for but not computed yet; use f32, fp16 or bf16"),
+        ));
+    }
+    if let Some(d) = args
+        .head_dim
+        .iter()
+        .find(|&&d| !(1..=MAX_HEAD_DIM).contains(&d))
+    {
+        return Err(Error::invalid(
+            "--head-dim",
+            format!("{d} is outside 1..={MAX_HEAD_DIM}"),
+        ));
+    }
+    let dtypes = if args.dtype.is_empty() {
+        DTYPES.to_vec()
+    } else {
+        dedup(&args.dtype)
+    };
+    let head_dims = if args.head_dim.is_empty() {
+        HEAD_DIMS.to_vec()
+    } else {
+        dedup(&args.head_dim)
+    };
+    let cases = matrix(&dtypes, &head_dims);
+    let n = cases.len();
+    let width = n.to_string().len();
+    println!(
+        "checking {n} cases on {} against the float64 oracle (seed {})",
+        backend.name(),
+        args.seed
+    );
+    let t0 = Instant::now();
+    let (mut passed, mut failed) = (0usize, 0usize);
+    for (i, case) in cases.iter().enumerate() {
+        let seed = args.seed.wrapping_add(i as u64);
+        let verdict = match run_case(&backend, case, seed) {
+            Ok(report) => {
+                if report.passed() {
+                    passed += 1;
+                } else {
+                    failed += 1;
+                }
+                report.to_string()
+            }
+            Err(e) => {
+                failed += 1;
+                format!("FAIL: error: {e}")
+            }
+        };
+        println!("case {:>width$}/{n} {case}: {verdict}", i + 1);
+    }
+    println!("took {:.2} s", t0.elapsed().as_secs_f64());
+    println!("{passed} passed, {failed} failed");
+    Ok(if failed == 0 {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::from(1)
+    })
+}
+
+/// The values in their first order of appearance, each once.
+fn dedup<T: PartialEq + Copy>(xs: &[T]) -> Vec<T> {
+    let mut out: Vec<T> = Vec::new();
+    for &x in xs {
+        if !out.contains(&x) {
+            out.push(x);
+        }
+    }
+    out
 }

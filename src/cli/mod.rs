@@ -1,9 +1,12 @@
 //! Command-line parsing and dispatch. Every failure is one line on stderr and exit code 2;
-//! nothing here panics on user input.
+//! nothing here panics on user input. Exit codes: 0 success, 1 a correctness check failed
+//! (`fa4 run`, `fa4 check`; the verdict is on stdout), 2 an error.
 
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Parser, Subcommand, ValueEnum};
+
+use fa4::Backend;
 
 mod bench;
 mod check;
@@ -24,7 +27,7 @@ enum Command {
     Plan(plan::PlanArgs),
     /// Compute attention: on a random problem (checked against the float64 oracle), or on
     /// Q, K, V from .npy files.
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// Run the correctness matrix against the float64 oracle on a backend.
     Check(check::CheckArgs),
     /// Benchmark a backend against its peers, measured in the same run.
@@ -38,16 +41,42 @@ pub fn main() -> ExitCode {
         Err(e) => return clap_error(e),
     };
     let result = match cli.command {
-        Command::Plan(args) => plan::run(args),
-        Command::Run(args) => run::run(args),
+        Command::Plan(args) => plan::run(args).map(|()| ExitCode::SUCCESS),
+        Command::Run(args) => run::run(*args),
         Command::Check(args) => check::run(args),
-        Command::Bench(args) => bench::run(args),
+        Command::Bench(args) => bench::run(args).map(|()| ExitCode::SUCCESS),
     };
     match result {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(code) => code,
         Err(e) => {
             eprintln!("fa4: error: {e}");
             ExitCode::from(2)
+        }
+    }
+}
+
+/// `--backend`: where attention is computed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum BackendArg {
+    /// A working GPU if there is one, else the CPU.
+    #[default]
+    Auto,
+    /// The tiled, multi-threaded CPU backend.
+    Cpu,
+    /// The CUDA backend (not in this build yet).
+    Cuda,
+}
+
+impl BackendArg {
+    /// The backend this choice names, or an error naming `--backend` if it is unavailable.
+    pub fn resolve(self) -> fa4::Result<Backend> {
+        match self {
+            BackendArg::Auto => Ok(Backend::auto()),
+            BackendArg::Cpu => Ok(Backend::Cpu),
+            BackendArg::Cuda => Err(fa4::Error::invalid(
+                "--backend",
+                "cuda: the CUDA backend is not available in this build yet; use cpu or auto",
+            )),
         }
     }
 }

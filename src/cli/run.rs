@@ -1,12 +1,690 @@
-//! `fa4 run`.
+//! `fa4 run`: attention on a random problem, checked against the float64 oracle, or on Q, K and
+//! V read from `.npy` files, with O and LSE written to `.npy` files.
+//!
+//! Both forms print the problem, the backend, the time of one call and GFLOP/s (FLOPs from
+//! [`Problem::flops`]), then the check's verdict ([`fa4::check::Report`]) or why it was skipped.
+//! A failed check exits with code 1; any error is one line and code 2.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
 
 use clap::Args;
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
 
-use fa4::{Error, Result};
+use fa4::npy::{self, Array, Data, NpyDType};
+use fa4::tensor::Layout;
+use fa4::{check, Backend, DType, Element, Error, Mask, Options, Problem, Result};
+
+use super::BackendArg;
+
+/// The check runs unless told otherwise when the oracle costs at most this many multiply-adds
+/// (the float64 pass, plus the storage-precision pass for 16-bit dtypes). Measured on a 2-core
+/// machine: about 1e9 multiply-adds per second per core, so the limit is under 3 s there (the
+/// default bf16 problem, 4.3e9, checks in 2.2 s) and well under a second on a workstation.
+const CHECK_LIMIT_MACS: f64 = 5e9;
+
+/// Defaults of a random problem: one FlashAttention-sized head configuration (d = 128) at a
+/// sequence length the CPU finishes in well under a second and the oracle checks in seconds.
+const DEFAULT_SEQLEN: usize = 1024;
+const DEFAULT_HEADS: usize = 8;
+const DEFAULT_HEAD_DIM: usize = 128;
 
 #[derive(Args, Debug)]
-pub struct RunArgs {}
+pub struct RunArgs {
+    /// Batch size [default: 1].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Random problem")]
+    batch: Option<usize>,
+    /// Query rows per sequence [default: 1024].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Random problem")]
+    seqlen_q: Option<usize>,
+    /// Key rows per sequence [default: --seqlen-q].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Random problem")]
+    seqlen_k: Option<usize>,
+    /// Query heads [default: 8].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Random problem")]
+    heads_q: Option<usize>,
+    /// KV heads, dividing --heads-q (GQA/MQA) [default: --heads-q].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Random problem")]
+    heads_kv: Option<usize>,
+    /// Head dimension of Q and K [default: 128].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Random problem")]
+    head_dim: Option<usize>,
+    /// Head dimension of V and O [default: --head-dim].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Random problem")]
+    head_dim_v: Option<usize>,
+    /// Seed of the random inputs (standard normal, a few rows scaled up) [default: 0].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Random problem")]
+    seed: Option<u64>,
 
-pub fn run(_args: RunArgs) -> Result<()> {
-    Err(Error::invalid("command", "`run` is not implemented yet"))
+    /// Q, float32 or float16 .npy: [batch, seqlen_q, heads_q, head_dim], or
+    /// [total_q, heads_q, head_dim] with --cu-seqlens-q/k.
+    #[arg(long, value_name = "Q.npy", help_heading = "Inputs from files")]
+    q: Option<PathBuf>,
+    /// K: [batch, seqlen_k, heads_kv, head_dim] or [total_k, heads_kv, head_dim].
+    #[arg(long, value_name = "K.npy", help_heading = "Inputs from files")]
+    k: Option<PathBuf>,
+    /// V: [batch, seqlen_k, heads_kv, head_dim_v] or [total_k, heads_kv, head_dim_v].
+    #[arg(long, value_name = "V.npy", help_heading = "Inputs from files")]
+    v: Option<PathBuf>,
+    /// Varlen query offsets, int32 .npy [batch + 1]: 0, non-decreasing, ending at total_q.
+    #[arg(long, value_name = "CU.npy", help_heading = "Inputs from files")]
+    cu_seqlens_q: Option<PathBuf>,
+    /// Varlen key offsets, int32 .npy [batch + 1]: 0, non-decreasing, ending at total_k.
+    #[arg(long, value_name = "CU.npy", help_heading = "Inputs from files")]
+    cu_seqlens_k: Option<PathBuf>,
+    /// Where O is written (required with --q): float32 .npy, Q's shape with head_dim_v.
+    #[arg(long, value_name = "O.npy", help_heading = "Inputs from files")]
+    out: Option<PathBuf>,
+    /// Where LSE is written: float32 .npy, [batch, heads_q, seqlen_q] or [heads_q, total_q].
+    #[arg(long, value_name = "LSE.npy", help_heading = "Inputs from files")]
+    lse: Option<PathBuf>,
+
+    /// Storage dtype: f32, fp16 or bf16; file inputs are rounded to it [default: bf16 for a
+    /// random problem, the files' dtype otherwise].
+    #[arg(long)]
+    dtype: Option<DType>,
+    /// Causal mask, aligned to the bottom-right corner (the window -1,0).
+    #[arg(long)]
+    causal: bool,
+    /// Local window: LEFT keys before the diagonal and RIGHT after; -1 is unbounded.
+    #[arg(long, value_name = "LEFT,RIGHT", allow_hyphen_values = true, value_parser = parse_window)]
+    window: Option<Mask>,
+    /// Softcap: scores become X·tanh(s/X); X > 0.
+    #[arg(long, value_name = "X", allow_negative_numbers = true)]
+    softcap: Option<f32>,
+    /// Score scale [default: 1/sqrt(head_dim)].
+    #[arg(long, value_name = "X", allow_negative_numbers = true)]
+    scale: Option<f32>,
+    /// Where attention is computed.
+    #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
+    backend: BackendArg,
+    /// Check against the float64 oracle even when it is expensive.
+    #[arg(long, conflicts_with = "no_check")]
+    check: bool,
+    /// Skip the check against the float64 oracle.
+    #[arg(long)]
+    no_check: bool,
+}
+
+/// Parses `LEFT,RIGHT`, each ≥ 0 or -1 (unbounded).
+fn parse_window(s: &str) -> std::result::Result<Mask, String> {
+    let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+    let [l, r] = parts.as_slice() else {
+        return Err(format!(
+            "expected LEFT,RIGHT (two integers, -1 = unbounded), got `{s}`"
+        ));
+    };
+    let side = |x: &str| match x.parse::<i64>() {
+        Ok(-1) => Ok(None),
+        Ok(v) if v >= 0 => Ok(Some(v as usize)),
+        _ => Err(format!(
+            "window sides are integers ≥ 0 or -1 (unbounded), got `{x}`"
+        )),
+    };
+    Ok(Mask::Window {
+        left: side(l)?,
+        right: side(r)?,
+    })
+}
+
+/// Whether to compare with the oracle.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CheckPolicy {
+    /// When it costs at most [`CHECK_LIMIT_MACS`].
+    Affordable,
+    Always,
+    Never,
+}
+
+/// Multiply-adds the check costs: the float64 oracle, plus the storage-precision evaluation the
+/// 16-bit tolerance is measured against. Both visit each allowed (query, key) pair once per head
+/// with `head_dim + head_dim_v` multiply-adds, which is half of [`Problem::flops`].
+fn check_cost(p: &Problem) -> f64 {
+    let passes = if p.dtype() == DType::F32 { 1.0 } else { 2.0 };
+    passes * p.flops() / 2.0
+}
+
+/// `None` to run the check, or why it is skipped.
+fn skip_reason(policy: CheckPolicy, cost: f64) -> Option<String> {
+    match policy {
+        CheckPolicy::Always => None,
+        CheckPolicy::Never => Some("skipped (--no-check)".into()),
+        CheckPolicy::Affordable if cost <= CHECK_LIMIT_MACS => None,
+        CheckPolicy::Affordable => Some(format!(
+            "skipped: the float64 oracle would take {cost:.2e} multiply-adds (limit \
+             {CHECK_LIMIT_MACS:.0e}); --check runs it anyway"
+        )),
+    }
+}
+
+pub fn run(args: RunArgs) -> Result<ExitCode> {
+    let backend = args.backend.resolve()?;
+    if args.dtype == Some(DType::Fp8E4M3) {
+        return Err(fp8());
+    }
+    let mut opts = Options::new();
+    match (args.causal, args.window) {
+        (true, Some(_)) => {
+            return Err(Error::invalid(
+                "--window",
+                "given with --causal; causal is the window -1,0, so give one of them \
+                 (e.g. --window LEFT,0 for a causal local window)",
+            ))
+        }
+        (true, None) => opts = opts.causal(),
+        (false, Some(w)) => opts = opts.mask(w),
+        (false, None) => {}
+    }
+    if let Some(c) = args.softcap {
+        opts = opts.softcap(c);
+    }
+    if let Some(s) = args.scale {
+        opts = opts.scale(s);
+    }
+    let policy = match (args.check, args.no_check) {
+        (true, _) => CheckPolicy::Always,
+        (_, true) => CheckPolicy::Never,
+        _ => CheckPolicy::Affordable,
+    };
+    if args.q.is_some() || args.k.is_some() || args.v.is_some() {
+        from_files(&args, &backend, &opts, policy)
+    } else {
+        random(&args, &backend, &opts, policy)
+    }
+}
+
+// ---- random problems ------------------------------------------------------------------------
+
+fn random(
+    args: &RunArgs,
+    backend: &Backend,
+    opts: &Options,
+    policy: CheckPolicy,
+) -> Result<ExitCode> {
+    for (flag, given) in [
+        ("--cu-seqlens-q", args.cu_seqlens_q.is_some()),
+        ("--cu-seqlens-k", args.cu_seqlens_k.is_some()),
+        ("--out", args.out.is_some()),
+        ("--lse", args.lse.is_some()),
+    ] {
+        if given {
+            return Err(Error::invalid(
+                flag,
+                "belongs to a run on files; give --q, --k and --v too",
+            ));
+        }
+    }
+    let b = args.batch.unwrap_or(1);
+    let sq = args.seqlen_q.unwrap_or(DEFAULT_SEQLEN);
+    let sk = args.seqlen_k.unwrap_or(sq);
+    let hq = args.heads_q.unwrap_or(DEFAULT_HEADS);
+    let hkv = args.heads_kv.unwrap_or(hq);
+    let d = args.head_dim.unwrap_or(DEFAULT_HEAD_DIM);
+    let dv = args.head_dim_v.unwrap_or(d);
+    let seed = args.seed.unwrap_or(0);
+    let dtype = args.dtype.unwrap_or(DType::Bf16);
+    let shapes = Shapes {
+        q: vec![b, sq, hq, d],
+        k: vec![b, sk, hkv, d],
+        v: vec![b, sk, hkv, dv],
+    };
+    let p = shapes.problem(dtype, None, opts)?;
+    match dtype {
+        DType::F32 => random_typed::<f32>(p, seed, backend, policy),
+        DType::F16 => random_typed::<f16>(p, seed, backend, policy),
+        DType::Bf16 => random_typed::<bf16>(p, seed, backend, policy),
+        DType::Fp8E4M3 => Err(fp8()),
+    }
+}
+
+fn random_typed<T: Element>(
+    p: Problem,
+    seed: u64,
+    backend: &Backend,
+    policy: CheckPolicy,
+) -> Result<ExitCode> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut q = alloc("q", p.q_layout().numel(), T::NAN)?;
+    let mut k = alloc("k", p.k_layout().numel(), T::NAN)?;
+    let mut v = alloc("v", p.v_layout().numel(), T::NAN)?;
+    // The matrix's inputs: standard normal, a few K rows scaled by 3 so row maxima jump.
+    check::random_fill(&mut rng, &mut q, p.head_dim(), 1.0);
+    check::random_fill(&mut rng, &mut k, p.head_dim(), 3.0);
+    check::random_fill(&mut rng, &mut v, p.head_dim_v(), 1.0);
+    let job = Job { p, q, k, v };
+    let done = job.execute(backend)?;
+    job.print(backend, &done, &[]);
+    Ok(job.verify(&done, policy))
+}
+
+// ---- inputs from files ----------------------------------------------------------------------
+
+fn from_files(
+    args: &RunArgs,
+    backend: &Backend,
+    opts: &Options,
+    policy: CheckPolicy,
+) -> Result<ExitCode> {
+    for (flag, given) in [
+        ("--batch", args.batch.is_some()),
+        ("--seqlen-q", args.seqlen_q.is_some()),
+        ("--seqlen-k", args.seqlen_k.is_some()),
+        ("--heads-q", args.heads_q.is_some()),
+        ("--heads-kv", args.heads_kv.is_some()),
+        ("--head-dim", args.head_dim.is_some()),
+        ("--head-dim-v", args.head_dim_v.is_some()),
+        ("--seed", args.seed.is_some()),
+    ] {
+        if given {
+            return Err(Error::invalid(
+                flag,
+                "describes a random problem; with --q/--k/--v the shapes come from the files",
+            ));
+        }
+    }
+    let need = |flag: &str, path: &Option<PathBuf>, why: &str| {
+        path.clone()
+            .ok_or_else(|| Error::invalid(flag, why.to_string()))
+    };
+    let qp = need("--q", &args.q, "is required with --k and --v")?;
+    let kp = need(
+        "--k",
+        &args.k,
+        "is required with --q: Q, K and V come from files together",
+    )?;
+    let vp = need(
+        "--v",
+        &args.v,
+        "is required with --q: Q, K and V come from files together",
+    )?;
+    let out = need(
+        "--out",
+        &args.out,
+        "is required with --q: where O is written (float32 .npy)",
+    )?;
+    let cu_paths = match (&args.cu_seqlens_q, &args.cu_seqlens_k) {
+        (None, None) => None,
+        (Some(cq), Some(ck)) => Some((cq, ck)),
+        (Some(_), None) => {
+            return Err(Error::invalid(
+                "--cu-seqlens-k",
+                "is required with --cu-seqlens-q",
+            ))
+        }
+        (None, Some(_)) => {
+            return Err(Error::invalid(
+                "--cu-seqlens-q",
+                "is required with --cu-seqlens-k",
+            ))
+        }
+    };
+
+    const FLOATS: [NpyDType; 2] = [NpyDType::F32, NpyDType::F16];
+    let qa = npy::read_as(&qp, "--q", &FLOATS)?;
+    let ka = npy::read_as(&kp, "--k", &FLOATS)?;
+    let va = npy::read_as(&vp, "--v", &FLOATS)?;
+    let cu = match cu_paths {
+        None => None,
+        Some((cq, ck)) => Some((
+            cu_seqlens(cq, "--cu-seqlens-q")?,
+            cu_seqlens(ck, "--cu-seqlens-k")?,
+        )),
+    };
+    let rank = if cu.is_some() { 3 } else { 4 };
+    for (flag, path, a) in [("--q", &qp, &qa), ("--k", &kp, &ka), ("--v", &vp, &va)] {
+        if a.shape.len() != rank {
+            let why = if cu.is_some() {
+                "with --cu-seqlens-q/k tensors are packed [total, heads, dim] (rank 3)"
+            } else {
+                "expected [batch, seqlen, heads, dim] (rank 4), or [total, heads, dim] with \
+                 --cu-seqlens-q and --cu-seqlens-k"
+            };
+            return Err(Error::invalid(
+                flag,
+                format!("`{}` has shape {:?}; {why}", path.display(), a.shape),
+            ));
+        }
+    }
+    let dtype = match args.dtype {
+        Some(t) => t,
+        None => {
+            let of = |a: &Array| match a.dtype() {
+                NpyDType::F16 => DType::F16,
+                _ => DType::F32,
+            };
+            let t = of(&qa);
+            for (flag, a) in [("--k", &ka), ("--v", &va)] {
+                if of(a) != t {
+                    return Err(Error::invalid(
+                        flag,
+                        format!(
+                            "is {} but --q is {}; give --dtype to compute in one type",
+                            a.dtype(),
+                            qa.dtype()
+                        ),
+                    ));
+                }
+            }
+            t
+        }
+    };
+    let shapes = Shapes {
+        q: qa.shape.clone(),
+        k: ka.shape.clone(),
+        v: va.shape.clone(),
+    };
+    let cu_ref = cu.as_ref().map(|(a, b)| (a.as_slice(), b.as_slice()));
+    let p = shapes.problem(dtype, cu_ref, opts)?;
+    let outputs = Outputs {
+        out: &out,
+        lse: args.lse.as_deref(),
+        o_shape: shapes.o(),
+    };
+    match dtype {
+        DType::F32 => files_typed::<f32>(p, [qa, ka, va], backend, policy, outputs),
+        DType::F16 => files_typed::<f16>(p, [qa, ka, va], backend, policy, outputs),
+        DType::Bf16 => files_typed::<bf16>(p, [qa, ka, va], backend, policy, outputs),
+        DType::Fp8E4M3 => Err(fp8()),
+    }
+}
+
+/// Where a run on files writes, and O's shape.
+struct Outputs<'a> {
+    out: &'a Path,
+    lse: Option<&'a Path>,
+    o_shape: Vec<usize>,
+}
+
+fn cu_seqlens(path: &Path, flag: &str) -> Result<Vec<i32>> {
+    let a = npy::read_as(path, flag, &[NpyDType::I32])?;
+    if a.shape.len() != 1 {
+        return Err(Error::invalid(
+            flag,
+            format!(
+                "`{}` has shape {:?}; expected [batch + 1]",
+                path.display(),
+                a.shape
+            ),
+        ));
+    }
+    match a.data {
+        Data::I32(x) => Ok(x),
+        _ => unreachable!("read_as admits only int32"),
+    }
+}
+
+/// Rounds the elements of a float array to `T` (float16 → f32 is exact, so one rounding).
+fn convert<T: Element>(a: Array) -> Vec<T> {
+    match a.data {
+        Data::F32(x) => x.into_iter().map(T::from_f32).collect(),
+        Data::F16(x) => x.into_iter().map(|e| T::from_f32(e.to_f32())).collect(),
+        Data::I32(_) => unreachable!("read_as admits only float32 and float16"),
+    }
+}
+
+fn files_typed<T: Element>(
+    p: Problem,
+    [qa, ka, va]: [Array; 3],
+    backend: &Backend,
+    policy: CheckPolicy,
+    outputs: Outputs<'_>,
+) -> Result<ExitCode> {
+    let job: Job<T> = Job {
+        p,
+        q: convert(qa),
+        k: convert(ka),
+        v: convert(va),
+    };
+    let done = job.execute(backend)?;
+    // O is written as float32: exact for every storage dtype.
+    let o: Vec<f32> = done.o.iter().map(|x| x.to_f32()).collect();
+    npy::write(outputs.out, "--out", &outputs.o_shape, &o)?;
+    let mut wrote = vec![format!(
+        "O {:?} float32 to `{}`",
+        outputs.o_shape,
+        outputs.out.display()
+    )];
+    if let Some(path) = outputs.lse {
+        let shape = job.p.lse_shape();
+        npy::write(path, "--lse", &shape, &done.lse)?;
+        wrote.push(format!("LSE {shape:?} float32 to `{}`", path.display()));
+    }
+    job.print(backend, &done, &wrote);
+    Ok(job.verify(&done, policy))
+}
+
+// ---- shared -----------------------------------------------------------------------------------
+
+/// Shapes of Q, K and V as given (rank 4, or rank 3 packed).
+struct Shapes {
+    q: Vec<usize>,
+    k: Vec<usize>,
+    v: Vec<usize>,
+}
+
+impl Shapes {
+    /// O: Q's shape with V's last dimension.
+    fn o(&self) -> Vec<usize> {
+        let mut o = self.q.clone();
+        if let (Some(last), Some(&dv)) = (o.last_mut(), self.v.last()) {
+            *last = dv;
+        }
+        o
+    }
+
+    fn problem(
+        &self,
+        dtype: DType,
+        cu: Option<(&[i32], &[i32])>,
+        opts: &Options,
+    ) -> Result<Problem> {
+        let q = Layout::new("q", &self.q, None)?;
+        let k = Layout::new("k", &self.k, None)?;
+        let v = Layout::new("v", &self.v, None)?;
+        let o = Layout::new("out", &self.o(), None)?;
+        Problem::new(
+            dtype,
+            &q,
+            &k,
+            &v,
+            &o,
+            cu.map(|c| c.0),
+            cu.map(|c| c.1),
+            opts,
+        )
+    }
+}
+
+fn fp8() -> Error {
+    Error::invalid(
+        "--dtype",
+        "fp8 is planned for but not computed yet; use f32, fp16 or bf16",
+    )
+}
+
+/// A buffer of `n` copies of `fill`, or an error naming `name` if it cannot be allocated.
+fn alloc<T: Clone>(name: &str, n: usize, fill: T) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        Error::invalid(
+            name,
+            format!(
+                "cannot allocate {n} elements ({:.3} GB)",
+                n as f64 * std::mem::size_of::<T>() as f64 / 1e9
+            ),
+        )
+    })?;
+    v.resize(n, fill);
+    Ok(v)
+}
+
+/// A validated problem and its inputs, contiguous.
+struct Job<T> {
+    p: Problem,
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+}
+
+/// Outputs of one call and its time.
+struct Done<T> {
+    o: Vec<T>,
+    lse: Vec<f32>,
+    elapsed: Duration,
+}
+
+impl<T: Element> Job<T> {
+    /// Runs the backend once on NaN-poisoned outputs (an unwritten element fails the check).
+    fn execute(&self, backend: &Backend) -> Result<Done<T>> {
+        let mut o = alloc("out", self.p.o_layout().numel(), T::NAN)?;
+        let mut lse = alloc("lse", self.p.lse_len(), f32::NAN)?;
+        // Start the CPU thread pool outside the timed call.
+        rayon::current_num_threads();
+        let t0 = Instant::now();
+        backend.run(&self.p, &self.q, &self.k, &self.v, &mut o, Some(&mut lse))?;
+        Ok(Done {
+            o,
+            lse,
+            elapsed: t0.elapsed(),
+        })
+    }
+
+    fn print(&self, backend: &Backend, done: &Done<T>, wrote: &[String]) {
+        let p = &self.p;
+        let gflop = p.flops() / 1e9;
+        let work = if gflop >= 1.0 {
+            format!("{gflop:.3} GFLOP")
+        } else {
+            format!("{:.3} MFLOP", gflop * 1e3)
+        };
+        println!("problem  {} ({work})", describe(p));
+        println!("backend  {}", backend_name(backend));
+        let secs = done.elapsed.as_secs_f64();
+        let rate = if secs > 0.0 && gflop > 0.0 {
+            format!("{:.1} GFLOP/s", gflop / secs)
+        } else {
+            "n/a GFLOP/s".into()
+        };
+        println!("time     {:.3} ms, {rate} (one call)", secs * 1e3);
+        for w in wrote {
+            println!("wrote    {w}");
+        }
+    }
+
+    /// Prints the check's verdict (or why it was skipped); exit code 1 if it failed.
+    fn verify(&self, done: &Done<T>, policy: CheckPolicy) -> ExitCode {
+        let cost = check_cost(&self.p);
+        if let Some(why) = skip_reason(policy, cost) {
+            println!("check    {why}");
+            return ExitCode::SUCCESS;
+        }
+        let t0 = Instant::now();
+        let report = check::check(&self.p, &self.q, &self.k, &self.v, &done.o, Some(&done.lse));
+        println!(
+            "check    {report} (float64 oracle, {:.2} s)",
+            t0.elapsed().as_secs_f64()
+        );
+        if report.passed() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn backend_name(b: &Backend) -> String {
+    match b {
+        Backend::Cpu => format!("cpu ({} threads)", rayon::current_num_threads()),
+        other => other.name(),
+    }
+}
+
+/// `bf16 b=1 sq=1024 sk=1024 h=8/8 d=128 causal scale=0.0884`.
+fn describe(p: &Problem) -> String {
+    let mut s = format!("{} ", p.dtype());
+    if p.is_varlen() {
+        let seqs = p.sequences();
+        let tq: usize = seqs.iter().map(|x| x.q_len).sum();
+        let tk: usize = seqs.iter().map(|x| x.k_len).sum();
+        let mq = seqs.iter().map(|x| x.q_len).max().unwrap_or(0);
+        let mk = seqs.iter().map(|x| x.k_len).max().unwrap_or(0);
+        s += &format!(
+            "varlen b={} total_q={tq} total_k={tk} (longest sq={mq} sk={mk})",
+            seqs.len()
+        );
+    } else {
+        s += &format!(
+            "b={} sq={} sk={}",
+            p.q_layout().dims[0],
+            p.q_layout().dims[1],
+            p.k_layout().dims[1]
+        );
+    }
+    s += &format!(" h={}/{} d={}", p.heads_q(), p.heads_kv(), p.head_dim());
+    if p.head_dim_v() != p.head_dim() {
+        s += &format!("/{}", p.head_dim_v());
+    }
+    let side = |x: Option<usize>| x.map_or(-1, |x| x as i64);
+    match p.mask() {
+        Mask::None => {}
+        Mask::Causal => s += " causal",
+        Mask::Window { left, right } => s += &format!(" window({},{})", side(left), side(right)),
+    }
+    if let Some(c) = p.softcap() {
+        s += &format!(" softcap={c}");
+    }
+    s += &format!(" scale={:.4}", p.scale());
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn window_parsing() {
+        assert_eq!(
+            parse_window("-1,0"),
+            Ok(Mask::Window {
+                left: None,
+                right: Some(0)
+            })
+        );
+        assert_eq!(
+            parse_window(" 8, -1"),
+            Ok(Mask::Window {
+                left: Some(8),
+                right: None
+            })
+        );
+        for bad in ["3", "1,2,3", "-2,0", "a,1", "", "1,"] {
+            assert!(parse_window(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_check_runs_when_affordable_or_asked() {
+        assert_eq!(skip_reason(CheckPolicy::Affordable, CHECK_LIMIT_MACS), None);
+        let why = skip_reason(CheckPolicy::Affordable, 2.0 * CHECK_LIMIT_MACS).unwrap();
+        assert!(why.contains("1.00e10") && why.contains("--check"), "{why}");
+        assert_eq!(skip_reason(CheckPolicy::Always, 1e15), None);
+        assert!(skip_reason(CheckPolicy::Never, 1.0).is_some());
+    }
+
+    #[test]
+    fn the_default_problem_is_checked() {
+        let s = Shapes {
+            q: vec![1, DEFAULT_SEQLEN, DEFAULT_HEADS, DEFAULT_HEAD_DIM],
+            k: vec![1, DEFAULT_SEQLEN, DEFAULT_HEADS, DEFAULT_HEAD_DIM],
+            v: vec![1, DEFAULT_SEQLEN, DEFAULT_HEADS, DEFAULT_HEAD_DIM],
+        };
+        let p = s.problem(DType::Bf16, None, &Options::new()).unwrap();
+        assert!(check_cost(&p) <= CHECK_LIMIT_MACS, "{}", check_cost(&p));
+        // f32 needs one pass, 16-bit two.
+        let p32 = s.problem(DType::F32, None, &Options::new()).unwrap();
+        assert_eq!(2.0 * check_cost(&p32), check_cost(&p));
+    }
 }

@@ -3,16 +3,28 @@
 //! - [`reference`]: the float64 evaluation every backend is tested against, and the naive
 //!   low-precision evaluation the tolerance rule measures against.
 //! - [`CpuBackend`]: tiled online softmax, multi-threaded with rayon over
-//!   batch × heads × query blocks, f32 accumulation, fully masked tiles skipped.
+//!   batch × heads × query blocks, f32 accumulation, fully masked tiles skipped, register-blocked
+//!   GEMM microkernels and a polynomial `exp2`, compiled for AVX-512, AVX2 + FMA or the baseline
+//!   and chosen at run time ([`Isa`]); tiles from [`plan::plan`].
+//! - [`materialized`]: the materialised evaluation (whole score matrix), `fa4 bench`'s peer.
+//! - [`peak`]: this machine's measured f32 FMA peak, the bench's ceiling.
+//!
+//! `FA4_CPU_ISA=avx2` (or `avx512`, `baseline`) in the environment selects an instruction set
+//! below the best one, for comparisons and tests.
 //!
 //! Precision: the CPU backend keeps P in f32 for the P·V product (GPU kernels round P to the
 //! input dtype, as FlashAttention does); O is rounded to the storage dtype once, at the end.
 
+pub mod materialized;
+mod micro;
+pub mod peak;
 pub mod plan;
 pub mod reference;
+mod simd;
 mod tiled;
 
 pub use plan::CpuTiles;
+pub use simd::Isa;
 
 use crate::error::{Error, Result};
 use crate::problem::Problem;
@@ -22,7 +34,8 @@ use crate::tensor::Element;
 /// thread pool.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct CpuBackend {
-    /// Worker threads; `None` uses rayon's global pool (all cores).
+    /// Worker threads; `None` uses the current rayon pool (the global one, all cores, unless
+    /// called inside `ThreadPool::install`).
     pub threads: Option<usize>,
     /// Tile sizes; `None` asks [`plan::plan`].
     pub tiles: Option<CpuTiles>,

@@ -1,0 +1,752 @@
+//! NumPy `.npy` files: the arrays `fa4 run` reads (Q, K, V, `cu_seqlens`) and writes (O, LSE).
+//!
+//! The format (`numpy.lib.format`, versions 1.0, 2.0 and 3.0):
+//!
+//! ```text
+//! \x93NUMPY  major minor  header_len (u16 LE for 1.0, u32 LE for 2.0 and 3.0)
+//! {'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }   padded with spaces and '\n'
+//! raw elements, C (row-major) order
+//! ```
+//!
+//! Supported element types are the ones attention needs: little-endian float32 (`'<f4'`),
+//! float16 (`'<f2'`) and int32 (`'<i4'`). Big-endian data, other dtypes, structured dtypes and
+//! Fortran-ordered arrays of rank ≥ 2 are rejected with an error naming the argument the file
+//! came from (`--q`, say) and the file. So is every malformation: a bad magic, a truncated
+//! header, a shape whose size overflows, data shorter or longer than the shape says.
+//!
+//! ```
+//! use fa4::npy::{self, Data};
+//!
+//! let bytes = npy::encode(&[2, 3], &[1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0])?;
+//! let a = npy::decode(&bytes, "--q")?;
+//! assert_eq!(a.shape, vec![2, 3]);
+//! assert_eq!(a.data, Data::F32(vec![1.0, 2.0, 3.0, 4.0, 5.0, 6.0]));
+//! # Ok::<(), fa4::Error>(())
+//! ```
+
+use std::fmt;
+use std::path::Path;
+
+use half::f16;
+
+use crate::error::{Error, Result};
+
+const MAGIC: &[u8; 6] = b"\x93NUMPY";
+/// Header plus preamble is padded to this many bytes, as NumPy writes it, so the data is aligned.
+const ALIGN: usize = 64;
+
+/// The element type of an array in a `.npy` file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NpyDType {
+    /// float32, `'<f4'`.
+    F32,
+    /// float16, `'<f2'`.
+    F16,
+    /// int32, `'<i4'`.
+    I32,
+}
+
+impl NpyDType {
+    /// The `descr` string NumPy writes for this type.
+    pub const fn descr(self) -> &'static str {
+        match self {
+            NpyDType::F32 => "<f4",
+            NpyDType::F16 => "<f2",
+            NpyDType::I32 => "<i4",
+        }
+    }
+
+    /// Bytes per element.
+    pub const fn size_bytes(self) -> usize {
+        match self {
+            NpyDType::F32 | NpyDType::I32 => 4,
+            NpyDType::F16 => 2,
+        }
+    }
+
+    /// NumPy's name for the type.
+    pub const fn name(self) -> &'static str {
+        match self {
+            NpyDType::F32 => "float32",
+            NpyDType::F16 => "float16",
+            NpyDType::I32 => "int32",
+        }
+    }
+
+    /// Every supported type.
+    pub const ALL: [NpyDType; 3] = [NpyDType::F32, NpyDType::F16, NpyDType::I32];
+
+    /// The type of `descr` if it is one of `allowed`; else why not, naming what is allowed.
+    fn from_descr(descr: &str, allowed: &[NpyDType]) -> std::result::Result<Self, String> {
+        if let Some(&t) = allowed.iter().find(|t| t.descr() == descr) {
+            return Ok(t);
+        }
+        let expected = allowed
+            .iter()
+            .map(|t| format!("{} ('{}')", t.name(), t.descr()))
+            .collect::<Vec<_>>()
+            .join(" or ");
+        if descr.starts_with('>') {
+            return Err(format!(
+                "holds big-endian data ('{descr}'); expected little-endian {expected} \
+                 (convert with arr.astype(arr.dtype.newbyteorder('<')))"
+            ));
+        }
+        let known = match descr.trim_start_matches(['<', '|', '=']) {
+            "f8" => " (float64)",
+            "f4" => " (float32)",
+            "f2" => " (float16)",
+            "i8" => " (int64)",
+            "i4" => " (int32)",
+            "i2" => " (int16)",
+            "i1" => " (int8)",
+            "u8" => " (uint64)",
+            "u4" => " (uint32)",
+            "u2" => " (uint16)",
+            "u1" => " (uint8)",
+            "b1" => " (bool)",
+            _ => "",
+        };
+        Err(format!("has dtype '{descr}'{known}; expected {expected}"))
+    }
+}
+
+impl fmt::Display for NpyDType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The elements of an array, in C order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Data {
+    /// float32 elements.
+    F32(Vec<f32>),
+    /// float16 elements.
+    F16(Vec<f16>),
+    /// int32 elements.
+    I32(Vec<i32>),
+}
+
+/// An array read from a `.npy` file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Array {
+    /// The shape (empty for a 0-d array, which holds one element).
+    pub shape: Vec<usize>,
+    /// The elements, C order; their count is the product of `shape`.
+    pub data: Data,
+}
+
+impl Array {
+    /// The element type.
+    pub fn dtype(&self) -> NpyDType {
+        match self.data {
+            Data::F32(_) => NpyDType::F32,
+            Data::F16(_) => NpyDType::F16,
+            Data::I32(_) => NpyDType::I32,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match &self.data {
+            Data::F32(x) => x.len(),
+            Data::F16(x) => x.len(),
+            Data::I32(x) => x.len(),
+        }
+    }
+
+    /// Whether the array holds no element.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for f32 {}
+    impl Sealed for half::f16 {}
+    impl Sealed for i32 {}
+}
+
+/// An element type that can be written to a `.npy` file: `f32`, [`half::f16`], `i32`.
+pub trait NpyElement: Copy + sealed::Sealed {
+    /// The type tag.
+    const DTYPE: NpyDType;
+    /// Appends the little-endian bytes of `self`.
+    fn put(self, out: &mut Vec<u8>);
+}
+
+impl NpyElement for f32 {
+    const DTYPE: NpyDType = NpyDType::F32;
+    fn put(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes());
+    }
+}
+
+impl NpyElement for f16 {
+    const DTYPE: NpyDType = NpyDType::F16;
+    fn put(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_bits().to_le_bytes());
+    }
+}
+
+impl NpyElement for i32 {
+    const DTYPE: NpyDType = NpyDType::I32;
+    fn put(self, out: &mut Vec<u8>) {
+        out.extend_from_slice(&self.to_le_bytes());
+    }
+}
+
+/// Reads a `.npy` file of any supported type. `name` is the argument the path came from
+/// (`--q`); every error names it and the file.
+pub fn read(path: &Path, name: &str) -> Result<Array> {
+    read_as(path, name, &NpyDType::ALL)
+}
+
+/// Reads a `.npy` file whose element type must be one of `allowed` (an error says which were
+/// expected and what the file holds).
+pub fn read_as(path: &Path, name: &str, allowed: &[NpyDType]) -> Result<Array> {
+    let bytes = std::fs::read(path)
+        .map_err(|e| Error::invalid(name, format!("cannot read `{}`: {e}", path.display())))?;
+    parse(&bytes, allowed)
+        .map_err(|why| Error::invalid(name, format!("`{}` {why}", path.display())))
+}
+
+/// Parses the bytes of a `.npy` file of any supported type; errors name the argument `name`.
+pub fn decode(bytes: &[u8], name: &str) -> Result<Array> {
+    parse(bytes, &NpyDType::ALL).map_err(|why| Error::invalid(name, format!("the .npy data {why}")))
+}
+
+/// Writes `data` of `shape` (C order) as a version 1.0 `.npy` file (2.0 if the header needs it).
+/// `name` is the argument the path came from; errors name it and the file.
+pub fn write<T: NpyElement>(path: &Path, name: &str, shape: &[usize], data: &[T]) -> Result<()> {
+    let bytes = encode(shape, data).map_err(|e| rename(e, name))?;
+    std::fs::write(path, bytes)
+        .map_err(|e| Error::invalid(name, format!("cannot write `{}`: {e}", path.display())))
+}
+
+/// The bytes of a `.npy` file holding `data` of `shape` in C order. Errors (naming `shape`) if
+/// the element count is not the product of `shape`.
+pub fn encode<T: NpyElement>(shape: &[usize], data: &[T]) -> Result<Vec<u8>> {
+    let numel = shape.iter().try_fold(1usize, |acc, &n| acc.checked_mul(n));
+    if numel != Some(data.len()) {
+        return Err(Error::invalid(
+            "shape",
+            format!(
+                "{shape:?} does not describe the {} elements given",
+                data.len()
+            ),
+        ));
+    }
+    let dims = match shape {
+        [n] => format!("({n},)"),
+        _ => format!(
+            "({})",
+            shape
+                .iter()
+                .map(usize::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    let mut header = format!(
+        "{{'descr': '{}', 'fortran_order': False, 'shape': {dims}, }}",
+        T::DTYPE.descr()
+    );
+    // Version 1.0 holds the header length in a u16; 2.0 in a u32 (preamble 12 bytes, not 10).
+    let v1_total = (MAGIC.len() + 4 + header.len() + 1).next_multiple_of(ALIGN);
+    let (major, preamble) = if v1_total - MAGIC.len() - 4 <= usize::from(u16::MAX) {
+        (1u8, MAGIC.len() + 4)
+    } else {
+        (2u8, MAGIC.len() + 6)
+    };
+    let total = (preamble + header.len() + 1).next_multiple_of(ALIGN);
+    header.extend(std::iter::repeat_n(
+        ' ',
+        total - preamble - header.len() - 1,
+    ));
+    header.push('\n');
+    let mut out = Vec::with_capacity(total + data.len() * T::DTYPE.size_bytes());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&[major, 0]);
+    if major == 1 {
+        let len = u16::try_from(header.len()).expect("checked above to fit a u16");
+        out.extend_from_slice(&len.to_le_bytes());
+    } else {
+        let len = u32::try_from(header.len()).map_err(|_| {
+            Error::invalid("shape", format!("{shape:?}: the .npy header is too long"))
+        })?;
+        out.extend_from_slice(&len.to_le_bytes());
+    }
+    out.extend_from_slice(header.as_bytes());
+    for &x in data {
+        x.put(&mut out);
+    }
+    Ok(out)
+}
+
+fn rename(e: Error, name: &str) -> Error {
+    match e {
+        Error::InvalidArgument { reason, .. } => Error::invalid(name, reason),
+    }
+}
+
+/// Parses a whole file; the error is a phrase that follows the file's name ("is truncated …").
+fn parse(bytes: &[u8], allowed: &[NpyDType]) -> std::result::Result<Array, String> {
+    if bytes.len() < MAGIC.len() + 2 || &bytes[..MAGIC.len()] != MAGIC {
+        return Err("is not a .npy file (it does not start with \\x93NUMPY)".into());
+    }
+    let (major, minor) = (bytes[6], bytes[7]);
+    let (len_bytes, utf8) = match major {
+        1 => (2, false),
+        2 => (4, false),
+        3 => (4, true),
+        _ => {
+            return Err(format!(
+                "has .npy format version {major}.{minor}; supported are 1.0, 2.0 and 3.0"
+            ))
+        }
+    };
+    let start = 8 + len_bytes;
+    if bytes.len() < start {
+        return Err("is truncated inside its header length".into());
+    }
+    let header_len = if len_bytes == 2 {
+        usize::from(u16::from_le_bytes([bytes[8], bytes[9]]))
+    } else {
+        u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]) as usize
+    };
+    let data_start = start
+        .checked_add(header_len)
+        .filter(|&e| e <= bytes.len())
+        .ok_or_else(|| {
+            format!(
+                "is truncated: its header claims {header_len} bytes, the file holds {}",
+                bytes.len() - start
+            )
+        })?;
+    let raw = &bytes[start..data_start];
+    let text = match std::str::from_utf8(raw) {
+        Ok(t) if utf8 || t.is_ascii() => t,
+        _ => return Err("has a header that is not ASCII text".into()),
+    };
+    let header = Header::parse(text, allowed)?;
+    let numel = header
+        .shape
+        .iter()
+        .try_fold(1usize, |acc, &n| acc.checked_mul(n));
+    let nbytes = numel.and_then(|n| n.checked_mul(header.dtype.size_bytes()));
+    let (Some(numel), Some(nbytes)) = (numel, nbytes) else {
+        return Err(format!(
+            "has shape {:?}, whose size overflows",
+            header.shape
+        ));
+    };
+    if header.fortran_order && header.shape.len() > 1 {
+        return Err(format!(
+            "is in Fortran order (shape {:?}); save a C-ordered array (np.ascontiguousarray)",
+            header.shape
+        ));
+    }
+    let body = &bytes[data_start..];
+    if body.len() != nbytes {
+        return Err(format!(
+            "holds {} bytes of data, but shape {:?} of {} needs {nbytes}",
+            body.len(),
+            header.shape,
+            header.dtype
+        ));
+    }
+    let data = match header.dtype {
+        NpyDType::F32 => Data::F32(
+            body.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ),
+        NpyDType::F16 => Data::F16(
+            body.chunks_exact(2)
+                .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+        ),
+        NpyDType::I32 => Data::I32(
+            body.chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ),
+    };
+    debug_assert_eq!(
+        match &data {
+            Data::F32(x) => x.len(),
+            Data::F16(x) => x.len(),
+            Data::I32(x) => x.len(),
+        },
+        numel
+    );
+    Ok(Array {
+        shape: header.shape,
+        data,
+    })
+}
+
+/// The header dictionary.
+struct Header {
+    dtype: NpyDType,
+    fortran_order: bool,
+    shape: Vec<usize>,
+}
+
+/// A value of the header's Python literal.
+enum Value {
+    Str(String),
+    Bool(bool),
+    Tuple(Vec<usize>),
+}
+
+/// A cursor over the header's Python dict literal, e.g.
+/// `{'descr': '<f4', 'fortran_order': False, 'shape': (2, 3), }`.
+struct Lexer<'a> {
+    s: &'a str,
+}
+
+impl<'a> Lexer<'a> {
+    fn skip_ws(&mut self) {
+        self.s = self.s.trim_start();
+    }
+
+    fn peek(&mut self) -> Option<char> {
+        self.skip_ws();
+        self.s.chars().next()
+    }
+
+    fn eat(&mut self, c: char) -> bool {
+        if self.peek() == Some(c) {
+            self.s = &self.s[c.len_utf8()..];
+            true
+        } else {
+            false
+        }
+    }
+
+    fn expect(&mut self, c: char) -> std::result::Result<(), String> {
+        if self.eat(c) {
+            Ok(())
+        } else {
+            Err(format!("expected '{c}' at `{}`", self.context()))
+        }
+    }
+
+    fn context(&self) -> String {
+        let s: String = self.s.chars().take(20).collect();
+        if s.is_empty() {
+            "end of header".into()
+        } else {
+            s
+        }
+    }
+
+    fn string(&mut self) -> std::result::Result<String, String> {
+        let q = match self.peek() {
+            Some(q @ ('\'' | '"')) => q,
+            _ => return Err(format!("expected a quoted string at `{}`", self.context())),
+        };
+        let rest = &self.s[1..];
+        let end = rest
+            .find(q)
+            .ok_or_else(|| "has an unterminated string".to_string())?;
+        let out = rest[..end].to_string();
+        self.s = &rest[end + 1..];
+        Ok(out)
+    }
+
+    fn value(&mut self) -> std::result::Result<Value, String> {
+        match self.peek() {
+            Some('\'' | '"') => Ok(Value::Str(self.string()?)),
+            Some('(') => {
+                self.s = &self.s[1..];
+                let mut dims = Vec::new();
+                loop {
+                    if self.eat(')') {
+                        break;
+                    }
+                    self.skip_ws();
+                    let end = self
+                        .s
+                        .find(|c: char| !c.is_ascii_digit())
+                        .unwrap_or(self.s.len());
+                    if end == 0 {
+                        return Err(format!(
+                            "expected a non-negative integer in the shape at `{}`",
+                            self.context()
+                        ));
+                    }
+                    let n = self.s[..end].parse::<usize>().map_err(|_| {
+                        format!("has a shape entry {} that overflows", &self.s[..end])
+                    })?;
+                    self.s = &self.s[end..];
+                    dims.push(n);
+                    if !self.eat(',') {
+                        self.expect(')')?;
+                        break;
+                    }
+                }
+                Ok(Value::Tuple(dims))
+            }
+            Some('[' | '{') => Err("has a structured dtype, which is not supported".into()),
+            _ => {
+                for (word, b) in [("True", true), ("False", false)] {
+                    if let Some(rest) = self.s.strip_prefix(word) {
+                        self.s = rest;
+                        return Ok(Value::Bool(b));
+                    }
+                }
+                Err(format!("has an unexpected value at `{}`", self.context()))
+            }
+        }
+    }
+}
+
+impl Header {
+    fn parse(text: &str, allowed: &[NpyDType]) -> std::result::Result<Header, String> {
+        let mut lx = Lexer { s: text };
+        let bad = |why: String| format!("has a malformed header ({why}): {}", text.trim_end());
+        let (mut descr, mut fortran, mut shape) = (None, None, None);
+        lx.expect('{').map_err(bad)?;
+        loop {
+            if lx.eat('}') {
+                break;
+            }
+            let key = lx.string().map_err(bad)?;
+            lx.expect(':').map_err(bad)?;
+            let value = lx.value().map_err(bad)?;
+            match (key.as_str(), value) {
+                ("descr", Value::Str(s)) => descr = Some(s),
+                ("fortran_order", Value::Bool(b)) => fortran = Some(b),
+                ("shape", Value::Tuple(t)) => shape = Some(t),
+                ("descr" | "fortran_order" | "shape", _) => {
+                    return Err(bad(format!("'{key}' has the wrong kind of value")))
+                }
+                _ => return Err(bad(format!("unexpected key '{key}'"))),
+            }
+            if !lx.eat(',') {
+                lx.expect('}').map_err(bad)?;
+                break;
+            }
+        }
+        if !lx.s.trim().is_empty() {
+            return Err(bad(format!(
+                "text after the dictionary: `{}`",
+                lx.context()
+            )));
+        }
+        let (Some(descr), Some(fortran_order), Some(shape)) = (descr, fortran, shape) else {
+            return Err(bad(
+                "it must hold 'descr', 'fortran_order' and 'shape'".into()
+            ));
+        };
+        Ok(Header {
+            dtype: NpyDType::from_descr(&descr, allowed)?,
+            fortran_order,
+            shape,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn reason(e: Error) -> String {
+        match e {
+            Error::InvalidArgument { name, reason } => {
+                assert_eq!(name, "--x");
+                reason
+            }
+        }
+    }
+
+    /// A file with a hand-written header and `data` bytes, version 1.0.
+    fn raw(header: &str, data: &[u8]) -> Vec<u8> {
+        let mut out = MAGIC.to_vec();
+        out.extend_from_slice(&[1, 0]);
+        out.extend_from_slice(&(header.len() as u16).to_le_bytes());
+        out.extend_from_slice(header.as_bytes());
+        out.extend_from_slice(data);
+        out
+    }
+
+    #[test]
+    fn round_trips_every_type_and_rank() {
+        let f: Vec<f32> = (0..24).map(|i| i as f32 * 0.5 - 3.0).collect();
+        for shape in [vec![2, 3, 4], vec![24], vec![1, 2, 3, 4], vec![4, 6]] {
+            let bytes = encode(&shape, &f).unwrap();
+            assert_eq!(
+                (MAGIC.len() + 4 + u16::from_le_bytes([bytes[8], bytes[9]]) as usize) % ALIGN,
+                0
+            );
+            let a = decode(&bytes, "--x").unwrap();
+            assert_eq!(a.shape, shape);
+            assert_eq!(a.data, Data::F32(f.clone()));
+        }
+        let h: Vec<f16> = f.iter().map(|&x| f16::from_f32(x)).collect();
+        let a = decode(&encode(&[3, 8], &h).unwrap(), "--x").unwrap();
+        assert_eq!((a.shape, a.data), (vec![3, 8], Data::F16(h)));
+        let i = vec![0i32, 5, -7, i32::MAX];
+        let a = decode(&encode(&[4], &i).unwrap(), "--x").unwrap();
+        assert_eq!((a.shape.clone(), a.dtype()), (vec![4], NpyDType::I32));
+        assert_eq!(a.data, Data::I32(i));
+        // Empty and 0-d arrays.
+        let a = decode(&encode::<f32>(&[0, 5], &[]).unwrap(), "--x").unwrap();
+        assert_eq!((a.shape.clone(), a.len()), (vec![0, 5], 0));
+        let a = decode(&encode(&[], &[7.0f32]).unwrap(), "--x").unwrap();
+        assert_eq!((a.shape, a.data), (vec![], Data::F32(vec![7.0])));
+    }
+
+    #[test]
+    fn writes_the_header_numpy_writes() {
+        let bytes = encode(&[3], &[1i32, 2, 3]).unwrap();
+        let hl = u16::from_le_bytes([bytes[8], bytes[9]]) as usize;
+        let header = std::str::from_utf8(&bytes[10..10 + hl]).unwrap();
+        assert_eq!(
+            header.trim_end(),
+            "{'descr': '<i4', 'fortran_order': False, 'shape': (3,), }"
+        );
+        assert!(header.ends_with('\n'));
+        assert_eq!(&bytes[..8], b"\x93NUMPY\x01\x00");
+        assert!(encode(&[2, 2], &[1.0f32; 3]).is_err());
+    }
+
+    #[test]
+    fn reads_versions_2_and_3_and_numpy_spellings() {
+        let header = "{\"descr\":\"<f4\",\"fortran_order\":False,\"shape\":(2,)}\n";
+        for major in [2u8, 3] {
+            let mut b = MAGIC.to_vec();
+            b.extend_from_slice(&[major, 0]);
+            b.extend_from_slice(&(header.len() as u32).to_le_bytes());
+            b.extend_from_slice(header.as_bytes());
+            b.extend_from_slice(&1.5f32.to_le_bytes());
+            b.extend_from_slice(&(-2f32).to_le_bytes());
+            let a = decode(&b, "--x").unwrap();
+            assert_eq!(a.data, Data::F32(vec![1.5, -2.0]));
+        }
+        // Fortran order is the same layout for rank 1.
+        let b = raw(
+            "{'descr': '<i4', 'fortran_order': True, 'shape': (1,), }\n",
+            &9i32.to_le_bytes(),
+        );
+        assert_eq!(decode(&b, "--x").unwrap().data, Data::I32(vec![9]));
+    }
+
+    #[test]
+    fn rejects_malformed_files_with_a_reason() {
+        let good = encode(&[2, 3], &[0.5f32; 6]).unwrap();
+        let cases: Vec<(Vec<u8>, &str)> = vec![
+            (Vec::new(), "not a .npy file"),
+            (b"PK\x03\x04 zip archive".to_vec(), "not a .npy file"),
+            (good[..9].to_vec(), "truncated"),
+            (good[..40].to_vec(), "truncated"),
+            (good[..good.len() - 1].to_vec(), "holds 23 bytes of data"),
+            ([good.as_slice(), &[0u8; 4]].concat(), "holds 28 bytes"),
+            (
+                {
+                    let mut b = good.clone();
+                    b[6] = 4;
+                    b
+                },
+                "version 4.0",
+            ),
+            (
+                raw(
+                    "{'descr': '<f4', 'fortran_order': False, 'shape': (4294967296, 4294967296, 16), }",
+                    &[],
+                ),
+                "overflows",
+            ),
+            (
+                raw(
+                    "{'descr': '<f4', 'fortran_order': False, 'shape': (99999999999999999999999,), }",
+                    &[],
+                ),
+                "overflows",
+            ),
+            (
+                raw("{'descr': '>f4', 'fortran_order': False, 'shape': (1,), }", &[0; 4]),
+                "big-endian",
+            ),
+            (
+                raw("{'descr': '<f8', 'fortran_order': False, 'shape': (1,), }", &[0; 8]),
+                "'<f8' (float64); expected float32",
+            ),
+            (
+                raw("{'descr': '<i8', 'fortran_order': False, 'shape': (1,), }", &[0; 8]),
+                "'<i8' (int64)",
+            ),
+            (
+                raw("{'descr': '<f4', 'fortran_order': True, 'shape': (2, 2), }", &[0; 16]),
+                "Fortran order",
+            ),
+            (
+                raw("{'descr': [('a', '<f4')], 'fortran_order': False, 'shape': (1,), }", &[0; 4]),
+                "structured",
+            ),
+            (raw("{'descr': '<f4', 'shape': (1,), }", &[0; 4]), "must hold"),
+            (
+                raw("{'descr': '<f4', 'fortran_order': False, 'shape': (1,), 'x': 1}", &[0; 4]),
+                "malformed",
+            ),
+            (
+                raw("{'descr': '<f4', 'fortran_order': False, 'shape': (-1,), }", &[0; 4]),
+                "non-negative integer",
+            ),
+            (
+                raw("{'descr': '<f4', 'fortran_order': False, 'shape': (1,)", &[0; 4]),
+                "malformed",
+            ),
+            (
+                raw("{'descr': '<f4, 'fortran_order': False, 'shape': (1,)}", &[0; 4]),
+                "malformed",
+            ),
+            (
+                raw("{'descr': '<f4', 'fortran_order': 'no', 'shape': (1,)}", &[0; 4]),
+                "wrong kind",
+            ),
+            (
+                raw("{'descr': '<f4', 'fortran_order': False, 'shape': (1,)} junk", &[0; 4]),
+                "text after",
+            ),
+        ];
+        for (bytes, want) in cases {
+            let why = reason(decode(&bytes, "--x").expect_err(want));
+            assert!(why.contains(want), "expected {want:?} in: {why}");
+        }
+    }
+
+    #[test]
+    fn file_errors_name_the_argument_and_the_path() {
+        let dir = std::env::temp_dir().join(format!("fa4-npy-unit-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("a.npy");
+        write(&p, "--x", &[2], &[1.0f32, 2.0]).unwrap();
+        assert_eq!(read(&p, "--x").unwrap().data, Data::F32(vec![1.0, 2.0]));
+        let missing = dir.join("missing.npy");
+        let why = reason(read(&missing, "--x").unwrap_err());
+        assert!(
+            why.contains("cannot read") && why.contains("missing.npy"),
+            "{why}"
+        );
+        let why = reason(read_as(&p, "--x", &[NpyDType::I32]).unwrap_err());
+        assert!(
+            why.contains("'<f4' (float32); expected int32 ('<i4')"),
+            "{why}"
+        );
+        std::fs::write(&p, b"garbage").unwrap();
+        let why = reason(read(&p, "--x").unwrap_err());
+        assert!(
+            why.contains("a.npy") && why.contains("not a .npy file"),
+            "{why}"
+        );
+        let why = reason(write(&dir.join("no/such/dir.npy"), "--x", &[1], &[1.0f32]).unwrap_err());
+        assert!(why.contains("cannot write"), "{why}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

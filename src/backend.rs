@@ -5,6 +5,7 @@
 //! [`Backend::run`] runs an already validated problem on raw slices.
 
 use crate::cpu::CpuBackend;
+use crate::cuda::CudaBackend;
 use crate::error::{Error, Result};
 use crate::problem::{Options, Problem};
 use crate::tensor::{Element, Layout, Tensor, TensorMut};
@@ -18,18 +19,34 @@ pub enum Backend {
     Cpu,
     /// The CPU backend with explicit settings (threads, tiles).
     CpuWith(CpuBackend),
+    /// A CUDA GPU.
+    Cuda(CudaBackend),
 }
 
 impl Backend {
-    /// The best backend this machine has: a working GPU, else the CPU.
+    /// The best backend this machine has: a working GPU (device 0), else the CPU.
     pub fn auto() -> Backend {
-        Backend::Cpu
+        match CudaBackend::new(0) {
+            Ok(cuda) => Backend::Cuda(cuda),
+            Err(_) => Backend::Cpu,
+        }
+    }
+
+    /// The CUDA backend on device `ordinal`, or why there is none.
+    pub fn cuda(ordinal: usize) -> Result<Backend> {
+        CudaBackend::new(ordinal).map(Backend::Cuda)
     }
 
     /// A short name for reports.
     pub fn name(&self) -> String {
         match self {
             Backend::Cpu | Backend::CpuWith(_) => "cpu".to_string(),
+            Backend::Cuda(c) => format!(
+                "cuda:{} ({}, {})",
+                c.info().ordinal,
+                c.info().name,
+                c.info().target
+            ),
         }
     }
 
@@ -130,6 +147,7 @@ impl Backend {
         match self {
             Backend::Cpu => CpuBackend::default().forward(p, q, k, v, out, lse),
             Backend::CpuWith(cpu) => cpu.forward(p, q, k, v, out, lse),
+            Backend::Cuda(cuda) => cuda.forward_host(p, q, k, v, out, lse),
         }
     }
 }

@@ -15,6 +15,34 @@ pub enum Error {
         /// What was expected and what came.
         reason: String,
     },
+    /// A CUDA library could not be loaded: which one, and every name and place tried.
+    #[error("CUDA is unavailable: {library} not found (tried {tried}); {hint}")]
+    CudaUnavailable {
+        /// `libcuda` (the driver) or `libnvrtc` (the run-time compiler).
+        library: String,
+        /// The file names and paths tried, joined.
+        tried: String,
+        /// What to do about it.
+        hint: String,
+    },
+    /// A CUDA driver call failed.
+    #[error("CUDA error in {op}: {message}")]
+    Cuda {
+        /// The operation (`cuModuleLoadData`, `launch fa4_fwd_sm80`, …).
+        op: String,
+        /// The driver's message.
+        message: String,
+    },
+    /// NVRTC rejected a kernel: the spec, the options and the compiler's log.
+    #[error("NVRTC failed to compile {spec} with options {options:?}:\n{log}")]
+    Compile {
+        /// The kernel spec.
+        spec: String,
+        /// The compiler options.
+        options: Vec<String>,
+        /// NVRTC's log.
+        log: String,
+    },
 }
 
 impl Error {
@@ -23,6 +51,16 @@ impl Error {
         Error::InvalidArgument {
             name: name.into(),
             reason: reason.into(),
+        }
+    }
+}
+
+impl Error {
+    /// A driver error from `op`.
+    pub(crate) fn cuda(op: impl Into<String>, e: impl std::fmt::Display) -> Self {
+        Error::Cuda {
+            op: op.into(),
+            message: e.to_string(),
         }
     }
 }

@@ -6,20 +6,20 @@
 //! | layer | module | what it does |
 //! |---|---|---|
 //! | hardware | [`arch`] | limits of the GPUs fa4 plans for (SMs, shared memory, TMEM) |
-//! | planners | [`config`], [`cpu::plan`] | pure functions from a problem's shape to a kernel plan: [`config::sm100::FA4Config`] (Blackwell, the seed), the CPU tiles |
+//! | planners | [`config`] | pure functions from a problem's shape to a kernel plan: [`config::sm100::FA4Config`] (Blackwell, the seed), [`config::sm80`] (the Ampere-class kernel), [`cpu::plan`] |
 //! | problem | [`problem`], [`mask`], [`tensor`] | shapes, strides, dtypes, mask, scale, softcap, varlen: validated once, trusted after |
-//! | backends | [`Backend`], [`cpu`] | one API for every backend (the CPU today, CUDA next) |
+//! | backends | [`Backend`], [`cpu`], [`cuda`] | one API for the CPU and the GPU; CUDA kernels compiled at run time by NVRTC and cached on disk |
 //! | oracle | [`cpu::reference`], [`check`] | the float64 evaluation, the tolerance rule, the correctness matrix |
 //! | errors | [`error`] | one error enum; bad input is an error naming the argument, never a panic |
 //!
 //! ## Features
 //!
-//! | feature | CPU |
-//! |---|---|
-//! | f32 / f16 / bf16 storage | all |
-//! | head dims | 1–1024, `head_dim_v` free |
-//! | fixed and varlen batches, zero-length sequences, strided views | yes |
-//! | GQA/MQA, causal (bottom-right), local window, softcap, custom scale, LSE | yes |
+//! | feature | CPU | CUDA (sm_80+) |
+//! |---|---|---|
+//! | f32 / f16 / bf16 storage | all | f16, bf16 |
+//! | head dims | 1–1024, `head_dim_v` free | multiples of 8 up to 256, `head_dim_v == head_dim` |
+//! | fixed and varlen batches, zero-length sequences, strided views | yes | yes (strides in multiples of 8 elements) |
+//! | GQA/MQA, causal (bottom-right), local window, softcap, custom scale, LSE | yes | yes |
 //!
 //! ## Example
 //!
@@ -68,6 +68,7 @@ pub mod backend;
 pub mod check;
 pub mod config;
 pub mod cpu;
+pub mod cuda;
 pub mod dtype;
 pub mod error;
 pub mod mask;

@@ -289,6 +289,7 @@ pub fn encode<T: NpyElement>(shape: &[usize], data: &[T]) -> Result<Vec<u8>> {
 fn rename(e: Error, name: &str) -> Error {
     match e {
         Error::InvalidArgument { reason, .. } => Error::invalid(name, reason),
+        other => other,
     }
 }
 
@@ -562,6 +563,7 @@ mod tests {
                 assert_eq!(name, "--x");
                 reason
             }
+            other => panic!("expected InvalidArgument, got {other:?}"),
         }
     }
 

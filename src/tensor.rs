@@ -19,7 +19,15 @@ mod sealed {
 
 /// A storage element type fa4 computes with: `f32`, [`half::f16`], [`half::bf16`].
 pub trait Element:
-    Copy + Send + Sync + PartialEq + std::fmt::Debug + 'static + sealed::Sealed
+    Copy
+    + Send
+    + Sync
+    + PartialEq
+    + std::fmt::Debug
+    + 'static
+    + sealed::Sealed
+    + cudarc::driver::DeviceRepr
+    + cudarc::driver::ValidAsZeroBits
 {
     /// The runtime tag of this type.
     const DTYPE: DType;

@@ -252,7 +252,7 @@ fn setup<T: Element>(case: &Case, seed: u64) -> Result<(Problem, Data<T>)> {
     };
     let packed = cu.is_some();
     let layout = |name: &str, s: usize, h: usize, d: usize| -> Result<(Layout, usize)> {
-        let pad = if case.strided { d + 3 } else { 0 };
+        let pad = if case.strided { d + 8 } else { 0 };
         let (row, head) = (h * d + pad, d);
         let strides = [s * row, row, head, 1];
         let shape = [b, s, h, d];

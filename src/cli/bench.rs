@@ -90,6 +90,9 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    /// CUDA-only flags (`--backend cuda`).
+    #[command(flatten)]
+    cuda: super::bench_cuda::CudaBenchArgs,
 }
 
 /// One shape's measurements.
@@ -141,10 +144,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
     match args.backend {
         BackendArg::Cpu | BackendArg::Auto => {}
         BackendArg::Cuda => {
-            return Err(Error::invalid(
-                "--backend",
-                "cuda: the CUDA backend is not available in this build yet; use cpu",
-            ))
+            return super::bench_cuda::run(
+                &args.cuda,
+                args.dtype,
+                args.warmup,
+                args.reps,
+                args.json,
+            )
         }
     }
     if args.dtype == DType::Fp8E4M3 {

@@ -9,6 +9,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use fa4::Backend;
 
 mod bench;
+mod bench_cuda;
 mod check;
 mod plan;
 mod run;
@@ -63,7 +64,7 @@ pub enum BackendArg {
     Auto,
     /// The tiled, multi-threaded CPU backend.
     Cpu,
-    /// The CUDA backend (not in this build yet).
+    /// The CUDA backend on device 0 (an error naming what is missing if there is none).
     Cuda,
 }
 
@@ -73,10 +74,9 @@ impl BackendArg {
         match self {
             BackendArg::Auto => Ok(Backend::auto()),
             BackendArg::Cpu => Ok(Backend::Cpu),
-            BackendArg::Cuda => Err(fa4::Error::invalid(
-                "--backend",
-                "cuda: the CUDA backend is not available in this build yet; use cpu or auto",
-            )),
+            BackendArg::Cuda => {
+                Backend::cuda(0).map_err(|e| fa4::Error::invalid("--backend", format!("cuda: {e}")))
+            }
         }
     }
 }

@@ -1,0 +1,457 @@
+//! The planner of the Ampere-class kernel (`kernels/sm80/fwd.cu`): `mma.sync` m16n8k16,
+//! `cp.async` K/V ring, `ldmatrix` fragments. It runs on every GPU from sm_80 on.
+//!
+//! A plan is a [`KernelSpec`] (everything the kernel is specialised on: the compile-cache key)
+//! plus the launch geometry. Every number the kernel uses comes from here through the generated
+//! prelude; the kernel `static_assert`s what it relies on.
+//!
+//! One warp owns 16 query rows (the M of one m16n8k16 MMA), so BLOCK_M = 16 · warps; the tile
+//! candidates per head dim, and the measurements behind their order, are in [`tiles`].
+
+use std::fmt;
+
+use crate::arch::GpuArch;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::problem::Problem;
+
+/// Head dimensions the kernel is compiled for; a problem's head dim is padded up to the next.
+pub const HEAD_DIMS: [usize; 4] = [64, 128, 192, 256];
+/// Query rows per warp (the M of one m16n8k16 MMA).
+pub const ROWS_PER_WARP: usize = 16;
+/// Elements of one 16-byte copy: the alignment every row stride and head dim must keep.
+pub const VECTOR_ELEMS: usize = 8;
+
+/// The tile shape of one launch: what the planner chooses per head dim and GPU, and what a
+/// benchmark may override (validated by [`Tiles::check`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Tiles {
+    /// Query rows per CTA: `16 · num_warps`.
+    pub block_m: usize,
+    /// Keys per inner step (a multiple of 16).
+    pub block_n: usize,
+    /// Warps per CTA.
+    pub num_warps: usize,
+    /// K/V ring stages (≥ 2).
+    pub stages: usize,
+    /// CTAs per SM the register allocation is made for (`__launch_bounds__`).
+    pub min_blocks_per_sm: usize,
+    /// Keep the warp's Q fragments in registers (else reload them from shared memory).
+    pub q_in_regs: bool,
+}
+
+impl Tiles {
+    /// Dynamic shared memory: Q tile (reused for O) and `stages` K and V tiles, 16-bit.
+    pub fn smem_bytes(&self, head_dim: usize) -> usize {
+        2 * (self.block_m * head_dim + 2 * self.stages * self.block_n * head_dim)
+    }
+
+    /// Checks the tiles against the kernel's rules and the GPU's limits.
+    pub fn check(&self, head_dim: usize, arch: &GpuArch) -> Result<()> {
+        let bad = |why: String| {
+            Err(Error::invalid(
+                "tiles",
+                format!("{self:?} for head_dim {head_dim}: {why}"),
+            ))
+        };
+        let threads = self.num_warps * 32;
+        if self.num_warps == 0 || self.block_m != self.num_warps * ROWS_PER_WARP {
+            return bad(format!("block_m must be {ROWS_PER_WARP} · num_warps"));
+        }
+        if self.block_n == 0 || !self.block_n.is_multiple_of(16) {
+            return bad("block_n must be a positive multiple of 16".into());
+        }
+        if !(2..=4).contains(&self.stages) {
+            return bad("stages must be 2 to 4".into());
+        }
+        let chunks = head_dim / VECTOR_ELEMS;
+        if !(self.block_n * chunks).is_multiple_of(threads)
+            || !(self.block_m * chunks).is_multiple_of(threads)
+        {
+            return bad("tiles must split evenly over the threads' 16-byte copies".into());
+        }
+        if self.min_blocks_per_sm == 0
+            || self.min_blocks_per_sm * threads > arch.max_threads_per_sm as usize
+        {
+            return bad(format!(
+                "{} CTAs of {threads} threads do not fit an SM",
+                self.min_blocks_per_sm
+            ));
+        }
+        let smem = self.smem_bytes(head_dim);
+        let budget = arch.max_smem_per_block() as usize;
+        let per_sm = arch.smem_per_sm as usize;
+        if smem > budget
+            || self.min_blocks_per_sm * (smem + arch.smem_reserved_per_block as usize) > per_sm
+        {
+            return bad(format!(
+                "{smem} bytes of shared memory × {} CTAs do not fit {} ({budget} per block, {per_sm} per SM)",
+                self.min_blocks_per_sm, arch.name
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// What the kernel is specialised on. Hash/Eq make it the compile-cache key (with the source
+/// hash and NVRTC version); the prelude is a pure function of it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KernelSpec {
+    /// NVRTC target, e.g. `sm_90` (an exact architecture: a cubin is produced).
+    pub target: &'static str,
+    /// bf16 (true) or fp16 (false) storage.
+    pub bf16: bool,
+    /// Padded head dim (one of [`HEAD_DIMS`]).
+    pub head_dim: usize,
+    /// Causal or local window: row key bounds apply.
+    pub window: bool,
+    /// Softcap applied to the scores.
+    pub softcap: bool,
+    /// The tile shape.
+    pub tiles: Tiles,
+}
+
+impl KernelSpec {
+    /// Threads per CTA.
+    pub fn threads(&self) -> usize {
+        self.tiles.num_warps * 32
+    }
+
+    /// Dynamic shared memory of a launch.
+    pub fn smem_bytes(&self) -> usize {
+        self.tiles.smem_bytes(self.head_dim)
+    }
+
+    /// The kernel's entry point.
+    pub fn entry(&self) -> &'static str {
+        "fa4_fwd_sm80"
+    }
+
+    /// The constants the kernel source is compiled with.
+    pub fn prelude(&self) -> String {
+        let t = &self.tiles;
+        format!(
+            "// generated by config::sm80 for {self}\n\
+             constexpr int HEAD_DIM = {};\n\
+             constexpr int BLOCK_M = {};\n\
+             constexpr int BLOCK_N = {};\n\
+             constexpr int NUM_WARPS = {};\n\
+             constexpr int STAGES = {};\n\
+             constexpr int MIN_BLOCKS_PER_SM = {};\n\
+             constexpr bool Q_IN_REGS = {};\n\
+             constexpr bool IS_BF16 = {};\n\
+             constexpr bool HAS_WINDOW = {};\n\
+             constexpr bool HAS_SOFTCAP = {};\n\
+             #define FA4_SMEM_BYTES {}\n",
+            self.head_dim,
+            t.block_m,
+            t.block_n,
+            t.num_warps,
+            t.stages,
+            t.min_blocks_per_sm,
+            t.q_in_regs,
+            self.bf16,
+            self.window,
+            self.softcap,
+            self.smem_bytes()
+        )
+    }
+}
+
+impl fmt::Display for KernelSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let t = &self.tiles;
+        write!(
+            f,
+            "sm80-fwd {} {} d{} {}x{} w{} s{} b{}{}{}{}",
+            self.target,
+            if self.bf16 { "bf16" } else { "fp16" },
+            self.head_dim,
+            t.block_m,
+            t.block_n,
+            t.num_warps,
+            t.stages,
+            t.min_blocks_per_sm,
+            if t.q_in_regs { " qreg" } else { "" },
+            if self.window { " window" } else { "" },
+            if self.softcap { " softcap" } else { "" }
+        )
+    }
+}
+
+const fn t(
+    block_m: usize,
+    block_n: usize,
+    num_warps: usize,
+    stages: usize,
+    min_blocks_per_sm: usize,
+    q_in_regs: bool,
+) -> Tiles {
+    Tiles {
+        block_m,
+        block_n,
+        num_warps,
+        stages,
+        min_blocks_per_sm,
+        q_in_regs,
+    }
+}
+
+/// Tile candidates per padded head dim, fastest first, as measured on an H200 (bf16, 16k tokens,
+/// seqlen 4096, non-causal; `docs/perf.md`); later entries are for parts with less shared
+/// memory or fewer threads per SM. d64: two 4-warp CTAs per SM with 128-key blocks (288 TFLOP/s,
+/// against 274 for one 8-warp CTA with 128-key blocks and 251 with 64). d128: one 8-warp CTA,
+/// 3 stages, Q in registers (317, against 283 for two 4-warp CTAs and 259 with 128-key blocks).
+/// d192 and d256 keep Q in shared memory (the O accumulator alone is 96–128 registers): 64-key
+/// blocks suit d192 (297 against 253), 32-key blocks d256 (276 against 258, no spills).
+const CANDIDATES: [(usize, [Tiles; 3]); 4] = [
+    (
+        64,
+        [
+            t(64, 128, 4, 2, 2, true),
+            t(128, 64, 8, 3, 1, true),
+            t(64, 64, 4, 2, 1, true),
+        ],
+    ),
+    (
+        128,
+        [
+            t(128, 64, 8, 3, 1, true),
+            t(128, 64, 8, 2, 1, true),
+            t(64, 64, 4, 2, 1, true),
+        ],
+    ),
+    (
+        192,
+        [
+            t(128, 64, 8, 2, 1, false),
+            t(128, 32, 8, 2, 1, false),
+            t(64, 32, 4, 2, 1, false),
+        ],
+    ),
+    (
+        256,
+        [
+            t(128, 32, 8, 3, 1, false),
+            t(128, 32, 8, 2, 1, false),
+            t(64, 32, 4, 2, 1, false),
+        ],
+    ),
+];
+
+/// Tiles for one padded head dim on one GPU (a pure function of the two): the first candidate
+/// that fits, or `None` when none does.
+pub fn tiles(arch: &GpuArch, head_dim: usize) -> Option<Tiles> {
+    CANDIDATES
+        .iter()
+        .find(|(d, _)| *d == head_dim)?
+        .1
+        .iter()
+        .copied()
+        .find(|t| t.check(head_dim, arch).is_ok())
+}
+
+/// A planned launch of the Ampere-class kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// The kernel to compile.
+    pub spec: KernelSpec,
+    /// Grid: (query blocks, heads_q, batch).
+    pub grid: (u32, u32, u32),
+}
+
+/// Every spec the planner can emit for `arch` (for compile tests and warm-up).
+pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
+    let mut out = Vec::new();
+    for head_dim in HEAD_DIMS {
+        let Some(tiles) = tiles(arch, head_dim) else {
+            continue;
+        };
+        for bf16 in [false, true] {
+            for window in [false, true] {
+                for softcap in [false, true] {
+                    out.push(KernelSpec {
+                        target,
+                        bf16,
+                        head_dim,
+                        window,
+                        softcap,
+                        tiles,
+                    });
+                }
+            }
+        }
+    }
+    out
+}
+
+fn aligned(name: &str, what: &str, v: usize) -> Result<()> {
+    if !v.is_multiple_of(VECTOR_ELEMS) {
+        return Err(Error::invalid(
+            name,
+            format!("{what} {v} must be a multiple of {VECTOR_ELEMS} elements (16-byte copies) for the CUDA backend"),
+        ));
+    }
+    Ok(())
+}
+
+/// Plans a problem for a GPU, or says why this kernel cannot run it. `tiles` overrides the
+/// planner's tile choice (benchmarks); it is checked like everything else.
+pub fn plan(
+    p: &Problem,
+    arch: &GpuArch,
+    target: &'static str,
+    tiles: Option<Tiles>,
+) -> Result<Plan> {
+    let bf16 = match p.dtype() {
+        DType::Bf16 => true,
+        DType::F16 => false,
+        other => {
+            return Err(Error::invalid(
+                "dtype",
+                format!(
+                    "the CUDA backend computes fp16 and bf16, not {other}; use the CPU backend"
+                ),
+            ))
+        }
+    };
+    let d = p.head_dim();
+    if p.head_dim_v() != d {
+        return Err(Error::invalid(
+            "v",
+            format!(
+                "head_dim_v {} must equal head_dim {d} on the CUDA backend",
+                p.head_dim_v()
+            ),
+        ));
+    }
+    let Some(&head_dim) = HEAD_DIMS.iter().find(|&&h| h >= d) else {
+        return Err(Error::invalid(
+            "q",
+            format!(
+                "head_dim {d} exceeds the CUDA kernel's maximum {}",
+                HEAD_DIMS[HEAD_DIMS.len() - 1]
+            ),
+        ));
+    };
+    aligned("q", "head_dim", d)?;
+    for (name, l) in [
+        ("q", p.q_layout()),
+        ("k", p.k_layout()),
+        ("v", p.v_layout()),
+        ("out", p.o_layout()),
+    ] {
+        for (axis, &st) in ["batch stride", "row stride", "head stride"]
+            .iter()
+            .zip(&l.strides)
+        {
+            aligned(name, axis, st)?;
+        }
+    }
+    if p.scale() == 0.0 {
+        return Err(Error::invalid(
+            "scale",
+            "a zero scale is not supported by the CUDA backend",
+        ));
+    }
+    let tiles = match tiles {
+        Some(t) => {
+            t.check(head_dim, arch)?;
+            t
+        }
+        None => self::tiles(arch, head_dim).ok_or_else(|| {
+            Error::invalid(
+                "q",
+                format!(
+                    "head_dim {d} needs more shared memory than {} has per block ({} bytes)",
+                    arch.name,
+                    arch.max_smem_per_block()
+                ),
+            )
+        })?,
+    };
+    let block_m = tiles.block_m;
+    let max_q = p.sequences().iter().map(|s| s.q_len).max().unwrap_or(0);
+    let batch = p.sequences().len();
+    let too_big = |what: &str, v: usize| {
+        Error::invalid("q", format!("{what} {v} exceeds the CUDA grid limit"))
+    };
+    let grid_x = u32::try_from(max_q.div_ceil(block_m)).map_err(|_| too_big("seqlen_q", max_q))?;
+    let grid_y = u32::try_from(p.heads_q())
+        .ok()
+        .filter(|&y| y <= 65_535)
+        .ok_or_else(|| too_big("heads_q", p.heads_q()))?;
+    let grid_z = u32::try_from(batch)
+        .ok()
+        .filter(|&z| z <= 65_535)
+        .ok_or_else(|| too_big("batch", batch))?;
+    Ok(Plan {
+        spec: KernelSpec {
+            target,
+            bf16,
+            head_dim,
+            window: p.mask().is_restrictive(),
+            softcap: p.softcap().is_some(),
+            tiles,
+        },
+        grid: (grid_x, grid_y, grid_z),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::{A100, H200, RTX_5090};
+
+    #[test]
+    fn tiles_fit_every_part() {
+        for arch in [A100, H200, RTX_5090] {
+            for d in HEAD_DIMS {
+                let t = tiles(&arch, d).unwrap_or_else(|| panic!("{} d{d}", arch.name));
+                assert_eq!(t.block_m, t.num_warps * ROWS_PER_WARP);
+                assert!(
+                    t.smem_bytes(d) <= arch.max_smem_per_block() as usize,
+                    "{} d{d}",
+                    arch.name
+                );
+            }
+        }
+        let h = tiles(&H200, 128).unwrap();
+        assert_eq!(
+            (h.block_m, h.block_n, h.num_warps, h.stages),
+            (128, 64, 8, 3)
+        );
+        let r = tiles(&RTX_5090, 256).unwrap();
+        assert_eq!(
+            (r.block_m, r.block_n, r.num_warps, r.stages),
+            (64, 32, 4, 2)
+        );
+    }
+
+    #[test]
+    fn bad_tiles_are_rejected() {
+        let good = tiles(&H200, 128).unwrap();
+        for bad in [
+            Tiles {
+                block_m: 100,
+                ..good
+            },
+            Tiles {
+                block_n: 24,
+                ..good
+            },
+            Tiles { stages: 1, ..good },
+            Tiles {
+                stages: 4,
+                block_n: 256,
+                ..good
+            },
+            Tiles {
+                min_blocks_per_sm: 2,
+                ..good
+            },
+        ] {
+            assert!(bad.check(128, &H200).is_err(), "{bad:?}");
+        }
+    }
+}

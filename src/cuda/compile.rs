@@ -1,0 +1,192 @@
+//! Kernel compilation with NVRTC at run time, and the on-disk cache of the results.
+//!
+//! A kernel's source is the planner's prelude (a pure function of the [`KernelSpec`]), the
+//! params header and the kernel file, all embedded in the binary. NVRTC compiles it for the
+//! device's exact architecture into a cubin. Cubins are cached under
+//! `$FA4_CACHE_DIR` (default `$XDG_CACHE_HOME/fa4` or `~/.cache/fa4`), keyed by a hash of the
+//! spec, the full source, the options and the NVRTC version; a cache file is written to a
+//! temporary name and renamed into place, so two processes compiling at once both end with a
+//! whole file.
+
+use std::ffi::{c_char, c_int, CString};
+use std::path::PathBuf;
+use std::time::Instant;
+
+use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
+
+use super::libs;
+use crate::config::sm80::KernelSpec;
+use crate::error::{Error, Result};
+
+/// The params header, shared by every kernel family.
+pub const PARAMS_SRC: &str = include_str!("../kernels/sm80/params.cuh");
+/// The Ampere-class forward kernel.
+pub const SM80_FWD_SRC: &str = include_str!("../kernels/sm80/fwd.cu");
+/// Environment variable naming the cache folder.
+pub const CACHE_DIR_ENV: &str = "FA4_CACHE_DIR";
+
+/// The full source of a kernel.
+pub fn source(spec: &KernelSpec) -> String {
+    format!("{}\n{}\n{}", spec.prelude(), PARAMS_SRC, SM80_FWD_SRC)
+}
+
+/// NVRTC options: a pure function of the spec.
+pub fn options(spec: &KernelSpec) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={}", spec.target),
+        "--std=c++17".into(),
+        "--device-as-default-execution-space".into(),
+        "--fmad=true".into(),
+    ]
+}
+
+/// NVRTC's version, `(major, minor)`.
+pub fn nvrtc_version() -> Result<(i32, i32)> {
+    libs::nvrtc()?;
+    let (mut major, mut minor): (c_int, c_int) = (0, 0);
+    // SAFETY: NVRTC is loaded (checked above); both pointers are to live locals.
+    unsafe { nvrtc_sys::nvrtcVersion(&mut major, &mut minor) }
+        .result()
+        .map_err(|e| Error::cuda("nvrtcVersion", format!("{e:?}")))?;
+    Ok((major, minor))
+}
+
+/// A compiled kernel and where it came from.
+#[derive(Debug, Clone)]
+pub struct Compiled {
+    /// The cubin.
+    pub cubin: Vec<u8>,
+    /// Whether it came from the disk cache.
+    pub cached: bool,
+    /// Seconds spent (compiling, or reading the cache).
+    pub seconds: f64,
+}
+
+/// Compiles with NVRTC, returning the cubin or the compiler's log.
+pub fn compile_uncached(spec: &KernelSpec) -> Result<Vec<u8>> {
+    libs::nvrtc()?;
+    let src = source(spec);
+    let opts = options(spec);
+    let c_src = CString::new(src).map_err(|e| Error::invalid("kernel source", e.to_string()))?;
+    let name = CString::new("fa4_fwd_sm80.cu").expect("no NUL");
+    let prog = nvrtc::create_program(&c_src, Some(&name))
+        .map_err(|e| Error::cuda("nvrtcCreateProgram", format!("{e:?}")))?;
+    // SAFETY: `prog` was created above and is destroyed once, below.
+    let compiled = unsafe { nvrtc::compile_program(prog, &opts) };
+    // SAFETY: as above.
+    let log = unsafe { nvrtc::get_program_log(prog) }
+        .map(|l| {
+            let bytes: Vec<u8> = l
+                .iter()
+                .take_while(|&&c| c != 0)
+                .map(|&c| c as u8)
+                .collect();
+            String::from_utf8_lossy(&bytes).into_owned()
+        })
+        .unwrap_or_default();
+    let result = match compiled {
+        Err(_) => Err(Error::Compile {
+            spec: spec.to_string(),
+            options: opts,
+            log,
+        }),
+        Ok(()) => {
+            let mut size = 0usize;
+            // SAFETY: `prog` compiled successfully; `size` and the buffer are live and sized by NVRTC.
+            unsafe {
+                nvrtc_sys::nvrtcGetCUBINSize(prog, &mut size)
+                    .result()
+                    .map_err(|e| Error::cuda("nvrtcGetCUBINSize", format!("{e:?}")))
+                    .and_then(|()| {
+                        let mut buf = vec![0u8; size];
+                        nvrtc_sys::nvrtcGetCUBIN(prog, buf.as_mut_ptr() as *mut c_char)
+                            .result()
+                            .map_err(|e| Error::cuda("nvrtcGetCUBIN", format!("{e:?}")))
+                            .map(|()| buf)
+                    })
+            }
+        }
+    };
+    // SAFETY: `prog` is live and not used after this.
+    let _ = unsafe { nvrtc::destroy_program(prog) };
+    match result {
+        Ok(buf) if buf.is_empty() => Err(Error::Compile {
+            spec: spec.to_string(),
+            options: options(spec),
+            log: format!(
+                "NVRTC produced no cubin for {} (is it a real architecture?)",
+                spec.target
+            ),
+        }),
+        r => r,
+    }
+}
+
+/// FNV-1a, 64-bit: a hash that is stable across Rust versions and platforms, for cache names.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// The cache folder: `$FA4_CACHE_DIR`, else `$XDG_CACHE_HOME/fa4`, else `~/.cache/fa4`, else a
+/// folder in the temporary directory.
+pub fn cache_dir() -> PathBuf {
+    if let Some(d) = std::env::var_os(CACHE_DIR_ENV) {
+        return PathBuf::from(d);
+    }
+    if let Some(d) = std::env::var_os("XDG_CACHE_HOME") {
+        return PathBuf::from(d).join("fa4");
+    }
+    if let Some(h) = std::env::var_os("HOME") {
+        return PathBuf::from(h).join(".cache").join("fa4");
+    }
+    std::env::temp_dir().join("fa4-cache")
+}
+
+/// The cache key of a spec: spec, options, NVRTC version and the whole source.
+pub fn cache_key(spec: &KernelSpec) -> Result<String> {
+    let (major, minor) = nvrtc_version()?;
+    let text = format!(
+        "{spec:?}|{:?}|nvrtc {major}.{minor}|{}",
+        options(spec),
+        source(spec)
+    );
+    Ok(format!("{}-{:016x}", spec.target, fnv1a(text.as_bytes())))
+}
+
+/// The cubin of a spec: from the disk cache, or compiled and then cached. A cache that cannot
+/// be written is not an error (the kernel still runs); one that cannot be read is recompiled.
+pub fn compile(spec: &KernelSpec) -> Result<Compiled> {
+    let start = Instant::now();
+    let dir = cache_dir();
+    let path = dir.join(format!("{}.cubin", cache_key(spec)?));
+    if let Ok(cubin) = std::fs::read(&path) {
+        if !cubin.is_empty() {
+            return Ok(Compiled {
+                cubin,
+                cached: true,
+                seconds: start.elapsed().as_secs_f64(),
+            });
+        }
+    }
+    let cubin = compile_uncached(spec)?;
+    if std::fs::create_dir_all(&dir).is_ok() {
+        let tmp = dir.join(format!(
+            ".{}.{}.{:x}.tmp",
+            path.file_name()
+                .and_then(|n| n.to_str())
+                .unwrap_or("kernel"),
+            std::process::id(),
+            fnv1a(format!("{:?}", Instant::now()).as_bytes())
+        ));
+        if std::fs::write(&tmp, &cubin).is_ok() && std::fs::rename(&tmp, &path).is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+    }
+    Ok(Compiled {
+        cubin,
+        cached: false,
+        seconds: start.elapsed().as_secs_f64(),
+    })
+}

@@ -1,0 +1,505 @@
+//! The CUDA backend: device discovery, device buffers, run-time compiled kernels, launches.
+//!
+//! Built on cudarc with dynamic loading: the crate builds with no CUDA installed, and at run
+//! time a missing driver or NVRTC is an [`Error::CudaUnavailable`] naming what was looked for.
+//! Kernels are compiled by NVRTC for the device's exact architecture on first use (see
+//! [`compile`]) and kept in memory per [`KernelSpec`] and on disk across runs.
+//!
+//! Host slices go in and out through [`CudaBackend::forward_host`] (what [`crate::Backend`]
+//! uses); callers who keep data on the GPU use [`CudaBackend::forward_device`] with
+//! `CudaSlice`s from [`CudaBackend::upload`] or [`CudaBackend::alloc`].
+
+pub mod bench;
+pub mod compile;
+mod libs;
+pub(crate) mod params;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
+    PushKernelArg,
+};
+
+use crate::arch::{self, ComputeCapability, Family, GpuArch};
+use crate::config::sm80::{self, KernelSpec, Tiles};
+use crate::error::{Error, Result};
+use crate::problem::Problem;
+use crate::tensor::{Element, Layout};
+use params::FwdParams;
+
+/// What the live device reports, and the description planners use for it.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    /// Device ordinal.
+    pub ordinal: usize,
+    /// The driver's name for it.
+    pub name: String,
+    /// Compute capability.
+    pub compute_capability: ComputeCapability,
+    /// Streaming multiprocessors.
+    pub sm_count: u32,
+    /// The largest dynamic shared memory a block may opt into, bytes.
+    pub max_smem_per_block: u32,
+    /// The NVRTC target the kernels are compiled for (`sm_90`, …).
+    pub target: &'static str,
+    /// The planning description: the closest described part, with the live limits.
+    pub arch: GpuArch,
+}
+
+fn target_for(cc: ComputeCapability) -> &'static str {
+    match (cc.major, cc.minor) {
+        (8, 0) => "sm_80",
+        (8, 6) => "sm_86",
+        (8, 7) => "sm_87",
+        (8, 9) => "sm_89",
+        (9, 0) => "sm_90",
+        (10, 0) => "sm_100",
+        (10, 3) => "sm_103",
+        (12, 0) => "sm_120",
+        (12, 1) => "sm_121",
+        _ => "",
+    }
+}
+
+/// A device, its stream and its compiled kernels. Shared by clones of a [`CudaBackend`].
+struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    info: DeviceInfo,
+    kernels: Mutex<HashMap<KernelSpec, CudaFunction>>,
+}
+
+/// The CUDA backend on one device. Cheap to clone.
+#[derive(Clone)]
+pub struct CudaBackend {
+    dev: Arc<Device>,
+    tiles: Option<Tiles>,
+}
+
+impl std::fmt::Debug for CudaBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaBackend")
+            .field("device", &self.dev.info)
+            .field("tiles", &self.tiles)
+            .finish()
+    }
+}
+
+impl CudaBackend {
+    /// Opens device `ordinal`. Errors say which library or device was missing.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        libs::driver()?;
+        let count = CudaContext::device_count().map_err(|e| Error::cuda("cuDeviceGetCount", e))?;
+        if ordinal >= count.max(0) as usize {
+            return Err(Error::invalid(
+                "device",
+                format!("CUDA device {ordinal} requested, {count} present"),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| Error::cuda("cuCtxCreate", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| Error::cuda("compute capability", e))?;
+        let cc = ComputeCapability {
+            major: major as u32,
+            minor: minor as u32,
+        };
+        if cc.major < 8 {
+            return Err(Error::invalid(
+                "device",
+                format!("{cc} is older than sm_80; fa4's kernels need Ampere or newer"),
+            ));
+        }
+        let attr = |a: CUdevice_attribute, what: &str| {
+            ctx.attribute(a)
+                .map_err(|e| Error::cuda(what, e))
+                .map(|v| v.max(0) as u32)
+        };
+        let sm_count = attr(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT,
+            "SM count",
+        )?;
+        let max_smem = attr(
+            CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+            "shared memory per block",
+        )?;
+        let name = ctx.name().unwrap_or_else(|_| "unknown GPU".into());
+        let family = match cc.major {
+            8 => Family::Ampere,
+            9 => Family::Hopper,
+            10 | 11 => Family::Blackwell,
+            _ => Family::ConsumerBlackwell,
+        };
+        let base = arch::ALL
+            .into_iter()
+            .find(|a| a.compute_capability == cc)
+            .unwrap_or(arch::A100);
+        // Live limits win over the description: the planner sees what this device has.
+        let arch = GpuArch {
+            family,
+            compute_capability: cc,
+            sm_count,
+            smem_per_sm: max_smem + base.smem_reserved_per_block,
+            ..base
+        };
+        let mut target = target_for(cc);
+        if target.is_empty() {
+            // A part newer than this build knows: its own name is the best guess for NVRTC.
+            target = Box::leak(format!("sm_{}{}", cc.major, cc.minor).into_boxed_str());
+        }
+        // SAFETY: fa4 orders every operation of a backend on its one stream, so cudarc's
+        // per-buffer cross-stream events are not needed (and would add work to every launch).
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        Ok(CudaBackend {
+            dev: Arc::new(Device {
+                ctx,
+                stream,
+                info: DeviceInfo {
+                    ordinal,
+                    name,
+                    compute_capability: cc,
+                    sm_count,
+                    max_smem_per_block: max_smem,
+                    target,
+                    arch,
+                },
+                kernels: Mutex::new(HashMap::new()),
+            }),
+            tiles: None,
+        })
+    }
+
+    /// The same device with the planner's tile choice replaced by `tiles` (for benchmarks and
+    /// tuning; each launch still checks the tiles against the kernel and the GPU).
+    pub fn with_tiles(&self, tiles: Option<Tiles>) -> CudaBackend {
+        CudaBackend {
+            dev: self.dev.clone(),
+            tiles,
+        }
+    }
+
+    /// The device.
+    pub fn info(&self) -> &DeviceInfo {
+        &self.dev.info
+    }
+
+    /// The stream every operation of this backend is ordered on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.dev.stream
+    }
+
+    /// Copies a host slice to a new device buffer.
+    pub fn upload<T: Element>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        self.dev
+            .stream
+            .clone_htod(host)
+            .map_err(|e| Error::cuda("upload", e))
+    }
+
+    /// A zeroed device buffer of `len` elements.
+    pub fn alloc<T: Element>(&self, len: usize) -> Result<CudaSlice<T>> {
+        self.dev
+            .stream
+            .alloc_zeros(len)
+            .map_err(|e| Error::cuda("alloc", e))
+    }
+
+    /// Copies int32 offsets (`cu_seqlens`) to the device.
+    pub fn upload_i32(&self, host: &[i32]) -> Result<CudaSlice<i32>> {
+        self.dev
+            .stream
+            .clone_htod(host)
+            .map_err(|e| Error::cuda("upload", e))
+    }
+
+    /// The CUDA context (for events and advanced use).
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.dev.ctx
+    }
+
+    /// Copies a device buffer back (waits for the stream).
+    pub fn download<T: Element>(&self, dev: &CudaSlice<T>) -> Result<Vec<T>> {
+        self.dev
+            .stream
+            .clone_dtoh(dev)
+            .map_err(|e| Error::cuda("download", e))
+    }
+
+    /// Waits for all work on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.dev
+            .stream
+            .synchronize()
+            .map_err(|e| Error::cuda("synchronize", e))
+    }
+
+    /// Plans a problem for this device, or says why it cannot run here.
+    pub fn plan(&self, p: &Problem) -> Result<sm80::Plan> {
+        sm80::plan(p, &self.dev.info.arch, self.dev.info.target, self.tiles)
+    }
+
+    /// The loaded kernel of a spec: compiled (or read from the disk cache) on first use.
+    pub fn kernel(&self, spec: &KernelSpec) -> Result<CudaFunction> {
+        let mut kernels = self.dev.kernels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = kernels.get(spec) {
+            return Ok(f.clone());
+        }
+        let compiled = compile::compile(spec)?;
+        let module = self
+            .dev
+            .ctx
+            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
+            .map_err(|e| Error::cuda(format!("loading {spec}"), e))?;
+        let f = module
+            .load_function(spec.entry())
+            .map_err(|e| Error::cuda("cuModuleGetFunction", e))?;
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            spec.smem_bytes() as i32,
+        )
+        .map_err(|e| Error::cuda("setting the shared-memory limit", e))?;
+        kernels.insert(*spec, f.clone());
+        Ok(f)
+    }
+
+    /// Runs a validated problem on device buffers laid out as it says. `cu_seqlens` (varlen
+    /// problems only) are the problem's offsets as int32 device buffers. Asynchronous on
+    /// [`CudaBackend::stream`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_device<T: Element>(
+        &self,
+        p: &Problem,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        cu_seqlens: Option<(&CudaSlice<i32>, &CudaSlice<i32>)>,
+        out: &mut CudaSlice<T>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<()> {
+        if T::DTYPE != p.dtype() {
+            return Err(Error::invalid(
+                "q",
+                format!(
+                    "element type {} does not match the problem's {}",
+                    T::DTYPE,
+                    p.dtype()
+                ),
+            ));
+        }
+        fits("q", p.q_layout(), q.len())?;
+        fits("k", p.k_layout(), k.len())?;
+        fits("v", p.v_layout(), v.len())?;
+        fits("out", p.o_layout(), out.len())?;
+        if let Some(l) = lse.as_deref() {
+            if l.len() != p.lse_len() {
+                return Err(Error::invalid(
+                    "lse",
+                    format!("expected {} elements, got {}", p.lse_len(), l.len()),
+                ));
+            }
+        }
+        let batch = p.sequences().len();
+        match (p.is_varlen(), cu_seqlens) {
+            (true, Some((cq, ck))) if cq.len() == batch + 1 && ck.len() == batch + 1 => {}
+            (true, _) => {
+                return Err(Error::invalid(
+                    "cu_seqlens_q",
+                    format!(
+                        "a varlen problem needs both cu_seqlens on the device, {} entries each",
+                        batch + 1
+                    ),
+                ))
+            }
+            (false, Some(_)) => {
+                return Err(Error::invalid(
+                    "cu_seqlens_q",
+                    "given for a fixed-length problem",
+                ))
+            }
+            (false, None) => {}
+        }
+        let plan = self.plan(p)?;
+        if plan.grid.0 == 0 || batch == 0 {
+            return Ok(());
+        }
+        let func = self.kernel(&plan.spec)?;
+        let stream = &self.dev.stream;
+
+        let (q_ptr, _q_sync) = q.device_ptr(stream);
+        let (k_ptr, _k_sync) = k.device_ptr(stream);
+        let (v_ptr, _v_sync) = v.device_ptr(stream);
+        let (o_ptr, _o_sync) = out.device_ptr_mut(stream);
+        let (lse_ptr, _lse_sync) = match lse {
+            Some(l) => {
+                let (ptr, sync) = l.device_ptr_mut(stream);
+                (ptr, Some(sync))
+            }
+            None => (0, None),
+        };
+        let (cq_ptr, ck_ptr, _cu_sync) = match cu_seqlens {
+            Some((cq, ck)) => {
+                // The kernel reads batch + 1 entries of each (checked above).
+                let (a, sa) = cq.device_ptr(stream);
+                let (b, sb) = ck.device_ptr(stream);
+                (a, b, Some((sa, sb)))
+            }
+            None => (0, 0, None),
+        };
+        for (name, ptr) in [("q", q_ptr), ("k", k_ptr), ("v", v_ptr), ("out", o_ptr)] {
+            if ptr % 16 != 0 {
+                return Err(Error::invalid(
+                    name,
+                    "device buffer must be 16-byte aligned",
+                ));
+            }
+        }
+        let params = make_params(p, [q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cq_ptr, ck_ptr]);
+        let cfg = LaunchConfig {
+            grid_dim: plan.grid,
+            block_dim: (plan.spec.threads() as u32, 1, 1),
+            shared_mem_bytes: plan.spec.smem_bytes() as u32,
+        };
+        let mut launch = stream.launch_builder(&func);
+        launch.arg(&params);
+        // SAFETY: the problem was validated (shapes, strides, non-overlapping output, cu_seqlens
+        // from 0 non-decreasing to the totals); every buffer was checked above to hold the
+        // layout's extent and to be 16-byte aligned; the planner checked the head dim and every
+        // stride against the kernel's 16-byte copies and sized the grid, block and shared memory
+        // of this spec (the kernel static_asserts the same shared-memory count). The pointers stay
+        // valid while their sync guards (held to the end of this function) order later uses.
+        unsafe { launch.launch(cfg) }
+            .map_err(|e| Error::cuda(format!("launch {}", plan.spec), e))?;
+        Ok(())
+    }
+
+    /// Runs a validated problem on host slices: copies in, launches, copies out, waits.
+    pub fn forward_host<T: Element>(
+        &self,
+        p: &Problem,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        out: &mut [T],
+        lse: Option<&mut [f32]>,
+    ) -> Result<()> {
+        // Plan first, so an unsupported problem costs no copies.
+        self.plan(p)?;
+        let extent = |l: &Layout| l.extent().unwrap_or(0).max(1);
+        let dq = self.upload(&q[..extent(p.q_layout()).min(q.len())])?;
+        let dk = self.upload(&k[..extent(p.k_layout()).min(k.len())])?;
+        let dv = self.upload(&v[..extent(p.v_layout()).min(v.len())])?;
+        let on = extent(p.o_layout()).min(out.len());
+        // The output is uploaded too: elements between strided rows must survive.
+        let mut dout = self.upload(&out[..on])?;
+        let mut dlse = match &lse {
+            Some(l) => Some(self.upload::<f32>(l)?),
+            None => None,
+        };
+        let cu = if p.is_varlen() {
+            let (cq, ck) = offsets(p);
+            Some((self.upload_i32(&cq)?, self.upload_i32(&ck)?))
+        } else {
+            None
+        };
+        self.forward_device(
+            p,
+            &dq,
+            &dk,
+            &dv,
+            cu.as_ref().map(|(a, b)| (a, b)),
+            &mut dout,
+            dlse.as_mut(),
+        )?;
+        self.dev
+            .stream
+            .memcpy_dtoh(&dout, &mut out[..on])
+            .map_err(|e| Error::cuda("download out", e))?;
+        if let (Some(l), Some(d)) = (lse, dlse) {
+            self.dev
+                .stream
+                .memcpy_dtoh(&d, l)
+                .map_err(|e| Error::cuda("download lse", e))?;
+        }
+        self.synchronize()
+    }
+}
+
+/// `cu_seqlens_q`, `cu_seqlens_k` of a varlen problem.
+fn offsets(p: &Problem) -> (Vec<i32>, Vec<i32>) {
+    let seqs = p.sequences();
+    let mut cq: Vec<i32> = seqs.iter().map(|s| s.q_start as i32).collect();
+    let mut ck: Vec<i32> = seqs.iter().map(|s| s.k_start as i32).collect();
+    cq.push(seqs.last().map_or(0, |s| (s.q_start + s.q_len) as i32));
+    ck.push(seqs.last().map_or(0, |s| (s.k_start + s.k_len) as i32));
+    (cq, ck)
+}
+
+fn fits(name: &str, l: &Layout, len: usize) -> Result<()> {
+    match l.extent() {
+        Some(e) if e <= len => Ok(()),
+        _ => Err(Error::invalid(
+            name,
+            format!(
+                "device buffer of {len} elements is too small for shape {:?} strides {:?}",
+                l.dims, l.strides
+            ),
+        )),
+    }
+}
+
+/// The kernel parameters of a validated problem and its buffers' device addresses
+/// (`[q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k]`, 0 = absent).
+fn make_params(p: &Problem, ptrs: [u64; 7]) -> FwdParams {
+    let i = |x: usize| x as i64;
+    let (q, k, v, o) = (p.q_layout(), p.k_layout(), p.v_layout(), p.o_layout());
+    let (left, right) = p.mask().bounds();
+    let side = |b: Option<usize>| b.map_or(-1, |x| x.min(i32::MAX as usize) as i32);
+    let scale = p.scale();
+    let (scale_log2, softcap_scale, softcap) = match p.softcap() {
+        Some(c) => (std::f32::consts::LOG2_E, scale.abs() / c, c),
+        None => (scale.abs() * std::f32::consts::LOG2_E, 0.0, 0.0),
+    };
+    let first = p.sequences().first();
+    let (lse_batch_stride, lse_head_stride) = p.lse_strides();
+    FwdParams {
+        q: ptrs[0],
+        k: ptrs[1],
+        v: ptrs[2],
+        o: ptrs[3],
+        lse: ptrs[4],
+        cu_seqlens_q: ptrs[5],
+        cu_seqlens_k: ptrs[6],
+        q_batch_stride: i(q.strides[0]),
+        q_row_stride: i(q.strides[1]),
+        q_head_stride: i(q.strides[2]),
+        k_batch_stride: i(k.strides[0]),
+        k_row_stride: i(k.strides[1]),
+        k_head_stride: i(k.strides[2]),
+        v_batch_stride: i(v.strides[0]),
+        v_row_stride: i(v.strides[1]),
+        v_head_stride: i(v.strides[2]),
+        o_batch_stride: i(o.strides[0]),
+        o_row_stride: i(o.strides[1]),
+        o_head_stride: i(o.strides[2]),
+        lse_batch_stride: i(lse_batch_stride),
+        lse_head_stride: i(lse_head_stride),
+        batch: p.sequences().len() as i32,
+        heads_q: p.heads_q() as i32,
+        group: p.group() as i32,
+        seqlen_q: first.map_or(0, |s| s.q_len) as i32,
+        seqlen_k: first.map_or(0, |s| s.k_len) as i32,
+        head_dim: p.head_dim() as i32,
+        window_left: side(left),
+        window_right: side(right),
+        negate_q: i32::from(scale < 0.0),
+        pad0: 0,
+        scale_log2,
+        softcap_scale,
+        softcap,
+        lse_scale: scale_log2 * std::f32::consts::LN_2,
+    }
+}

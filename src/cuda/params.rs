@@ -1,0 +1,65 @@
+//! The kernel parameter struct, mirrored from `kernels/sm80/params.cuh`. Both sides assert the
+//! size (the header's `static_assert`, the tests here) and the offsets of the fields that move.
+
+use cudarc::driver::DeviceRepr;
+
+/// Launch parameters of the forward kernel (see the header for each field's meaning).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct FwdParams {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub o: u64,
+    pub lse: u64,
+    pub cu_seqlens_q: u64,
+    pub cu_seqlens_k: u64,
+    pub q_batch_stride: i64,
+    pub q_row_stride: i64,
+    pub q_head_stride: i64,
+    pub k_batch_stride: i64,
+    pub k_row_stride: i64,
+    pub k_head_stride: i64,
+    pub v_batch_stride: i64,
+    pub v_row_stride: i64,
+    pub v_head_stride: i64,
+    pub o_batch_stride: i64,
+    pub o_row_stride: i64,
+    pub o_head_stride: i64,
+    pub lse_batch_stride: i64,
+    pub lse_head_stride: i64,
+    pub batch: i32,
+    pub heads_q: i32,
+    pub group: i32,
+    pub seqlen_q: i32,
+    pub seqlen_k: i32,
+    pub head_dim: i32,
+    pub window_left: i32,
+    pub window_right: i32,
+    pub negate_q: i32,
+    pub pad0: i32,
+    pub scale_log2: f32,
+    pub softcap_scale: f32,
+    pub softcap: f32,
+    pub lse_scale: f32,
+}
+
+/// The header's `FA4_PARAMS_SIZE`.
+pub const PARAMS_SIZE: usize = 224;
+
+const _: () = assert!(std::mem::size_of::<FwdParams>() == PARAMS_SIZE);
+const _: () = assert!(std::mem::offset_of!(FwdParams, q_batch_stride) == 56);
+const _: () = assert!(std::mem::offset_of!(FwdParams, batch) == 168);
+const _: () = assert!(std::mem::offset_of!(FwdParams, scale_log2) == 208);
+
+// SAFETY: a plain #[repr(C)] struct of integers and floats, laid out like the C header.
+unsafe impl DeviceRepr for FwdParams {}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_header_states_the_same_size() {
+        let header = super::super::compile::PARAMS_SRC;
+        assert!(header.contains(&format!("#define FA4_PARAMS_SIZE {}", super::PARAMS_SIZE)));
+    }
+}

@@ -1,0 +1,411 @@
+// Ampere-class FlashAttention forward: mma.sync m16n8k16 (fp16/bf16 in, f32 accumulate),
+// cp.async multi-stage K/V ring, ldmatrix fragments, online softmax in registers.
+// Valid on sm_80 and later (A100, RTX 30/40, L4, H100/H200, sm_120).
+//
+// Self-contained: no CUDA headers (NVRTC may have none). The planner (`config::sm80`) prepends
+// a prelude defining HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, MIN_BLOCKS_PER_SM,
+// Q_IN_REGS, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, then `params.cuh`, then this file.
+//
+// Work split: one CTA = BLOCK_M query rows of one (batch, head); warp w owns rows
+// [16w, 16w + 16); lane = 4·g + t owns rows g and g + 8 of its warp's 16, and columns
+// 2t, 2t + 1 of every 8-wide MMA tile (the m16n8k16 accumulator layout).
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+constexpr int NUM_THREADS = NUM_WARPS * 32;
+constexpr int ROWS_PER_WARP = 16;
+constexpr int CHUNK_ELEMS = 8;                    // one 16-byte cp.async / ldmatrix row
+constexpr int CHUNKS = HEAD_DIM / CHUNK_ELEMS;    // 16-byte chunks per tile row
+constexpr int KSTEPS_D = HEAD_DIM / 16;           // k16 steps over the head dim (Q·Kᵀ)
+constexpr int NTILES_N = BLOCK_N / 8;             // n8 tiles of S
+constexpr int KSTEPS_N = BLOCK_N / 16;            // k16 steps over keys (P·V)
+constexpr int NTILES_D = HEAD_DIM / 8;            // n8 tiles of O
+constexpr float LOG2E = 1.4426950408889634f;
+#define NEG_INF __int_as_float(0xff800000u)  // −inf (no constexpr spelling without headers)
+
+static_assert(BLOCK_M == NUM_WARPS * ROWS_PER_WARP, "one warp per 16 query rows");
+static_assert(HEAD_DIM % 64 == 0, "the swizzle permutes 8 chunks: rows are whole 128-byte groups");
+static_assert(BLOCK_N % 16 == 0, "P·V steps over keys in k16 slices");
+static_assert(STAGES >= 2, "the K/V ring needs at least double buffering");
+static_assert((BLOCK_N * CHUNKS) % NUM_THREADS == 0, "K/V tiles split evenly over threads");
+static_assert((BLOCK_M * CHUNKS) % NUM_THREADS == 0, "Q tiles split evenly over threads");
+
+constexpr int Q_TILE_ELEMS = BLOCK_M * HEAD_DIM;  // (BLOCK_M, HEAD_DIM)
+constexpr int KV_TILE_ELEMS = BLOCK_N * HEAD_DIM; // (BLOCK_N, HEAD_DIM)
+constexpr int SMEM_BYTES = 2 * (Q_TILE_ELEMS + 2 * STAGES * KV_TILE_ELEMS);
+static_assert(SMEM_BYTES == FA4_SMEM_BYTES, "the planner's shared-memory count must match");
+
+// ---------------------------------------------------------------------------------------------
+// PTX wrappers
+
+__device__ __forceinline__ u32 smem_u32(const void* p) {
+    return static_cast<u32>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async copy; src_bytes = 0 zero-fills the destination (rows/cols out of range).
+__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(addr));
+}
+
+// D = A·B + D, m16n8k16, A row-major (4 regs), B column-major (2 regs), D f32 (4 regs).
+__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    if constexpr (IS_BF16) {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    } else {
+        asm volatile(
+            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+            "{%8, %9}, {%0, %1, %2, %3};\n"
+            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    }
+}
+
+// Two floats to a packed 16-bit pair, `lo` in the low half (round to nearest even).
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+    if constexpr (IS_BF16) {
+        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    } else {
+        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+    }
+    return r;
+}
+
+__device__ __forceinline__ float exp2_approx(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+    return y;
+}
+
+// tanh from ex2 (relative error ~1e-7, far below 16-bit rounding of the scores).
+__device__ __forceinline__ float tanh_accurate(float x) {
+    float e = exp2_approx(2.0f * LOG2E * fabsf(x));
+    float t = 1.0f - 2.0f / (e + 1.0f);
+    return copysignf(t, x);
+}
+
+// Byte offset of 16-byte chunk `c` of row `r` in a swizzled (rows, HEAD_DIM) tile: the low
+// three chunk bits are XORed with the row, so 8 consecutive rows of one logical chunk land in
+// 8 different bank groups (conflict-free ldmatrix and cp.async).
+__device__ __forceinline__ u32 swz(int r, int c) {
+    return static_cast<u32>((r * CHUNKS + ((c & ~7) | ((c ^ r) & 7))) * 16);
+}
+
+// ldmatrix addresses without per-call swizzle arithmetic. Every fragment load reads rows
+// R0 + rl (R0 a multiple of 8, rl the lane's row, so (R0 + rl) & 7 == rl & 7) at chunk
+// 8a + 2j + cl (cl the lane's chunk bit). Its swizzled chunk is 8a + (2j ^ x) with
+// x = (cl ^ rl) & 7, so four per-thread bases (j = 0..3) plus compile-time offsets address
+// every fragment: 4 registers per operand instead of one per (row block, k step).
+struct SwzBases {
+    u32 b[4];
+};
+
+__device__ __forceinline__ SwzBases swz_bases(u32 tile, int rl, int cl) {
+    SwzBases r;
+    const int x = (cl ^ rl) & 7;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) r.b[j] = tile + static_cast<u32>((rl * CHUNKS + ((2 * j) ^ x)) * 16);
+    return r;
+}
+
+// Address of the fragment at row block R0 and logical chunk c0 = 8a + 2j (both compile-time).
+__device__ __forceinline__ u32 swz_at(const SwzBases& s, int r0, int c0) {
+    return s.b[(c0 / 2) % 4] + static_cast<u32>((r0 * CHUNKS + (c0 & ~7)) * 16);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tile loads: (rows, HEAD_DIM) from global rows [0, valid_rows) and columns [0, head_dim);
+// everything else is zero-filled so that padding never carries NaN into an MMA.
+
+template <int ROWS>
+__device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, long long row_stride, int valid_rows,
+                                          int head_dim, int tid) {
+#pragma unroll
+    for (int i = 0; i < ROWS * CHUNKS / NUM_THREADS; ++i) {
+        int idx = tid + i * NUM_THREADS;
+        int r = idx / CHUNKS, c = idx % CHUNKS;
+        bool ok = r < valid_rows && c * CHUNK_ELEMS < head_dim;
+        const u16* src = ok ? g + r * row_stride + c * CHUNK_ELEMS : g;
+        cp_async_16(s_tile + swz(r, c), src, ok ? 16 : 0);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The kernel
+
+struct Seq {
+    int q_start, q_len, k_start, k_len;
+};
+
+__device__ __forceinline__ Seq sequence(const FwdParams& p, int b) {
+    Seq s;
+    if (p.cu_seqlens_q != nullptr) {
+        s.q_start = p.cu_seqlens_q[b];
+        s.q_len = p.cu_seqlens_q[b + 1] - s.q_start;
+        s.k_start = p.cu_seqlens_k[b];
+        s.k_len = p.cu_seqlens_k[b + 1] - s.k_start;
+    } else {
+        s.q_start = 0;
+        s.q_len = p.seqlen_q;
+        s.k_start = 0;
+        s.k_len = p.seqlen_k;
+    }
+    return s;
+}
+
+// Allowed keys of query row i: [key_lo(i), key_hi(i)) (spec/attention.md, bottom-right aligned).
+__device__ __forceinline__ int key_lo(const FwdParams& p, const Seq& s, int i) {
+    if (!HAS_WINDOW || p.window_left < 0) return 0;
+    return max(0, i + s.k_len - s.q_len - p.window_left);
+}
+__device__ __forceinline__ int key_hi(const FwdParams& p, const Seq& s, int i) {
+    if (!HAS_WINDOW || p.window_right < 0) return s.k_len;
+    return max(0, min(s.k_len, i + s.k_len - s.q_len + p.window_right + 1));
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4_fwd_sm80(const __grid_constant__ FwdParams p) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const int tid = threadIdx.x;
+    const int warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;
+
+    // Longest first: with causal masks the last query blocks see the most keys.
+    const int m_block = gridDim.x - 1 - blockIdx.x;
+    const int head = blockIdx.y, batch = blockIdx.z;
+    const Seq s = sequence(p, batch);
+    const int m0 = m_block * BLOCK_M;
+    if (m0 >= s.q_len) return;
+    const int kv_head = head / p.group;
+    const int valid_m = min(BLOCK_M, s.q_len - m0);
+
+    const u16* gQ = static_cast<const u16*>(p.q) + batch * p.q_batch_stride + (s.q_start + m0) * p.q_row_stride +
+                    head * p.q_head_stride;
+    const u16* gK = static_cast<const u16*>(p.k) + batch * p.k_batch_stride + s.k_start * p.k_row_stride +
+                    kv_head * p.k_head_stride;
+    const u16* gV = static_cast<const u16*>(p.v) + batch * p.v_batch_stride + s.k_start * p.v_row_stride +
+                    kv_head * p.v_head_stride;
+
+    const u32 sQ = smem_u32(smem);                           // (BLOCK_M, HEAD_DIM), reused for O
+    const u32 sK = sQ + Q_TILE_ELEMS * 2;                    // STAGES × (BLOCK_N, HEAD_DIM)
+    const u32 sV = sK + STAGES * KV_TILE_ELEMS * 2;          // STAGES × (BLOCK_N, HEAD_DIM)
+
+    // Key blocks this CTA visits, and the rows' own key bounds (constant over the loop).
+    const int first_row = m0, last_row = m0 + valid_m - 1;
+    const int span_lo = key_lo(p, s, first_row), span_hi = key_hi(p, s, last_row);
+    const int n_begin = span_lo / BLOCK_N;
+    const int n_end = span_hi > span_lo ? (span_hi + BLOCK_N - 1) / BLOCK_N : n_begin;
+    const int free_lo = key_lo(p, s, last_row);  // blocks starting at or after this …
+    const int free_hi = key_hi(p, s, first_row); // … and ending at or before this need no mask
+    int row_lo[2], row_hi[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        int i = m0 + warp * ROWS_PER_WARP + g + 8 * r;
+        row_lo[r] = key_lo(p, s, i);
+        row_hi[r] = key_hi(p, s, i);
+    }
+
+    // Prologue: Q and the first STAGES-1 K/V tiles, one cp.async group each.
+    load_tile<BLOCK_M>(sQ, gQ, p.q_row_stride, valid_m, p.head_dim, tid);
+    auto issue_kv = [&](int n, int stage) {
+        int rows = min(BLOCK_N, s.k_len - n * BLOCK_N);
+        load_tile<BLOCK_N>(sK + stage * KV_TILE_ELEMS * 2, gK + n * BLOCK_N * p.k_row_stride, p.k_row_stride, rows,
+                           p.head_dim, tid);
+        load_tile<BLOCK_N>(sV + stage * KV_TILE_ELEMS * 2, gV + n * BLOCK_N * p.v_row_stride, p.v_row_stride, rows,
+                           p.head_dim, tid);
+    };
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (n_begin + st < n_end) issue_kv(n_begin + st, st);
+        cp_async_commit();
+    }
+
+    u32 rQ[Q_IN_REGS ? KSTEPS_D : 1][4];                    // Q fragments, (16, HEAD_DIM) per warp
+    float rO[NTILES_D][4];                                   // O accumulator, (16, HEAD_DIM) per warp
+#pragma unroll
+    for (int i = 0; i < NTILES_D; ++i) rO[i][0] = rO[i][1] = rO[i][2] = rO[i][3] = 0.0f;
+    float row_max[2] = {NEG_INF, NEG_INF};                   // raw scores (before scale_log2)
+    float row_sum[2] = {0.0f, 0.0f};                         // this thread's columns only
+    const u32 q_sign = p.negate_q ? 0x80008000u : 0u;
+    const int warp_row0 = warp * ROWS_PER_WARP;
+
+    // Lane roles in the three ldmatrix patterns (see swz_bases): A operand (Q) and the
+    // transposed B operand (V) take matrices row-block-major, the B operand (K) chunk-major.
+    const SwzBases bQ = swz_bases(sQ, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
+    const SwzBases bK = swz_bases(0, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
+    const SwzBases bV = swz_bases(0, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
+
+    auto q_frag = [&](int kk, u32 (&a)[4]) {
+        ldmatrix_x4(a, swz_at(bQ, warp_row0, kk * 2));
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[j] ^= q_sign;
+    };
+
+    for (int n = n_begin; n < n_end; ++n) {
+        const int it = n - n_begin;
+        cp_async_wait<STAGES - 2>();  // Q and tile `it` have landed (this thread's copies) …
+        __syncthreads();              // … and everyone's; everyone is done with tile it - 1.
+        if (Q_IN_REGS && it == 0) {
+#pragma unroll
+            for (int kk = 0; kk < KSTEPS_D; ++kk) q_frag(kk, rQ[Q_IN_REGS ? kk : 0]);
+        }
+        if (n + STAGES - 1 < n_end) issue_kv(n + STAGES - 1, (it + STAGES - 1) % STAGES);
+        cp_async_commit();
+        const int stage = it % STAGES;
+        const u32 sKs = sK + stage * KV_TILE_ELEMS * 2, sVs = sV + stage * KV_TILE_ELEMS * 2;
+
+        // S = Q·Kᵀ, (16, BLOCK_N) per warp.
+        float rS[NTILES_N][4];
+#pragma unroll
+        for (int i = 0; i < NTILES_N; ++i) rS[i][0] = rS[i][1] = rS[i][2] = rS[i][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS_D; ++kk) {
+            u32 qa[4];
+            if constexpr (Q_IN_REGS) {
+#pragma unroll
+                for (int j = 0; j < 4; ++j) qa[j] = rQ[Q_IN_REGS ? kk : 0][j];
+            } else {
+                q_frag(kk, qa);
+            }
+#pragma unroll
+            for (int np = 0; np < NTILES_N / 2; ++np) {
+                u32 b[4];
+                ldmatrix_x4(b, sKs + swz_at(bK, np * 16, kk * 2));
+                mma_16816(rS[2 * np], qa, b[0], b[1]);
+                mma_16816(rS[2 * np + 1], qa, b[2], b[3]);
+            }
+        }
+
+        if constexpr (HAS_SOFTCAP) {
+#pragma unroll
+            for (int i = 0; i < NTILES_N; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) rS[i][e] = p.softcap * tanh_accurate(rS[i][e] * p.softcap_scale);
+        }
+
+        // Mask: only blocks that cross a row's key bounds (or the end of the keys).
+        const int key0 = n * BLOCK_N;
+        if (key0 < free_lo || key0 + BLOCK_N > free_hi) {
+#pragma unroll
+            for (int i = 0; i < NTILES_N; ++i)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int j = key0 + i * 8 + 2 * t + (e & 1);
+                    int r = e / 2;
+                    if (j < row_lo[r] || j >= row_hi[r]) rS[i][e] = NEG_INF;
+                }
+        }
+
+        // Online softmax: rows g and g + 8; the 4 lanes of a quad share a row.
+        float corr[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            float mx = row_max[r];
+#pragma unroll
+            for (int i = 0; i < NTILES_N; ++i) mx = fmaxf(mx, fmaxf(rS[i][2 * r], rS[i][2 * r + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // A row with no allowed key so far keeps max −inf; shift by 0 so exp2(−inf) = 0.
+            const float shift = mx == NEG_INF ? 0.0f : mx * p.scale_log2;
+            corr[r] = exp2_approx(row_max[r] * p.scale_log2 - shift);
+            row_max[r] = mx;
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < NTILES_N; ++i) {
+#pragma unroll
+                for (int e = 2 * r; e < 2 * r + 2; ++e) {
+                    rS[i][e] = exp2_approx(fmaf(rS[i][e], p.scale_log2, -shift));
+                    sum += rS[i][e];
+                }
+            }
+            row_sum[r] = row_sum[r] * corr[r] + sum;
+        }
+#pragma unroll
+        for (int i = 0; i < NTILES_D; ++i) {
+            rO[i][0] *= corr[0];
+            rO[i][1] *= corr[0];
+            rO[i][2] *= corr[1];
+            rO[i][3] *= corr[1];
+        }
+
+        // O += P·V: the S accumulator layout is the A-fragment layout, P never leaves registers.
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS_N; ++ks) {
+            u32 pa[4];
+            pa[0] = pack2(rS[2 * ks][0], rS[2 * ks][1]);
+            pa[1] = pack2(rS[2 * ks][2], rS[2 * ks][3]);
+            pa[2] = pack2(rS[2 * ks + 1][0], rS[2 * ks + 1][1]);
+            pa[3] = pack2(rS[2 * ks + 1][2], rS[2 * ks + 1][3]);
+#pragma unroll
+            for (int dp = 0; dp < NTILES_D / 2; ++dp) {
+                u32 b[4];
+                ldmatrix_x4_trans(b, sVs + swz_at(bV, ks * 16, dp * 2));
+                mma_16816(rO[2 * dp], pa, b[0], b[1]);
+                mma_16816(rO[2 * dp + 1], pa, b[2], b[3]);
+            }
+        }
+    }
+    cp_async_wait<0>();
+
+    // Epilogue: O = acc / sum in 16-bit through this warp's own rows of sQ, then 16-byte stores.
+    float inv[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+        float sum = row_sum[r];
+        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+        inv[r] = sum == 0.0f ? 0.0f : 1.0f / sum;  // no allowed key: O = 0
+        const int i = m0 + warp_row0 + g + 8 * r;
+        if (p.lse != nullptr && t == 0 && i < s.q_len) {
+            float lse = sum == 0.0f ? NEG_INF : row_max[r] * p.lse_scale + __logf(sum);
+            if (sum != sum) lse = sum;  // NaN propagates
+            p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + s.q_start + i] = lse;
+        }
+    }
+    __syncthreads();  // every warp is done reading K/V and its Q rows before sQ is reused
+#pragma unroll
+    for (int i = 0; i < NTILES_D; ++i) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+            u32 v = pack2(rO[i][2 * r] * inv[r], rO[i][2 * r + 1] * inv[r]);
+            u32 addr = sQ + swz(warp_row0 + g + 8 * r, i) + t * 4;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
+        }
+    }
+    __syncwarp();
+    u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + (s.q_start + m0) * p.o_row_stride +
+              head * p.o_head_stride;
+#pragma unroll
+    for (int i = 0; i < ROWS_PER_WARP * CHUNKS / 32; ++i) {
+        int idx = lane + i * 32;
+        int r = warp_row0 + idx / CHUNKS, c = idx % CHUNKS;
+        if (r < valid_m && c * CHUNK_ELEMS < p.head_dim) {
+            u32 x0, x1, x2, x3;
+            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                         : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
+                         : "r"(sQ + swz(r, c)));
+            u16* dst = gO + r * p.o_row_stride + c * CHUNK_ELEMS;
+            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(x0), "r"(x1), "r"(x2),
+                         "r"(x3));
+        }
+    }
+}

@@ -157,3 +157,21 @@ fn device_buffers_stay_on_the_device() {
     let r = fa4::check::check(&p, &host, &host, &host, &out, Some(&lse));
     assert!(r.passed(), "{r}");
 }
+
+#[test]
+fn conditional_rescaling_matches_the_oracle() {
+    let Some(cuda) = gpu() else { return };
+    let cases = matrix(&[DType::Bf16, DType::F16], &[64, 128, 256]);
+    let mut failures = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let mut tiles = fa4::config::sm80::tiles(&cuda.info().arch, case.head_dim).unwrap();
+        tiles.lazy_rescale = true;
+        let backend = Backend::Cuda(cuda.with_tiles(Some(tiles)));
+        match run_case(&backend, case, 9000 + i as u64) {
+            Ok(r) if r.passed() => {}
+            Ok(r) => failures.push(format!("{case}: {r}")),
+            Err(e) => failures.push(format!("{case}: error {e}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -25,7 +25,8 @@ pub struct CudaBenchArgs {
     /// Model width (heads = hidden / head_dim).
     #[arg(long, default_value_t = 2048)]
     hidden: usize,
-    /// Override the planner's tiles: `block_m,block_n,warps,stages,ctas_per_sm,q_in_regs(0|1)`.
+    /// Override the planner's tiles:
+    /// `block_m,block_n,warps,stages,ctas_per_sm,q_in_regs(0|1),lazy_rescale(0|1)`.
     #[arg(long)]
     tiles: Option<String>,
     /// CUDA device ordinal.
@@ -85,11 +86,11 @@ fn parse_tiles(s: &str) -> Result<Tiles> {
         .split(',')
         .map(|x| x.trim().parse::<usize>())
         .collect::<std::result::Result<_, _>>()
-        .map_err(|_| Error::invalid("--tiles", format!("expected six integers, got `{s}`")))?;
-    let [block_m, block_n, num_warps, stages, min_blocks_per_sm, q] = v[..] else {
+        .map_err(|_| Error::invalid("--tiles", format!("expected seven integers, got `{s}`")))?;
+    let [block_m, block_n, num_warps, stages, min_blocks_per_sm, q, lazy] = v[..] else {
         return Err(Error::invalid(
             "--tiles",
-            format!("expected six integers, got `{s}`"),
+            format!("expected seven integers, got `{s}`"),
         ));
     };
     Ok(Tiles {
@@ -99,6 +100,7 @@ fn parse_tiles(s: &str) -> Result<Tiles> {
         stages,
         min_blocks_per_sm,
         q_in_regs: q != 0,
+        lazy_rescale: lazy != 0,
     })
 }
 

@@ -6,9 +6,9 @@
 
 use crate::cpu::CpuBackend;
 use crate::cuda::CudaBackend;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::problem::{Options, Problem};
-use crate::tensor::{Element, Layout, Tensor, TensorMut};
+use crate::tensor::{Element, Tensor, TensorMut};
 
 /// Where attention is computed.
 #[derive(Debug, Clone, Default)]
@@ -127,40 +127,18 @@ impl Backend {
         out: &mut [T],
         lse: Option<&mut [f32]>,
     ) -> Result<()> {
-        if T::DTYPE != p.dtype() {
-            return Err(Error::invalid(
-                "q",
-                format!(
-                    "element type {} does not match the problem's {}",
-                    T::DTYPE,
-                    p.dtype()
-                ),
-            ));
-        }
-        fits("q", p.q_layout(), q.len())?;
-        fits("k", p.k_layout(), k.len())?;
-        fits("v", p.v_layout(), v.len())?;
-        fits("out", p.o_layout(), out.len())?;
-        if let Some(l) = lse.as_deref() {
-            p.check_lse(l)?;
-        }
+        p.check_buffers(
+            T::DTYPE,
+            q.len(),
+            k.len(),
+            v.len(),
+            out.len(),
+            lse.as_deref().map(<[f32]>::len),
+        )?;
         match self {
             Backend::Cpu => CpuBackend::default().forward(p, q, k, v, out, lse),
             Backend::CpuWith(cpu) => cpu.forward(p, q, k, v, out, lse),
             Backend::Cuda(cuda) => cuda.forward_host(p, q, k, v, out, lse),
         }
-    }
-}
-
-fn fits(name: &str, l: &Layout, len: usize) -> Result<()> {
-    match l.extent() {
-        Some(e) if e <= len => Ok(()),
-        _ => Err(Error::invalid(
-            name,
-            format!(
-                "buffer of {len} elements is too small for shape {:?} strides {:?}",
-                l.dims, l.strides
-            ),
-        )),
     }
 }

@@ -444,20 +444,41 @@ impl Problem {
             vec![self.seqs.len(), self.heads_q, self.q.dims[1]]
         }
     }
-    /// Checks an LSE buffer's length.
-    pub fn check_lse(&self, lse: &[f32]) -> Result<()> {
-        if lse.len() != self.lse_len() {
+    /// Checks buffers against the problem before a backend touches them: the element type, and
+    /// that Q, K, V and O hold their layouts' extents and LSE (if any) its length.
+    pub fn check_buffers(
+        &self,
+        dtype: DType,
+        q: usize,
+        k: usize,
+        v: usize,
+        out: usize,
+        lse: Option<usize>,
+    ) -> Result<()> {
+        if dtype != self.dtype {
             return Err(Error::invalid(
-                "lse",
+                "q",
                 format!(
-                    "expected {} elements (shape {:?}), got {}",
-                    self.lse_len(),
-                    self.lse_shape(),
-                    lse.len()
+                    "element type {dtype} does not match the problem's {}",
+                    self.dtype
                 ),
             ));
         }
-        Ok(())
+        self.q.check_fits("q", q)?;
+        self.k.check_fits("k", k)?;
+        self.v.check_fits("v", v)?;
+        self.o.check_fits("out", out)?;
+        match lse {
+            Some(n) if n != self.lse_len() => Err(Error::invalid(
+                "lse",
+                format!(
+                    "expected {} elements (shape {:?}), got {n}",
+                    self.lse_len(),
+                    self.lse_shape()
+                ),
+            )),
+            _ => Ok(()),
+        }
     }
     /// Floating-point operations by the FlashAttention papers' convention, the one number every
     /// benchmark divides by: `2·sq·sk·(d + dv)` per head and sequence (`4·sq·sk·d` when

@@ -177,7 +177,8 @@ impl Layout {
         batch * self.strides[0] + row * self.strides[1] + head * self.strides[2]
     }
 
-    fn check_fits(&self, name: &str, len: usize) -> Result<()> {
+    /// Checks that a buffer of `len` elements holds every element of the layout.
+    pub fn check_fits(&self, name: &str, len: usize) -> Result<()> {
         match self.extent() {
             Some(e) if e <= len => Ok(()),
             Some(e) => Err(Error::invalid(

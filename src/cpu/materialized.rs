@@ -22,10 +22,10 @@ use rayon::prelude::*;
 
 use super::micro::{exp2, gemm_rows, LOG2E};
 use super::simd::{dispatch, Kernel, Simd};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::mask::SeqMask;
 use crate::problem::Problem;
-use crate::tensor::{Element, Layout};
+use crate::tensor::Element;
 
 /// Rows of one parallel task of each pass (a multiple of every instruction set's `MR`).
 const ROW_BLOCK: usize = 48;
@@ -257,19 +257,6 @@ impl Kernel for SoftmaxLastDim<'_> {
     }
 }
 
-fn fits(name: &str, l: &Layout, len: usize) -> Result<()> {
-    match l.extent() {
-        Some(e) if e <= len => Ok(()),
-        _ => Err(Error::invalid(
-            name,
-            format!(
-                "buffer of {len} elements is too small for shape {:?} strides {:?}",
-                l.dims, l.strides
-            ),
-        )),
-    }
-}
-
 /// Runs a validated problem the materialised way, candle's passes ([`Style::Candle`]), on
 /// slices laid out as it says; O and LSE as [`crate::Backend::run`] writes them. Uses the
 /// current rayon pool.
@@ -295,23 +282,14 @@ pub fn forward_with<T: Element>(
     out: &mut [T],
     mut lse: Option<&mut [f32]>,
 ) -> Result<()> {
-    if T::DTYPE != p.dtype() {
-        return Err(Error::invalid(
-            "q",
-            format!(
-                "element type {} does not match the problem's {}",
-                T::DTYPE,
-                p.dtype()
-            ),
-        ));
-    }
-    fits("q", p.q_layout(), q.len())?;
-    fits("k", p.k_layout(), k.len())?;
-    fits("v", p.v_layout(), v.len())?;
-    fits("out", p.o_layout(), out.len())?;
-    if let Some(l) = lse.as_deref() {
-        p.check_lse(l)?;
-    }
+    p.check_buffers(
+        T::DTYPE,
+        q.len(),
+        k.len(),
+        v.len(),
+        out.len(),
+        lse.as_deref().map(<[f32]>::len),
+    )?;
     let (d, dv) = (p.head_dim(), p.head_dim_v());
     let (ql, kl, vl, ol) = (p.q_layout(), p.k_layout(), p.v_layout(), p.o_layout());
     // Candle scales the scores; the fused pass folds the scale into Q, as fa4 does.

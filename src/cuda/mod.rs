@@ -280,28 +280,14 @@ impl CudaBackend {
         out: &mut CudaSlice<T>,
         lse: Option<&mut CudaSlice<f32>>,
     ) -> Result<()> {
-        if T::DTYPE != p.dtype() {
-            return Err(Error::invalid(
-                "q",
-                format!(
-                    "element type {} does not match the problem's {}",
-                    T::DTYPE,
-                    p.dtype()
-                ),
-            ));
-        }
-        fits("q", p.q_layout(), q.len())?;
-        fits("k", p.k_layout(), k.len())?;
-        fits("v", p.v_layout(), v.len())?;
-        fits("out", p.o_layout(), out.len())?;
-        if let Some(l) = lse.as_deref() {
-            if l.len() != p.lse_len() {
-                return Err(Error::invalid(
-                    "lse",
-                    format!("expected {} elements, got {}", p.lse_len(), l.len()),
-                ));
-            }
-        }
+        p.check_buffers(
+            T::DTYPE,
+            q.len(),
+            k.len(),
+            v.len(),
+            out.len(),
+            lse.as_deref().map(|l| l.len()),
+        )?;
         let batch = p.sequences().len();
         match (p.is_varlen(), cu_seqlens) {
             (true, Some((cq, ck))) if cq.len() == batch + 1 && ck.len() == batch + 1 => {}
@@ -436,19 +422,6 @@ fn offsets(p: &Problem) -> (Vec<i32>, Vec<i32>) {
     cq.push(seqs.last().map_or(0, |s| (s.q_start + s.q_len) as i32));
     ck.push(seqs.last().map_or(0, |s| (s.k_start + s.k_len) as i32));
     (cq, ck)
-}
-
-fn fits(name: &str, l: &Layout, len: usize) -> Result<()> {
-    match l.extent() {
-        Some(e) if e <= len => Ok(()),
-        _ => Err(Error::invalid(
-            name,
-            format!(
-                "device buffer of {len} elements is too small for shape {:?} strides {:?}",
-                l.dims, l.strides
-            ),
-        )),
-    }
 }
 
 /// The kernel parameters of a validated problem and its buffers' device addresses

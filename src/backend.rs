@@ -24,9 +24,14 @@ pub enum Backend {
 }
 
 impl Backend {
-    /// The best backend this machine has: a working GPU (device 0), else the CPU.
+    /// The best backend this machine has: a working GPU (device 0, with NVRTC to compile its
+    /// kernels), else the CPU.
     pub fn auto() -> Backend {
-        match CudaBackend::new(0) {
+        let gpu = CudaBackend::new(0).and_then(|cuda| {
+            crate::cuda::compile::nvrtc_version()?;
+            Ok(cuda)
+        });
+        match gpu {
             Ok(cuda) => Backend::Cuda(cuda),
             Err(_) => Backend::Cpu,
         }

@@ -4,7 +4,7 @@
 //
 // Self-contained: no CUDA headers (NVRTC may have none). The planner (`config::sm80`) prepends
 // a prelude defining HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, MIN_BLOCKS_PER_SM,
-// Q_IN_REGS, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, then `params.cuh`, then this file.
+// Q_IN_REGS, LAZY_RESCALE, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, then `params.cuh`, then this file.
 //
 // Work split: one CTA = BLOCK_M query rows of one (batch, head); warp w owns rows
 // [16w, 16w + 16); lane = 4·g + t owns rows g and g + 8 of its warp's 16, and columns
@@ -23,6 +23,9 @@ constexpr int NTILES_N = BLOCK_N / 8;             // n8 tiles of S
 constexpr int KSTEPS_N = BLOCK_N / 16;            // k16 steps over keys (P·V)
 constexpr int NTILES_D = HEAD_DIM / 8;            // n8 tiles of O
 constexpr float LOG2E = 1.4426950408889634f;
+// Conditional rescaling keeps a row's stale max until the new one is this much larger (log2
+// units): P then stays below 2^8, well inside fp16/bf16 range, and O is rescaled rarely.
+constexpr float RESCALE_THRESHOLD = 8.0f;
 #define NEG_INF __int_as_float(0xff800000u)  // −inf (no constexpr spelling without headers)
 
 static_assert(BLOCK_M == NUM_WARPS * ROWS_PER_WARP, "one warp per 16 query rows");
@@ -324,10 +327,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
             for (int i = 0; i < NTILES_N; ++i) mx = fmaxf(mx, fmaxf(rS[i][2 * r], rS[i][2 * r + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            // With LAZY_RESCALE a row keeps its stale max unless the new one is more than
+            // 2^RESCALE_THRESHOLD larger (from −inf it always moves; −inf to −inf is NaN: stays).
+            const bool move = !LAZY_RESCALE || (mx - row_max[r]) * p.scale_log2 > RESCALE_THRESHOLD;
+            const float m_new = move ? mx : row_max[r];
             // A row with no allowed key so far keeps max −inf; shift by 0 so exp2(−inf) = 0.
-            const float shift = mx == NEG_INF ? 0.0f : mx * p.scale_log2;
-            corr[r] = exp2_approx(row_max[r] * p.scale_log2 - shift);
-            row_max[r] = mx;
+            const float shift = m_new == NEG_INF ? 0.0f : m_new * p.scale_log2;
+            corr[r] = move ? exp2_approx(row_max[r] * p.scale_log2 - shift) : 1.0f;
+            row_max[r] = m_new;
             float sum = 0.0f;
 #pragma unroll
             for (int i = 0; i < NTILES_N; ++i) {
@@ -339,12 +346,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
             }
             row_sum[r] = row_sum[r] * corr[r] + sum;
         }
+        // Rescale O (a warp-uniform branch under LAZY_RESCALE: after the first block it is rare).
+        if (!LAZY_RESCALE || __any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
 #pragma unroll
-        for (int i = 0; i < NTILES_D; ++i) {
-            rO[i][0] *= corr[0];
-            rO[i][1] *= corr[0];
-            rO[i][2] *= corr[1];
-            rO[i][3] *= corr[1];
+            for (int i = 0; i < NTILES_D; ++i) {
+                rO[i][0] *= corr[0];
+                rO[i][1] *= corr[0];
+                rO[i][2] *= corr[1];
+                rO[i][3] *= corr[1];
+            }
         }
 
         // O += P·V: the S accumulator layout is the A-fragment layout, P never leaves registers.

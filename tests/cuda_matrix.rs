@@ -175,3 +175,29 @@ fn conditional_rescaling_matches_the_oracle() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+#[test]
+fn two_mma_tiles_per_warp_match_the_oracle() {
+    let Some(cuda) = gpu() else { return };
+    let cases = matrix(&[DType::Bf16, DType::F16], &[64, 128]);
+    let mut failures = Vec::new();
+    for (i, case) in cases.iter().enumerate() {
+        let tiles = fa4::config::sm80::Tiles {
+            block_m: 128,
+            block_n: 32,
+            num_warps: 4,
+            m_tiles: 2,
+            stages: 3,
+            min_blocks_per_sm: 1,
+            q_in_regs: case.head_dim <= 64,
+            lazy_rescale: false,
+        };
+        let backend = Backend::Cuda(cuda.with_tiles(Some(tiles)));
+        match run_case(&backend, case, 11000 + i as u64) {
+            Ok(r) if r.passed() => {}
+            Ok(r) => failures.push(format!("{case}: {r}")),
+            Err(e) => failures.push(format!("{case}: error {e}")),
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

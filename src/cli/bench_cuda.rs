@@ -26,7 +26,7 @@ pub struct CudaBenchArgs {
     #[arg(long, default_value_t = 2048)]
     hidden: usize,
     /// Override the planner's tiles:
-    /// `block_m,block_n,warps,stages,ctas_per_sm,q_in_regs(0|1),lazy_rescale(0|1)`.
+    /// `block_m,block_n,warps,m_tiles,stages,ctas_per_sm,q_in_regs(0|1),lazy_rescale(0|1)`.
     #[arg(long)]
     tiles: Option<String>,
     /// CUDA device ordinal.
@@ -86,17 +86,18 @@ fn parse_tiles(s: &str) -> Result<Tiles> {
         .split(',')
         .map(|x| x.trim().parse::<usize>())
         .collect::<std::result::Result<_, _>>()
-        .map_err(|_| Error::invalid("--tiles", format!("expected seven integers, got `{s}`")))?;
-    let [block_m, block_n, num_warps, stages, min_blocks_per_sm, q, lazy] = v[..] else {
+        .map_err(|_| Error::invalid("--tiles", format!("expected eight integers, got `{s}`")))?;
+    let [block_m, block_n, num_warps, m_tiles, stages, min_blocks_per_sm, q, lazy] = v[..] else {
         return Err(Error::invalid(
             "--tiles",
-            format!("expected seven integers, got `{s}`"),
+            format!("expected eight integers, got `{s}`"),
         ));
     };
     Ok(Tiles {
         block_m,
         block_n,
         num_warps,
+        m_tiles,
         stages,
         min_blocks_per_sm,
         q_in_regs: q != 0,

@@ -26,7 +26,7 @@ pub const VECTOR_ELEMS: usize = 8;
 /// benchmark may override (validated by [`Tiles::check`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Tiles {
-    /// Query rows per CTA: `16 · num_warps`.
+    /// Query rows per CTA: `16 · m_tiles · num_warps`.
     pub block_m: usize,
     /// Keys per inner step (a multiple of 16).
     pub block_n: usize,
@@ -34,6 +34,8 @@ pub struct Tiles {
     pub num_warps: usize,
     /// K/V ring stages (≥ 2).
     pub stages: usize,
+    /// 16-row MMA tiles per warp (1 or 2): two reuse each K/V fragment twice.
+    pub m_tiles: usize,
     /// CTAs per SM the register allocation is made for (`__launch_bounds__`).
     pub min_blocks_per_sm: usize,
     /// Keep the warp's Q fragments in registers (else reload them from shared memory).
@@ -59,8 +61,13 @@ impl Tiles {
             ))
         };
         let threads = self.num_warps * 32;
-        if self.num_warps == 0 || self.block_m != self.num_warps * ROWS_PER_WARP {
-            return bad(format!("block_m must be {ROWS_PER_WARP} · num_warps"));
+        if !(1..=2).contains(&self.m_tiles) {
+            return bad("m_tiles must be 1 or 2".into());
+        }
+        if self.num_warps == 0 || self.block_m != self.num_warps * self.m_tiles * ROWS_PER_WARP {
+            return bad(format!(
+                "block_m must be {ROWS_PER_WARP} · m_tiles · num_warps"
+            ));
         }
         if self.block_n == 0 || !self.block_n.is_multiple_of(16) {
             return bad("block_n must be a positive multiple of 16".into());
@@ -142,6 +149,7 @@ impl KernelSpec {
              constexpr int NUM_WARPS = {};\n\
              constexpr int STAGES = {};\n\
              constexpr int MIN_BLOCKS_PER_SM = {};\n\
+             constexpr int M_TILES = {};\n\
              constexpr bool Q_IN_REGS = {};\n\
              constexpr bool LAZY_RESCALE = {};\n\
              constexpr bool IS_BF16 = {};\n\
@@ -154,6 +162,7 @@ impl KernelSpec {
             t.num_warps,
             t.stages,
             t.min_blocks_per_sm,
+            t.m_tiles,
             t.q_in_regs,
             t.lazy_rescale,
             self.bf16,
@@ -169,13 +178,14 @@ impl fmt::Display for KernelSpec {
         let t = &self.tiles;
         write!(
             f,
-            "sm80-fwd {} {} d{} {}x{} w{} s{} b{}{}{}{}{}",
+            "sm80-fwd {} {} d{} {}x{} w{} m{} s{} b{}{}{}{}{}",
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
             self.head_dim,
             t.block_m,
             t.block_n,
             t.num_warps,
+            t.m_tiles,
             t.stages,
             t.min_blocks_per_sm,
             if t.q_in_regs { " qreg" } else { "" },
@@ -190,6 +200,7 @@ const fn t(
     block_m: usize,
     block_n: usize,
     num_warps: usize,
+    m_tiles: usize,
     stages: usize,
     min_blocks_per_sm: usize,
     q_in_regs: bool,
@@ -198,6 +209,7 @@ const fn t(
         block_m,
         block_n,
         num_warps,
+        m_tiles,
         stages,
         min_blocks_per_sm,
         q_in_regs,
@@ -210,44 +222,46 @@ const fn t(
 /// warp vote and branch cost more than the 32–128 FMULs of the rescale they skip.
 const LAZY_RESCALE: bool = false;
 
-/// Tile candidates per padded head dim, fastest first, as measured on an H200 (bf16, 16k tokens,
-/// seqlen 4096, non-causal; `docs/perf.md`); later entries are for parts with less shared
-/// memory or fewer threads per SM. d64: two 4-warp CTAs per SM with 128-key blocks (288 TFLOP/s,
-/// against 274 for one 8-warp CTA with 128-key blocks and 251 with 64). d128: one 8-warp CTA,
-/// 3 stages, Q in registers (317, against 283 for two 4-warp CTAs and 259 with 128-key blocks).
-/// d192 and d256 keep Q in shared memory (the O accumulator alone is 96–128 registers): 64-key
-/// blocks suit d192 (297 against 253), 32-key blocks d256 (276 against 258, no spills).
+/// Tile candidates per padded head dim, fastest first, as measured on an H200 (bf16, 16k tokens;
+/// `docs/perf.md`); later entries are for parts with less shared memory or fewer threads per
+/// SM. At seqlen 4096, non-causal, TFLOP/s:
+/// - d64: 4 warps × two 16-row MMA tiles, Q reloaded from shared memory (310), against one tile
+///   per warp in two 4-warp CTAs per SM with 128-key blocks (288) or one 8-warp CTA (251–274).
+/// - d128: one 8-warp CTA, one tile per warp, 3 stages, Q in registers (317), against two tiles
+///   per warp (262–290: their accumulators spill) and two 4-warp CTAs per SM (283).
+/// - d192 and d256 keep Q in shared memory (the O accumulator alone is 96–128 registers):
+///   64-key blocks suit d192 (297 against 253), 32-key blocks d256 (276 against 258).
 const CANDIDATES: [(usize, [Tiles; 3]); 4] = [
     (
         64,
         [
-            t(64, 128, 4, 2, 2, true),
-            t(128, 64, 8, 3, 1, true),
-            t(64, 64, 4, 2, 1, true),
+            t(128, 64, 4, 2, 2, 1, false),
+            t(64, 128, 4, 1, 2, 2, true),
+            t(64, 64, 4, 1, 2, 1, true),
         ],
     ),
     (
         128,
         [
-            t(128, 64, 8, 3, 1, true),
-            t(128, 64, 8, 2, 1, true),
-            t(64, 64, 4, 2, 1, true),
+            t(128, 64, 8, 1, 3, 1, true),
+            t(128, 64, 8, 1, 2, 1, true),
+            t(64, 64, 4, 1, 2, 1, true),
         ],
     ),
     (
         192,
         [
-            t(128, 64, 8, 2, 1, false),
-            t(128, 32, 8, 2, 1, false),
-            t(64, 32, 4, 2, 1, false),
+            t(128, 64, 8, 1, 2, 1, false),
+            t(128, 32, 8, 1, 2, 1, false),
+            t(64, 32, 4, 1, 2, 1, false),
         ],
     ),
     (
         256,
         [
-            t(128, 32, 8, 3, 1, false),
-            t(128, 32, 8, 2, 1, false),
-            t(64, 32, 4, 2, 1, false),
+            t(128, 32, 8, 1, 3, 1, false),
+            t(128, 32, 8, 1, 2, 1, false),
+            t(64, 32, 4, 1, 2, 1, false),
         ],
     ),
 ];
@@ -421,7 +435,7 @@ mod tests {
         for arch in [A100, H200, RTX_5090] {
             for d in HEAD_DIMS {
                 let t = tiles(&arch, d).unwrap_or_else(|| panic!("{} d{d}", arch.name));
-                assert_eq!(t.block_m, t.num_warps * ROWS_PER_WARP);
+                assert_eq!(t.block_m, t.num_warps * t.m_tiles * ROWS_PER_WARP);
                 assert!(
                     t.smem_bytes(d) <= arch.max_smem_per_block() as usize,
                     "{} d{d}",

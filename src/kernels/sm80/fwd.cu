@@ -4,18 +4,20 @@
 //
 // Self-contained: no CUDA headers (NVRTC may have none). The planner (`config::sm80`) prepends
 // a prelude defining HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, MIN_BLOCKS_PER_SM,
-// Q_IN_REGS, LAZY_RESCALE, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, then `params.cuh`, then this file.
+// M_TILES, Q_IN_REGS, LAZY_RESCALE, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, then `params.cuh`, then this file.
 //
-// Work split: one CTA = BLOCK_M query rows of one (batch, head); warp w owns rows
-// [16w, 16w + 16); lane = 4·g + t owns rows g and g + 8 of its warp's 16, and columns
-// 2t, 2t + 1 of every 8-wide MMA tile (the m16n8k16 accumulator layout).
+// Work split: one CTA = BLOCK_M query rows of one (batch, head); warp w owns M_TILES MMA tiles
+// of 16 rows, [16·M_TILES·w, 16·M_TILES·(w + 1)); in each, lane = 4·g + t owns rows g and g + 8
+// and columns 2t, 2t + 1 of every 8-wide MMA tile (the m16n8k16 accumulator layout). With two
+// tiles a warp reuses every K and V fragment it loads twice, halving ldmatrix traffic per MMA.
 
 typedef unsigned short u16;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
 constexpr int NUM_THREADS = NUM_WARPS * 32;
-constexpr int ROWS_PER_WARP = 16;
+constexpr int ROWS_PER_WARP = 16 * M_TILES;
+constexpr int ROW_SLOTS = 2 * M_TILES;              // rows a thread owns: g + 8·slot
 constexpr int CHUNK_ELEMS = 8;                    // one 16-byte cp.async / ldmatrix row
 constexpr int CHUNKS = HEAD_DIM / CHUNK_ELEMS;    // 16-byte chunks per tile row
 constexpr int KSTEPS_D = HEAD_DIM / 16;           // k16 steps over the head dim (Q·Kᵀ)
@@ -28,7 +30,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float RESCALE_THRESHOLD = 8.0f;
 #define NEG_INF __int_as_float(0xff800000u)  // −inf (no constexpr spelling without headers)
 
-static_assert(BLOCK_M == NUM_WARPS * ROWS_PER_WARP, "one warp per 16 query rows");
+static_assert(BLOCK_M == NUM_WARPS * ROWS_PER_WARP, "each warp owns M_TILES tiles of 16 rows");
 static_assert(HEAD_DIM % 64 == 0, "the swizzle permutes 8 chunks: rows are whole 128-byte groups");
 static_assert(BLOCK_N % 16 == 0, "P·V steps over keys in k16 slices");
 static_assert(STAGES >= 2, "the K/V ring needs at least double buffering");
@@ -219,9 +221,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
     const int n_end = span_hi > span_lo ? (span_hi + BLOCK_N - 1) / BLOCK_N : n_begin;
     const int free_lo = key_lo(p, s, last_row);  // blocks starting at or after this …
     const int free_hi = key_hi(p, s, first_row); // … and ending at or before this need no mask
-    int row_lo[2], row_hi[2];
+    int row_lo[ROW_SLOTS], row_hi[ROW_SLOTS];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < ROW_SLOTS; ++r) {
         int i = m0 + warp * ROWS_PER_WARP + g + 8 * r;
         row_lo[r] = key_lo(p, s, i);
         row_hi[r] = key_hi(p, s, i);
@@ -242,12 +244,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
         cp_async_commit();
     }
 
-    u32 rQ[Q_IN_REGS ? KSTEPS_D : 1][4];                    // Q fragments, (16, HEAD_DIM) per warp
-    float rO[NTILES_D][4];                                   // O accumulator, (16, HEAD_DIM) per warp
+    u32 rQ[Q_IN_REGS ? M_TILES : 1][Q_IN_REGS ? KSTEPS_D : 1][4];  // Q fragments, (ROWS_PER_WARP, HEAD_DIM)
+    float rO[M_TILES][NTILES_D][4];                          // O accumulator, (ROWS_PER_WARP, HEAD_DIM)
+    float row_max[ROW_SLOTS];                                // raw scores (before scale_log2)
+    float row_sum[ROW_SLOTS];                                // this thread's columns only
 #pragma unroll
-    for (int i = 0; i < NTILES_D; ++i) rO[i][0] = rO[i][1] = rO[i][2] = rO[i][3] = 0.0f;
-    float row_max[2] = {NEG_INF, NEG_INF};                   // raw scores (before scale_log2)
-    float row_sum[2] = {0.0f, 0.0f};                         // this thread's columns only
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int i = 0; i < NTILES_D; ++i) rO[mt][i][0] = rO[mt][i][1] = rO[mt][i][2] = rO[mt][i][3] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < ROW_SLOTS; ++r) {
+        row_max[r] = NEG_INF;
+        row_sum[r] = 0.0f;
+    }
     const u32 q_sign = p.negate_q ? 0x80008000u : 0u;
     const int warp_row0 = warp * ROWS_PER_WARP;
 
@@ -257,8 +266,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
     const SwzBases bK = swz_bases(0, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
     const SwzBases bV = swz_bases(0, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
 
-    auto q_frag = [&](int kk, u32 (&a)[4]) {
-        ldmatrix_x4(a, swz_at(bQ, warp_row0, kk * 2));
+    auto q_frag = [&](int mt, int kk, u32 (&a)[4]) {
+        ldmatrix_x4(a, swz_at(bQ, warp_row0 + 16 * mt, kk * 2));
 #pragma unroll
         for (int j = 0; j < 4; ++j) a[j] ^= q_sign;
     };
@@ -269,62 +278,78 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
         __syncthreads();              // … and everyone's; everyone is done with tile it - 1.
         if (Q_IN_REGS && it == 0) {
 #pragma unroll
-            for (int kk = 0; kk < KSTEPS_D; ++kk) q_frag(kk, rQ[Q_IN_REGS ? kk : 0]);
+            for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                for (int kk = 0; kk < KSTEPS_D; ++kk) q_frag(mt, kk, rQ[Q_IN_REGS ? mt : 0][Q_IN_REGS ? kk : 0]);
         }
         if (n + STAGES - 1 < n_end) issue_kv(n + STAGES - 1, (it + STAGES - 1) % STAGES);
         cp_async_commit();
         const int stage = it % STAGES;
         const u32 sKs = sK + stage * KV_TILE_ELEMS * 2, sVs = sV + stage * KV_TILE_ELEMS * 2;
 
-        // S = Q·Kᵀ, (16, BLOCK_N) per warp.
-        float rS[NTILES_N][4];
+        // S = Q·Kᵀ, (ROWS_PER_WARP, BLOCK_N) per warp; each K fragment feeds M_TILES MMAs.
+        float rS[M_TILES][NTILES_N][4];
 #pragma unroll
-        for (int i = 0; i < NTILES_N; ++i) rS[i][0] = rS[i][1] = rS[i][2] = rS[i][3] = 0.0f;
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int i = 0; i < NTILES_N; ++i) rS[mt][i][0] = rS[mt][i][1] = rS[mt][i][2] = rS[mt][i][3] = 0.0f;
 #pragma unroll
         for (int kk = 0; kk < KSTEPS_D; ++kk) {
-            u32 qa[4];
-            if constexpr (Q_IN_REGS) {
+            u32 qa[M_TILES][4];
 #pragma unroll
-                for (int j = 0; j < 4; ++j) qa[j] = rQ[Q_IN_REGS ? kk : 0][j];
-            } else {
-                q_frag(kk, qa);
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                if constexpr (Q_IN_REGS) {
+#pragma unroll
+                    for (int j = 0; j < 4; ++j) qa[mt][j] = rQ[Q_IN_REGS ? mt : 0][Q_IN_REGS ? kk : 0][j];
+                } else {
+                    q_frag(mt, kk, qa[mt]);
+                }
             }
 #pragma unroll
             for (int np = 0; np < NTILES_N / 2; ++np) {
                 u32 b[4];
                 ldmatrix_x4(b, sKs + swz_at(bK, np * 16, kk * 2));
-                mma_16816(rS[2 * np], qa, b[0], b[1]);
-                mma_16816(rS[2 * np + 1], qa, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt) {
+                    mma_16816(rS[mt][2 * np], qa[mt], b[0], b[1]);
+                    mma_16816(rS[mt][2 * np + 1], qa[mt], b[2], b[3]);
+                }
             }
         }
 
         if constexpr (HAS_SOFTCAP) {
 #pragma unroll
-            for (int i = 0; i < NTILES_N; ++i)
+            for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) rS[i][e] = p.softcap * tanh_accurate(rS[i][e] * p.softcap_scale);
+                for (int i = 0; i < NTILES_N; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e)
+                        rS[mt][i][e] = p.softcap * tanh_accurate(rS[mt][i][e] * p.softcap_scale);
         }
 
         // Mask: only blocks that cross a row's key bounds (or the end of the keys).
         const int key0 = n * BLOCK_N;
         if (key0 < free_lo || key0 + BLOCK_N > free_hi) {
 #pragma unroll
-            for (int i = 0; i < NTILES_N; ++i)
+            for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    int j = key0 + i * 8 + 2 * t + (e & 1);
-                    int r = e / 2;
-                    if (j < row_lo[r] || j >= row_hi[r]) rS[i][e] = NEG_INF;
-                }
+                for (int i = 0; i < NTILES_N; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        int j = key0 + i * 8 + 2 * t + (e & 1);
+                        int r = 2 * mt + e / 2;
+                        if (j < row_lo[r] || j >= row_hi[r]) rS[mt][i][e] = NEG_INF;
+                    }
         }
 
-        // Online softmax: rows g and g + 8; the 4 lanes of a quad share a row.
-        float corr[2];
+        // Online softmax: row slot r is row g + 8r; the 4 lanes of a quad share a row.
+        float corr[ROW_SLOTS];
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
+        for (int r = 0; r < ROW_SLOTS; ++r) {
+            const int mt = r / 2, h = r % 2;
             float mx = row_max[r];
 #pragma unroll
-            for (int i = 0; i < NTILES_N; ++i) mx = fmaxf(mx, fmaxf(rS[i][2 * r], rS[i][2 * r + 1]));
+            for (int i = 0; i < NTILES_N; ++i) mx = fmaxf(mx, fmaxf(rS[mt][i][2 * h], rS[mt][i][2 * h + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             // With LAZY_RESCALE a row keeps its stale max unless the new one is more than
@@ -339,47 +364,58 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
 #pragma unroll
             for (int i = 0; i < NTILES_N; ++i) {
 #pragma unroll
-                for (int e = 2 * r; e < 2 * r + 2; ++e) {
-                    rS[i][e] = exp2_approx(fmaf(rS[i][e], p.scale_log2, -shift));
-                    sum += rS[i][e];
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                    rS[mt][i][e] = exp2_approx(fmaf(rS[mt][i][e], p.scale_log2, -shift));
+                    sum += rS[mt][i][e];
                 }
             }
             row_sum[r] = row_sum[r] * corr[r] + sum;
         }
         // Rescale O (a warp-uniform branch under LAZY_RESCALE: after the first block it is rare).
-        if (!LAZY_RESCALE || __any_sync(0xffffffffu, corr[0] != 1.0f || corr[1] != 1.0f)) {
+        bool moved = false;
 #pragma unroll
-            for (int i = 0; i < NTILES_D; ++i) {
-                rO[i][0] *= corr[0];
-                rO[i][1] *= corr[0];
-                rO[i][2] *= corr[1];
-                rO[i][3] *= corr[1];
-            }
+        for (int r = 0; r < ROW_SLOTS; ++r) moved |= corr[r] != 1.0f;
+        if (!LAZY_RESCALE || __any_sync(0xffffffffu, moved)) {
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                for (int i = 0; i < NTILES_D; ++i) {
+                    rO[mt][i][0] *= corr[2 * mt];
+                    rO[mt][i][1] *= corr[2 * mt];
+                    rO[mt][i][2] *= corr[2 * mt + 1];
+                    rO[mt][i][3] *= corr[2 * mt + 1];
+                }
         }
 
         // O += P·V: the S accumulator layout is the A-fragment layout, P never leaves registers.
 #pragma unroll
         for (int ks = 0; ks < KSTEPS_N; ++ks) {
-            u32 pa[4];
-            pa[0] = pack2(rS[2 * ks][0], rS[2 * ks][1]);
-            pa[1] = pack2(rS[2 * ks][2], rS[2 * ks][3]);
-            pa[2] = pack2(rS[2 * ks + 1][0], rS[2 * ks + 1][1]);
-            pa[3] = pack2(rS[2 * ks + 1][2], rS[2 * ks + 1][3]);
+            u32 pa[M_TILES][4];
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                pa[mt][0] = pack2(rS[mt][2 * ks][0], rS[mt][2 * ks][1]);
+                pa[mt][1] = pack2(rS[mt][2 * ks][2], rS[mt][2 * ks][3]);
+                pa[mt][2] = pack2(rS[mt][2 * ks + 1][0], rS[mt][2 * ks + 1][1]);
+                pa[mt][3] = pack2(rS[mt][2 * ks + 1][2], rS[mt][2 * ks + 1][3]);
+            }
 #pragma unroll
             for (int dp = 0; dp < NTILES_D / 2; ++dp) {
                 u32 b[4];
                 ldmatrix_x4_trans(b, sVs + swz_at(bV, ks * 16, dp * 2));
-                mma_16816(rO[2 * dp], pa, b[0], b[1]);
-                mma_16816(rO[2 * dp + 1], pa, b[2], b[3]);
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt) {
+                    mma_16816(rO[mt][2 * dp], pa[mt], b[0], b[1]);
+                    mma_16816(rO[mt][2 * dp + 1], pa[mt], b[2], b[3]);
+                }
             }
         }
     }
     cp_async_wait<0>();
 
     // Epilogue: O = acc / sum in 16-bit through this warp's own rows of sQ, then 16-byte stores.
-    float inv[2];
+    float inv[ROW_SLOTS];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
+    for (int r = 0; r < ROW_SLOTS; ++r) {
         float sum = row_sum[r];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
@@ -393,14 +429,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
     }
     __syncthreads();  // every warp is done reading K/V and its Q rows before sQ is reused
 #pragma unroll
-    for (int i = 0; i < NTILES_D; ++i) {
+    for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-            u32 v = pack2(rO[i][2 * r] * inv[r], rO[i][2 * r + 1] * inv[r]);
-            u32 addr = sQ + swz(warp_row0 + g + 8 * r, i) + t * 4;
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
+        for (int i = 0; i < NTILES_D; ++i) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int r = 2 * mt + h;
+                u32 v = pack2(rO[mt][i][2 * h] * inv[r], rO[mt][i][2 * h + 1] * inv[r]);
+                u32 addr = sQ + swz(warp_row0 + g + 8 * r, i) + t * 4;
+                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
+            }
         }
-    }
     __syncwarp();
     u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + (s.q_start + m0) * p.o_row_stride +
               head * p.o_head_stride;

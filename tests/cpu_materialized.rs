@@ -1,7 +1,7 @@
 //! The materialised evaluation (`fa4 bench`'s CPU peer) passes the same tolerance rule as the
 //! backends, so that its timings are of a correct computation.
 
-use fa4::check::{check, random_fill};
+use fa4::check::{check, random_qkv};
 use fa4::cpu::materialized::{self, Style};
 use fa4::tensor::Layout;
 use fa4::{Element, Mask, Options, Problem};
@@ -47,9 +47,7 @@ fn case<T: Element>(
     let mut q = vec![T::NAN; ql.numel()];
     let mut k = vec![T::NAN; kl.numel()];
     let mut v = vec![T::NAN; kl.numel()];
-    random_fill(&mut rng, &mut q, d, 1.0);
-    random_fill(&mut rng, &mut k, d, 3.0);
-    random_fill(&mut rng, &mut v, d, 1.0);
+    random_qkv(&mut rng, &mut q, &mut k, &mut v, d, d);
     let mut o = vec![T::NAN; ql.numel()];
     let mut lse = vec![f32::NAN; p.lse_len()];
     for style in [Style::Candle, Style::Fused] {

@@ -6,7 +6,7 @@ use std::fmt;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
-use super::{check, random_fill, Report};
+use super::{check, random_qkv, Report};
 use crate::backend::Backend;
 use crate::dtype::DType;
 use crate::error::Result;
@@ -283,9 +283,14 @@ fn setup<T: Element>(case: &Case, seed: u64) -> Result<(Problem, Data<T>)> {
     let mut q = vec![T::NAN; qn];
     let mut k = vec![T::NAN; kn];
     let mut v = vec![T::NAN; vn];
-    random_fill(&mut rng, &mut q, case.head_dim, 1.0);
-    random_fill(&mut rng, &mut k, case.head_dim, 3.0);
-    random_fill(&mut rng, &mut v, case.head_dim_v, 1.0);
+    random_qkv(
+        &mut rng,
+        &mut q,
+        &mut k,
+        &mut v,
+        case.head_dim,
+        case.head_dim_v,
+    );
     if case.nan && !k.is_empty() {
         let row = (kn / case.head_dim) / 2;
         k[row * case.head_dim] = T::NAN;

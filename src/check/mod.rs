@@ -256,6 +256,25 @@ pub fn check_against<T: Element>(
     }
 }
 
+/// Scale of the outlier K rows in [`random_qkv`]: their scores jump, so the online softmax must
+/// rescale, while f32 scores stay small enough for the spec's absolute LSE bound.
+pub const KEY_OUTLIER_SCALE: f32 = 3.0;
+
+/// The inputs every correctness check and benchmark draws: Q, K, V standard normal, one K row in
+/// 16 scaled by [`KEY_OUTLIER_SCALE`]. `d` and `dv` are the head dims (the row lengths).
+pub fn random_qkv<T: Element, R: Rng>(
+    rng: &mut R,
+    q: &mut [T],
+    k: &mut [T],
+    v: &mut [T],
+    d: usize,
+    dv: usize,
+) {
+    random_fill(rng, q, d, 1.0);
+    random_fill(rng, k, d, KEY_OUTLIER_SCALE);
+    random_fill(rng, v, dv, 1.0);
+}
+
 /// Fills a buffer with standard-normal values rounded to `T`, then scales one row in 16 (rows of
 /// `row_len` elements, chosen without repetition) by `large`, so that row maxima jump and the
 /// online softmax must rescale.

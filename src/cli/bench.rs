@@ -22,7 +22,7 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 use serde::Serialize;
 
-use fa4::check::random_fill;
+use fa4::check::random_qkv;
 use fa4::cpu::materialized::{self, Style};
 use fa4::cpu::{peak, CpuBackend, Isa};
 use fa4::tensor::Layout;
@@ -352,9 +352,7 @@ impl Shape {
         let mut q = vec![T::from_f32(0.0); n];
         let mut k = q.clone();
         let mut v = q.clone();
-        random_fill(&mut rng, &mut q, d, 1.0);
-        random_fill(&mut rng, &mut k, d, 3.0);
-        random_fill(&mut rng, &mut v, d, 1.0);
+        random_qkv(&mut rng, &mut q, &mut k, &mut v, d, d);
         let mut o = vec![T::NAN; n];
         let mut lse = vec![f32::NAN; p.lse_len()];
 

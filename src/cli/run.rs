@@ -250,10 +250,14 @@ fn random_typed<T: Element>(
     let mut q = alloc("q", p.q_layout().numel(), T::NAN)?;
     let mut k = alloc("k", p.k_layout().numel(), T::NAN)?;
     let mut v = alloc("v", p.v_layout().numel(), T::NAN)?;
-    // The matrix's inputs: standard normal, a few K rows scaled by 3 so row maxima jump.
-    check::random_fill(&mut rng, &mut q, p.head_dim(), 1.0);
-    check::random_fill(&mut rng, &mut k, p.head_dim(), 3.0);
-    check::random_fill(&mut rng, &mut v, p.head_dim_v(), 1.0);
+    check::random_qkv(
+        &mut rng,
+        &mut q,
+        &mut k,
+        &mut v,
+        p.head_dim(),
+        p.head_dim_v(),
+    );
     let job = Job { p, q, k, v };
     let done = job.execute(backend)?;
     job.print(backend, &done, &[]);

@@ -722,7 +722,7 @@ mod tests {
     use rand::SeedableRng;
 
     use super::*;
-    use crate::check::{check, random_fill, Report};
+    use crate::check::{check, random_qkv, Report};
     use crate::mask::Mask;
     use crate::problem::Options;
     use crate::tensor::Layout;
@@ -746,9 +746,7 @@ mod tests {
             vec![T::NAN; kl.numel()],
             vec![T::NAN; kl.numel()],
         );
-        random_fill(&mut rng, &mut q, d, 1.0);
-        random_fill(&mut rng, &mut k, d, 3.0);
-        random_fill(&mut rng, &mut v, d, 1.0);
+        random_qkv(&mut rng, &mut q, &mut k, &mut v, d, d);
         if let Some((row, x)) = bad {
             v[row * d + 3] = T::from_f32(x);
         }

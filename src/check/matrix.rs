@@ -208,6 +208,13 @@ pub fn matrix(dtypes: &[DType], head_dims: &[usize]) -> Vec<Case> {
                     mask: Mask::Causal,
                     ..c(fixed(2, 33, 47))
                 },
+                // A negative scale (the CUDA kernel negates Q once and runs with |scale|).
+                Case {
+                    scale: Some(-0.2),
+                    heads_q: 2,
+                    heads_kv: 1,
+                    ..c(fixed(1, 70, 70))
+                },
                 Case {
                     nan: true,
                     mask: Mask::Causal,

@@ -6,7 +6,6 @@
 use clap::Args;
 use serde::Serialize;
 
-use fa4::config::sm80::Tiles;
 use fa4::cuda::bench::time_forward;
 use fa4::cuda::CudaBackend;
 use fa4::tensor::Layout;
@@ -81,34 +80,10 @@ fn parse_grid(items: &[String]) -> Result<Vec<(usize, usize, bool)>> {
         .collect()
 }
 
-fn parse_tiles(s: &str) -> Result<Tiles> {
-    let v: Vec<usize> = s
-        .split(',')
-        .map(|x| x.trim().parse::<usize>())
-        .collect::<std::result::Result<_, _>>()
-        .map_err(|_| Error::invalid("--tiles", format!("expected eight integers, got `{s}`")))?;
-    let [block_m, block_n, num_warps, m_tiles, stages, min_blocks_per_sm, q, lazy] = v[..] else {
-        return Err(Error::invalid(
-            "--tiles",
-            format!("expected eight integers, got `{s}`"),
-        ));
-    };
-    Ok(Tiles {
-        block_m,
-        block_n,
-        num_warps,
-        m_tiles,
-        stages,
-        min_blocks_per_sm,
-        q_in_regs: q != 0,
-        lazy_rescale: lazy != 0,
-    })
-}
-
 /// Runs the CUDA benchmark; prints a table, or one JSON array with `json`.
 pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bool) -> Result<()> {
     let grid = parse_grid(&a.grid)?;
-    let tiles = a.tiles.as_deref().map(parse_tiles).transpose()?;
+    let tiles = a.tiles.as_deref().map(super::parse_tiles).transpose()?;
     let cuda = CudaBackend::new(a.device)
         .map_err(|e| Error::invalid("--backend", format!("cuda: {e}")))?
         .with_tiles(tiles);

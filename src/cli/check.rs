@@ -9,7 +9,7 @@ use clap::Args;
 
 use fa4::check::{matrix, run_case};
 use fa4::problem::MAX_HEAD_DIM;
-use fa4::{DType, Error, Result};
+use fa4::{Backend, DType, Error, Result};
 
 use super::BackendArg;
 
@@ -32,10 +32,31 @@ pub struct CheckArgs {
     /// Case i draws its inputs from seed + i (tests/cpu_matrix.rs uses 1000).
     #[arg(long, default_value_t = 1000, allow_negative_numbers = true)]
     seed: u64,
+    /// Override the CUDA kernel's tiles (`--backend cuda` only; the form of `fa4 bench --tiles`):
+    /// `block_m,block_n,warps,m_tiles,stages,ctas_per_sm,q_in_regs(0|1),lazy_rescale(0|1)`.
+    #[arg(long)]
+    tiles: Option<String>,
 }
 
 pub fn run(args: CheckArgs) -> Result<ExitCode> {
-    let backend = args.backend.resolve()?;
+    let backend = match args.tiles.as_deref() {
+        None => args.backend.resolve()?,
+        Some(t) => {
+            let tiles = super::parse_tiles(t)?;
+            match args.backend.resolve()? {
+                Backend::Cuda(cuda) => Backend::Cuda(cuda.with_tiles(Some(tiles))),
+                other => {
+                    return Err(Error::invalid(
+                        "--tiles",
+                        format!(
+                            "only the CUDA backend has tiles to override, not {}",
+                            other.name()
+                        ),
+                    ))
+                }
+            }
+        }
+    };
     if let Some(t) = args.dtype.iter().find(|&&t| t == DType::Fp8E4M3) {
         return Err(Error::invalid(
             "--dtype",

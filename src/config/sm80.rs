@@ -104,6 +104,44 @@ impl Tiles {
     }
 }
 
+/// The command-line spelling of a tile override (`fa4 bench --tiles`, `fa4 check --tiles`):
+/// `block_m,block_n,warps,m_tiles,stages,ctas_per_sm,q_in_regs(0|1),lazy_rescale(0|1)`.
+/// Parsing checks the form only; [`Tiles::check`] checks the numbers against a head dim and GPU.
+impl std::str::FromStr for Tiles {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Tiles> {
+        let bad = || Error::invalid("tiles", format!("expected eight integers, got `{s}`"));
+        let v: Vec<usize> = s
+            .split(',')
+            .map(|x| x.trim().parse::<usize>())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|_| bad())?;
+        let [block_m, block_n, num_warps, m_tiles, stages, min_blocks_per_sm, q, lazy] = v[..]
+        else {
+            return Err(bad());
+        };
+        let flag = |x: usize, name: &str| match x {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(Error::invalid(
+                "tiles",
+                format!("{name} must be 0 or 1, got {x}"),
+            )),
+        };
+        Ok(Tiles {
+            block_m,
+            block_n,
+            num_warps,
+            m_tiles,
+            stages,
+            min_blocks_per_sm,
+            q_in_regs: flag(q, "q_in_regs")?,
+            lazy_rescale: flag(lazy, "lazy_rescale")?,
+        })
+    }
+}
+
 /// What the kernel is specialised on. Hash/Eq make it the compile-cache key (with the source
 /// hash and NVRTC version); the prelude is a pure function of it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -196,6 +234,7 @@ impl fmt::Display for KernelSpec {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 const fn t(
     block_m: usize,
     block_n: usize,
@@ -204,6 +243,7 @@ const fn t(
     stages: usize,
     min_blocks_per_sm: usize,
     q_in_regs: bool,
+    lazy_rescale: bool,
 ) -> Tiles {
     Tiles {
         block_m,
@@ -213,55 +253,57 @@ const fn t(
         stages,
         min_blocks_per_sm,
         q_in_regs,
-        lazy_rescale: LAZY_RESCALE,
+        lazy_rescale,
     }
 }
 
-/// Whether planned tiles use conditional rescaling (see [`Tiles::lazy_rescale`]). Off: on the
-/// H200 it made every grid point 6–14% slower (d64–d256, 1k–16k tokens, causal and not): the
-/// warp vote and branch cost more than the 32–128 FMULs of the rescale they skip.
-const LAZY_RESCALE: bool = false;
-
-/// Tile candidates per padded head dim, fastest first, as measured on an H200 (bf16, 16k tokens;
-/// `docs/perf.md`); later entries are for parts with less shared memory or fewer threads per
-/// SM. At seqlen 4096, non-causal, TFLOP/s:
-/// - d64: 4 warps × two 16-row MMA tiles, Q reloaded from shared memory (310), against one tile
-///   per warp in two 4-warp CTAs per SM with 128-key blocks (288) or one 8-warp CTA (251–274).
-/// - d128: one 8-warp CTA, one tile per warp, 3 stages, Q in registers (317), against two tiles
-///   per warp (262–290: their accumulators spill) and two 4-warp CTAs per SM (283).
-/// - d192 and d256 keep Q in shared memory (the O accumulator alone is 96–128 registers):
-///   64-key blocks suit d192 (297 against 253), 32-key blocks d256 (276 against 258).
-const CANDIDATES: [(usize, [Tiles; 3]); 4] = [
+/// Tile candidates per padded head dim, fastest first, as measured on an H200 (bf16, 16k tokens,
+/// TFLOP/s at seqlen 4096 non-causal / causal; `docs/perf.md`); later entries are for parts with
+/// less shared memory or fewer threads per SM.
+/// - d64: 4 warps × two 16-row MMA tiles, Q reloaded from shared memory (318 / 284), against
+///   the same in two CTAs per SM (311 / 281) or with conditional rescaling (308 / 266).
+/// - d128: two 4-warp CTAs per SM, two tiles per warp, with conditional rescaling (356 / 336):
+///   without it 325 / 320; one tile per warp in one 8-warp CTA with Q in registers 313 / 285
+///   (every K/V fragment then feeds one MMA instead of two: shared-memory bound); 256-row
+///   CTAs of 8 warps 321 / 285. Two tiles hold a 128-register O accumulator and spill 16–64 B.
+/// - d192 and d256 keep Q in shared memory (the O accumulator alone is 96–128 registers), one
+///   tile per warp. d256 with 80-key blocks 318 / 284 (345 causal at 16k), 64-key blocks
+///   317 / 273, 48 keys (3 stages) 298 / 258, 32 keys 273 / 237 (the fastest before the K/V
+///   copies stopped holding 14 precomputed pointers), and 295 / 255 with conditional
+///   rescaling. Every warp reads all of K and V from shared memory for its 16 rows, so d256 is
+///   bound by shared-memory bandwidth (FlashAttention-2 has the same structure there).
+const CANDIDATES: [(usize, &[Tiles]); 4] = [
     (
         64,
-        [
-            t(128, 64, 4, 2, 2, 1, false),
-            t(64, 128, 4, 1, 2, 2, true),
-            t(64, 64, 4, 1, 2, 1, true),
+        &[
+            t(128, 64, 4, 2, 2, 1, false, false),
+            t(64, 128, 4, 1, 2, 2, true, false),
+            t(64, 64, 4, 1, 2, 1, true, false),
         ],
     ),
     (
         128,
-        [
-            t(128, 64, 8, 1, 3, 1, true),
-            t(128, 64, 8, 1, 2, 1, true),
-            t(64, 64, 4, 1, 2, 1, true),
+        &[
+            t(128, 64, 4, 2, 2, 2, false, true),
+            t(128, 64, 8, 1, 2, 1, true, false),
+            t(64, 64, 4, 1, 2, 1, true, false),
         ],
     ),
     (
         192,
-        [
-            t(128, 64, 8, 1, 2, 1, false),
-            t(128, 32, 8, 1, 2, 1, false),
-            t(64, 32, 4, 1, 2, 1, false),
+        &[
+            t(128, 64, 8, 1, 2, 1, false, false),
+            t(128, 32, 8, 1, 2, 1, false, false),
+            t(64, 32, 4, 1, 2, 1, false, false),
         ],
     ),
     (
         256,
-        [
-            t(128, 32, 8, 1, 3, 1, false),
-            t(128, 32, 8, 1, 2, 1, false),
-            t(64, 32, 4, 1, 2, 1, false),
+        &[
+            t(128, 80, 8, 1, 2, 1, false, false),
+            t(128, 64, 8, 1, 2, 1, false, false),
+            t(128, 32, 8, 1, 2, 1, false, false),
+            t(64, 32, 4, 1, 2, 1, false, false),
         ],
     ),
 ];
@@ -445,9 +487,10 @@ mod tests {
         }
         let h = tiles(&H200, 128).unwrap();
         assert_eq!(
-            (h.block_m, h.block_n, h.num_warps, h.stages),
-            (128, 64, 8, 3)
+            (h.block_m, h.block_n, h.num_warps, h.m_tiles, h.stages),
+            (128, 64, 4, 2, 2)
         );
+        assert!(h.lazy_rescale && h.min_blocks_per_sm == 2);
         let r = tiles(&RTX_5090, 256).unwrap();
         assert_eq!(
             (r.block_m, r.block_n, r.num_warps, r.stages),
@@ -475,8 +518,10 @@ mod tests {
             },
             Tiles {
                 min_blocks_per_sm: 2,
+                stages: 3,
                 ..good
             },
+            Tiles { m_tiles: 3, ..good },
         ] {
             assert!(bad.check(128, &H200).is_err(), "{bad:?}");
         }

@@ -28,6 +28,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 // Conditional rescaling keeps a row's stale max until the new one is this much larger (log2
 // units): P then stays below 2^8, well inside fp16/bf16 range, and O is rescaled rarely.
 constexpr float RESCALE_THRESHOLD = 8.0f;
+constexpr u32 SIGN_BITS = 0x80008000u;             // the sign bits of a packed 16-bit pair
 #define NEG_INF __int_as_float(0xff800000u)  // −inf (no constexpr spelling without headers)
 
 static_assert(BLOCK_M == NUM_WARPS * ROWS_PER_WARP, "each warp owns M_TILES tiles of 16 rows");
@@ -142,16 +143,50 @@ __device__ __forceinline__ u32 swz_at(const SwzBases& s, int r0, int c0) {
 // Tile loads: (rows, HEAD_DIM) from global rows [0, valid_rows) and columns [0, head_dim);
 // everything else is zero-filled so that padding never carries NaN into an MMA.
 
+// A value the compiler must treat as new on every use: keeps loop-invariant code motion from
+// turning each copy's address into its own 64-bit induction variable. Without it the K/V loads
+// of the two-tile d128 kernel held 14 precomputed pointers across the key loop and spilled them
+// (280 B of spill stores).
+__device__ __forceinline__ long long opaque(long long x) {
+    long long y;
+    asm volatile("mov.b64 %0, %1;\n" : "=l"(y) : "l"(x));
+    return y;
+}
+
+// When the threads split a row's chunks evenly, thread tid copies chunk tid % CHUNKS of rows
+// tid / CHUNKS + ROW_STEP · i: one pointer walks down the rows, and the swizzled destinations
+// differ by compile-time offsets when ROW_STEP is a multiple of the 8-row swizzle period.
+// Otherwise (d192: 24 chunks) copy idx = tid + NUM_THREADS · i goes to row idx / CHUNKS.
+constexpr bool ROW_WALK = NUM_THREADS % CHUNKS == 0;
+constexpr int ROW_STEP = ROW_WALK ? NUM_THREADS / CHUNKS : 1;
+
 template <int ROWS>
 __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, long long row_stride, int valid_rows,
                                           int head_dim, int tid) {
+    static_assert((ROWS * CHUNKS) % NUM_THREADS == 0, "tiles split evenly over the threads' copies");
+    if constexpr (ROW_WALK) {
+        const int r0 = tid / CHUNKS, c = tid % CHUNKS;
+        const bool col_ok = c * CHUNK_ELEMS < head_dim;
+        const long long step = opaque(row_stride * ROW_STEP);
+        const u16* src = g + r0 * row_stride + c * CHUNK_ELEMS;
+        const u32 dst0 = s_tile + swz(r0, c);
 #pragma unroll
-    for (int i = 0; i < ROWS * CHUNKS / NUM_THREADS; ++i) {
-        int idx = tid + i * NUM_THREADS;
-        int r = idx / CHUNKS, c = idx % CHUNKS;
-        bool ok = r < valid_rows && c * CHUNK_ELEMS < head_dim;
-        const u16* src = ok ? g + r * row_stride + c * CHUNK_ELEMS : g;
-        cp_async_16(s_tile + swz(r, c), src, ok ? 16 : 0);
+        for (int i = 0; i < ROWS / ROW_STEP; ++i) {
+            const int r = r0 + i * ROW_STEP;
+            const bool ok = col_ok && r < valid_rows;
+            const u32 dst = ROW_STEP % 8 == 0 ? dst0 + static_cast<u32>(i * ROW_STEP * CHUNKS * 16) : s_tile + swz(r, c);
+            cp_async_16(dst, ok ? src : g, ok ? 16 : 0);
+            src += step;
+        }
+    } else {
+        const long long stride = opaque(row_stride);
+#pragma unroll
+        for (int i = 0; i < ROWS * CHUNKS / NUM_THREADS; ++i) {
+            const int idx = tid + i * NUM_THREADS;
+            const int r = idx / CHUNKS, c = idx % CHUNKS;
+            const bool ok = r < valid_rows && c * CHUNK_ELEMS < head_dim;
+            cp_async_16(s_tile + swz(r, c), ok ? g + r * stride + c * CHUNK_ELEMS : g, ok ? 16 : 0);
+        }
     }
 }
 
@@ -221,13 +256,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
     const int n_end = span_hi > span_lo ? (span_hi + BLOCK_N - 1) / BLOCK_N : n_begin;
     const int free_lo = key_lo(p, s, last_row);  // blocks starting at or after this …
     const int free_hi = key_hi(p, s, first_row); // … and ending at or before this need no mask
-    int row_lo[ROW_SLOTS], row_hi[ROW_SLOTS];
-#pragma unroll
-    for (int r = 0; r < ROW_SLOTS; ++r) {
-        int i = m0 + warp * ROWS_PER_WARP + g + 8 * r;
-        row_lo[r] = key_lo(p, s, i);
-        row_hi[r] = key_hi(p, s, i);
-    }
 
     // Prologue: Q and the first STAGES-1 K/V tiles, one cp.async group each.
     load_tile<BLOCK_M>(sQ, gQ, p.q_row_stride, valid_m, p.head_dim, tid);
@@ -257,25 +285,36 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
         row_max[r] = NEG_INF;
         row_sum[r] = 0.0f;
     }
-    const u32 q_sign = p.negate_q ? 0x80008000u : 0u;
     const int warp_row0 = warp * ROWS_PER_WARP;
 
-    // Lane roles in the three ldmatrix patterns (see swz_bases): A operand (Q) and the
-    // transposed B operand (V) take matrices row-block-major, the B operand (K) chunk-major.
-    const SwzBases bQ = swz_bases(sQ, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
+    // Lane roles in the ldmatrix patterns (see swz_bases): the A operand (Q) and the
+    // transposed B operand (V) take matrices row-block-major and share one set of bases (Q's
+    // tile address is added per load: 4 registers fewer); the B operand (K) takes them
+    // chunk-major, so that each n8 tile's two registers come out adjacent, as HMMA wants them.
+    const SwzBases bQV = swz_bases(0, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
     const SwzBases bK = swz_bases(0, (lane % 8) + (lane / 16) * 8, (lane / 8) % 2);
-    const SwzBases bV = swz_bases(0, (lane % 8) + ((lane / 8) % 2) * 8, lane / 16);
 
-    auto q_frag = [&](int mt, int kk, u32 (&a)[4]) {
-        ldmatrix_x4(a, swz_at(bQ, warp_row0 + 16 * mt, kk * 2));
-#pragma unroll
-        for (int j = 0; j < 4; ++j) a[j] ^= q_sign;
-    };
+    auto q_frag = [&](int mt, int kk, u32 (&a)[4]) { ldmatrix_x4(a, sQ + swz_at(bQV, warp_row0 + 16 * mt, kk * 2)); };
 
     for (int n = n_begin; n < n_end; ++n) {
         const int it = n - n_begin;
         cp_async_wait<STAGES - 2>();  // Q and tile `it` have landed (this thread's copies) …
         __syncthreads();              // … and everyone's; everyone is done with tile it - 1.
+        if (it == 0 && p.negate_q) {
+            // A negative scale: negate this warp's own Q rows once, in place (only this warp
+            // reads them), instead of flipping every fragment in the key loop.
+#pragma unroll
+            for (int i = 0; i < ROWS_PER_WARP * CHUNKS / 32; ++i) {
+                const u32 addr = sQ + static_cast<u32>((warp_row0 * CHUNKS + lane + 32 * i) * 16);
+                u32 x0, x1, x2, x3;
+                asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                             : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
+                             : "r"(addr));
+                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x0 ^ SIGN_BITS),
+                             "r"(x1 ^ SIGN_BITS), "r"(x2 ^ SIGN_BITS), "r"(x3 ^ SIGN_BITS));
+            }
+            __syncwarp();
+        }
         if (Q_IN_REGS && it == 0) {
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt)
@@ -330,6 +369,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
         // Mask: only blocks that cross a row's key bounds (or the end of the keys).
         const int key0 = n * BLOCK_N;
         if (key0 < free_lo || key0 + BLOCK_N > free_hi) {
+            // The rows' bounds are recomputed here (few blocks are masked) rather than held in
+            // registers across the loop.
+            int row_lo[ROW_SLOTS], row_hi[ROW_SLOTS];
+#pragma unroll
+            for (int r = 0; r < ROW_SLOTS; ++r) {
+                const int i = m0 + warp_row0 + g + 8 * r;
+                row_lo[r] = key_lo(p, s, i);
+                row_hi[r] = key_hi(p, s, i);
+            }
 #pragma unroll
             for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
@@ -401,7 +449,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
 #pragma unroll
             for (int dp = 0; dp < NTILES_D / 2; ++dp) {
                 u32 b[4];
-                ldmatrix_x4_trans(b, sVs + swz_at(bV, ks * 16, dp * 2));
+                ldmatrix_x4_trans(b, sVs + swz_at(bQV, ks * 16, dp * 2));
 #pragma unroll
                 for (int mt = 0; mt < M_TILES; ++mt) {
                     mma_16816(rO[mt][2 * dp], pa[mt], b[0], b[1]);

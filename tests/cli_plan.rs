@@ -107,3 +107,50 @@ fn bad_arguments_are_one_line_and_exit_2() {
         assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }
+
+#[test]
+fn sm90_plan_reports_roles_budgets_and_the_kernel_choice() {
+    let (code, out, err) = fa4(&["plan", "--arch", "sm90", "--depth", "96", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(v["head_dim"], 96);
+    assert_eq!(v["padded_head_dim"], 128);
+    assert_eq!(v["roles"].as_array().map(Vec::len), Some(3));
+    assert_eq!(v["roles"][0]["role"], "producer");
+    let total = v["smem_total"].as_u64().unwrap();
+    assert!(total <= v["smem_limit"].as_u64().unwrap());
+    let s = &v["smem"];
+    let parts: u64 = ["q", "k", "v", "barriers", "align_slack"]
+        .iter()
+        .map(|k| s[*k].as_u64().unwrap())
+        .sum();
+    assert_eq!(parts, total);
+    assert!(v["dispatch"]["kernel"].is_string());
+    assert!(!v["dispatch"]["reason"].as_str().unwrap().is_empty());
+
+    let (code, out, _) = fa4(&["plan", "--arch", "sm90", "--depth", "128", "--varlen"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("wg2 consumer"), "{out}");
+    assert!(
+        out.contains("kernel for this problem: sm80 (variable-length"),
+        "{out}"
+    );
+
+    for (args, name) in [
+        (&["plan", "--arch", "sm90", "--depth", "512"][..], "--depth"),
+        (
+            &["plan", "--arch", "sm90", "--depth", "64", "--dtype", "f32"][..],
+            "--dtype",
+        ),
+        (
+            &["plan", "--arch", "sm90", "--depth", "64", "--group", "3"][..],
+            "--group",
+        ),
+        (&["plan", "--depth", "64", "--varlen"][..], "--varlen"),
+    ] {
+        let (code, out, err) = fa4(args);
+        assert_eq!(code, 2, "{args:?}: {out}");
+        assert!(err.contains(&format!("`{name}`")), "{args:?}: {err}");
+        assert_eq!(err.lines().count(), 1, "{err}");
+    }
+}

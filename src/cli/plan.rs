@@ -1,12 +1,26 @@
-//! `fa4 plan`: the SM100 planner from the command line.
+//! `fa4 plan`: the planners from the command line: SM100 (FA4Config, the default) or the
+//! Hopper plan (`--arch sm90`), which also says which kernel the problem gets and why.
 
-use clap::Args;
+use clap::{Args, ValueEnum};
 
 use fa4::config::sm100::{FA4Config, FA4Inputs, Swizzle};
-use fa4::{DType, Result};
+use fa4::config::sm90::{self, Sm90Plan};
+use fa4::{DType, Error, Result};
+
+/// Which planner to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PlanArch {
+    /// Blackwell (B200): FA4Config, the seed's planner.
+    Sm100,
+    /// Hopper (H100/H200): the TMA + wgmma kernel's plan and the kernel dispatch.
+    Sm90,
+}
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
+    /// The GPU family to plan for.
+    #[arg(long, value_enum, default_value_t = PlanArch::Sm100)]
+    arch: PlanArch,
     /// Query heads.
     #[arg(long, default_value_t = 32, allow_negative_numbers = true)]
     num_q_heads: u32,
@@ -22,12 +36,24 @@ pub struct PlanArgs {
     /// TMA swizzle: none, 32B, 64B or 128B.
     #[arg(long, default_value = "128B")]
     swizzle: Swizzle,
+    /// Variable-length (packed) batches (`--arch sm90`: decides the kernel).
+    #[arg(long)]
+    varlen: bool,
     /// Print the machine-readable form (the seed's names) instead of the report.
     #[arg(long)]
     json: bool,
 }
 
 pub fn run(args: PlanArgs) -> Result<()> {
+    if args.arch == PlanArch::Sm90 {
+        return run_sm90(&args);
+    }
+    if args.varlen {
+        return Err(Error::invalid(
+            "--varlen",
+            "only `--arch sm90` plans a kernel dispatch",
+        ));
+    }
     let cfg = FA4Config::new(FA4Inputs {
         num_q_heads: args.num_q_heads,
         group: args.group,
@@ -39,6 +65,52 @@ pub fn run(args: PlanArgs) -> Result<()> {
         println!("{}", cfg.to_json());
     } else {
         println!("{cfg}");
+    }
+    Ok(())
+}
+
+fn run_sm90(args: &PlanArgs) -> Result<()> {
+    // The seed's input checks (heads, group, depth) apply to every planner.
+    if args.num_q_heads == 0 {
+        return Err(Error::invalid("--num-q-heads", "must be at least 1"));
+    }
+    if args.group == 0 || !args.num_q_heads.is_multiple_of(args.group) {
+        return Err(Error::invalid(
+            "--group",
+            format!(
+                "{} must be at least 1 and divide --num-q-heads {}",
+                args.group, args.num_q_heads
+            ),
+        ));
+    }
+    let arch = fa4::arch::H200;
+    let depth = args.depth as usize;
+    let size = args.dtype.size_bytes() as usize;
+    let plan = Sm90Plan::new(&arch, depth, size).map_err(|e| match e {
+        Error::InvalidArgument { name, reason } => Error::invalid(format!("--{name}"), reason),
+        e => e,
+    })?;
+    let dispatch = sm90::dispatch(
+        &arch,
+        sm90::Features {
+            head_dim: depth,
+            dtype_size: size,
+            varlen: args.varlen,
+        },
+    );
+    if args.json {
+        let mut v = serde_json::to_value(&plan).expect("plain data serializes");
+        v["dispatch"] = serde_json::to_value(&dispatch).expect("plain data serializes");
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&v).expect("plain data serializes")
+        );
+    } else {
+        println!("{plan}");
+        println!(
+            "  kernel for this problem: {} ({})",
+            dispatch.kernel, dispatch.reason
+        );
     }
     Ok(())
 }

@@ -1,0 +1,548 @@
+//! The planner of the Hopper kernel (sm_90a): the sibling of [`super::sm100::FA4Config`] for
+//! H100/H200.
+//!
+//! The kernel it plans is warp-specialised. One CTA holds a producer warpgroup, which issues TMA
+//! bulk-tensor loads of Q and of a ring of K/V stages into shared memory (each stage guarded by a
+//! "full" mbarrier that the copies complete and an "empty" one the consumers release), and
+//! `consumer_wgs` consumer warpgroups of 64 query rows each (the M of `wgmma`), which compute
+//! S = Q·Kᵀ and O += P·V with `wgmma` (P from registers) and the online softmax in registers.
+//! `setmaxnreg` moves registers from the producer, which needs few, to the consumers.
+//!
+//! Everything the kernel's shape depends on is decided here and checked against [`GpuArch`]:
+//! the tiles, the ring depth, the warpgroup roles and their register budgets, and the shared-
+//! memory budget. [`Sm90Plan`] explains itself through `Display` (`fa4 plan --arch sm90`), and
+//! [`dispatch`] says which kernel a problem gets on an sm_90 GPU and why.
+
+use std::fmt;
+
+use serde::Serialize;
+
+use crate::arch::{Family, GpuArch};
+use crate::error::{Error, Result};
+
+/// Head dims the Hopper kernel is compiled for; a problem's head dim is padded up to the next
+/// (TMA zero-fills the padding columns).
+pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// Threads in a warpgroup (the unit of `wgmma` and `setmaxnreg`).
+pub const WARPGROUP_THREADS: usize = 128;
+/// Query rows per consumer warpgroup: the M of `wgmma.mma_async.m64nNk16`.
+pub const ROWS_PER_CONSUMER: usize = 64;
+/// Elements per 128-byte swizzle atom row (16-bit): TMA boxes and `wgmma` descriptors move the
+/// head dim in slabs of this width.
+pub const SWIZZLE_ELEMS: usize = 64;
+/// Alignment of every shared-memory tile: the 128-byte swizzle pattern repeats every 1024 bytes.
+pub const TILE_ALIGN: usize = 1024;
+/// `setmaxnreg` bounds: a multiple of 8 in 24..=256.
+pub const MIN_REGS: u32 = 24;
+/// See [`MIN_REGS`].
+pub const MAX_REGS: u32 = 256;
+/// Registers per consumer thread the kernel needs beyond its S and O accumulators (addresses,
+/// row statistics, loop state, packed P in flight): a planning margin, confirmed by ptxas
+/// reporting no spills for every planned variant (`tests/nvrtc_compile.rs`).
+pub const CONSUMER_REG_MARGIN: u32 = 48;
+
+/// The tile shape and warpgroup roles of one launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct Tiles {
+    /// Keys per inner step: the N of the Q·Kᵀ `wgmma` and the K of the P·V one (multiple of 16).
+    pub block_n: usize,
+    /// Consumer warpgroups, 64 query rows each: `block_m = 64 · consumer_wgs`.
+    pub consumer_wgs: usize,
+    /// K/V stages in the shared-memory ring (≥ 2).
+    pub stages: usize,
+    /// `setmaxnreg` target of the producer warpgroup.
+    pub producer_regs: u32,
+    /// `setmaxnreg` target of each consumer warpgroup.
+    pub consumer_regs: u32,
+    /// Conditional rescaling (FlashAttention-4): rescale O only when a row max grew by more
+    /// than 2^8 (exact: numerator and denominator share the stale max).
+    pub lazy_rescale: bool,
+}
+
+/// The shared-memory budget of a launch, in bytes, tile by tile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SmemBudget {
+    /// Q, (block_m, head_dim), reused for O in the epilogue.
+    pub q: usize,
+    /// K ring, stages × (block_n, head_dim).
+    pub k: usize,
+    /// V ring, stages × (block_n, head_dim).
+    pub v: usize,
+    /// mbarriers: Q full, and per stage K full, V full and K/V empty (8 bytes each).
+    pub barriers: usize,
+    /// Slack to align the dynamic shared-memory base to [`TILE_ALIGN`].
+    pub align_slack: usize,
+}
+
+impl SmemBudget {
+    /// Everything the launch asks for.
+    pub fn total(&self) -> usize {
+        self.q + self.k + self.v + self.barriers + self.align_slack
+    }
+}
+
+impl Tiles {
+    /// Query rows per CTA.
+    pub fn block_m(&self) -> usize {
+        ROWS_PER_CONSUMER * self.consumer_wgs
+    }
+
+    /// Threads per CTA: the producer warpgroup and the consumers.
+    pub fn threads(&self) -> usize {
+        WARPGROUP_THREADS * (1 + self.consumer_wgs)
+    }
+
+    /// Shared memory, tile by tile, for a padded head dim of 16-bit elements.
+    pub fn smem(&self, head_dim: usize) -> SmemBudget {
+        let tile = |rows: usize| (rows * head_dim * 2).next_multiple_of(TILE_ALIGN);
+        SmemBudget {
+            q: tile(self.block_m()),
+            k: self.stages * tile(self.block_n),
+            v: self.stages * tile(self.block_n),
+            barriers: 8 * (1 + 3 * self.stages),
+            align_slack: TILE_ALIGN,
+        }
+    }
+
+    /// f32 accumulator registers per consumer thread: S (64 × block_n) and O (64 × head_dim)
+    /// spread over the warpgroup's 128 threads.
+    pub fn accumulator_regs(&self, head_dim: usize) -> u32 {
+        ((ROWS_PER_CONSUMER * (self.block_n + head_dim)) / WARPGROUP_THREADS) as u32
+    }
+
+    /// Checks the tiles against the kernel's rules and the GPU's limits, naming each violation.
+    pub fn check(&self, head_dim: usize, arch: &GpuArch) -> Result<()> {
+        let bad = |why: String| {
+            Err(Error::invalid(
+                "tiles",
+                format!("{self:?} for head_dim {head_dim}: {why}"),
+            ))
+        };
+        if arch.family != Family::Hopper {
+            return bad(format!(
+                "{} is not a Hopper GPU (wgmma and setmaxnreg are sm_90a)",
+                arch.name
+            ));
+        }
+        if !HEAD_DIMS.contains(&head_dim) {
+            return bad(format!("head_dim must be one of {HEAD_DIMS:?}"));
+        }
+        if !(1..=3).contains(&self.consumer_wgs) {
+            return bad("consumer_wgs must be 1 to 3".into());
+        }
+        // N of the Q·Kᵀ wgmma (≤ 256, a multiple of 8) and K of the P·V one (a multiple of 16);
+        // TMA boxes hold at most 256 rows.
+        if self.block_n == 0 || !self.block_n.is_multiple_of(16) || self.block_n > 256 {
+            return bad("block_n must be a multiple of 16 in 16..=256".into());
+        }
+        if !(2..=8).contains(&self.stages) {
+            return bad("stages must be 2 to 8".into());
+        }
+        let threads = self.threads();
+        if threads > arch.max_threads_per_sm as usize {
+            return bad(format!(
+                "{threads} threads exceed {}'s {} per SM",
+                arch.name, arch.max_threads_per_sm
+            ));
+        }
+        for (what, r) in [
+            ("producer_regs", self.producer_regs),
+            ("consumer_regs", self.consumer_regs),
+        ] {
+            if !(MIN_REGS..=MAX_REGS).contains(&r) || !r.is_multiple_of(8) {
+                return bad(format!(
+                    "{what} {r} must be a multiple of 8 in {MIN_REGS}..={MAX_REGS}"
+                ));
+            }
+        }
+        // setmaxnreg redistributes the SM's register file between the warpgroups.
+        let total = WARPGROUP_THREADS as u32
+            * (self.producer_regs + self.consumer_wgs as u32 * self.consumer_regs);
+        if total > arch.registers_per_sm {
+            return bad(format!(
+                "{total} registers (128 × ({} + {} × {})) exceed the SM's {}",
+                self.producer_regs, self.consumer_wgs, self.consumer_regs, arch.registers_per_sm
+            ));
+        }
+        let need = self.accumulator_regs(head_dim) + CONSUMER_REG_MARGIN;
+        if need > self.consumer_regs {
+            return bad(format!(
+                "consumers need about {need} registers (S and O accumulators {} + margin {CONSUMER_REG_MARGIN}), budget {}",
+                self.accumulator_regs(head_dim),
+                self.consumer_regs
+            ));
+        }
+        let smem = self.smem(head_dim).total();
+        if smem > arch.max_smem_per_block() as usize {
+            return bad(format!(
+                "{smem} bytes of shared memory exceed {}'s {} per block",
+                arch.name,
+                arch.max_smem_per_block()
+            ));
+        }
+        Ok(())
+    }
+}
+
+const fn t(
+    block_n: usize,
+    consumer_wgs: usize,
+    stages: usize,
+    producer_regs: u32,
+    consumer_regs: u32,
+) -> Tiles {
+    Tiles {
+        block_n,
+        consumer_wgs,
+        stages,
+        producer_regs,
+        consumer_regs,
+        lazy_rescale: false,
+    }
+}
+
+/// Tile candidates per padded head dim, first that fits wins. Two consumer warpgroups (128
+/// query rows) take 240 registers each and leave the producer 24 (128 · (24 + 2 · 240) = 64,512
+/// of 65,536). The key-block widths follow the register budget: S (block_n / 2) and O
+/// (head_dim / 2) accumulators plus the margin must fit 240.
+const CANDIDATES: [(usize, &[Tiles]); 3] = [
+    (64, &[t(128, 2, 2, 24, 240)]),
+    (128, &[t(128, 2, 2, 24, 240)]),
+    (256, &[t(64, 2, 2, 24, 240)]),
+];
+
+/// Tiles for one padded head dim on one GPU: the first candidate that fits, or `None`.
+pub fn tiles(arch: &GpuArch, head_dim: usize) -> Option<Tiles> {
+    CANDIDATES
+        .iter()
+        .find(|(d, _)| *d == head_dim)?
+        .1
+        .iter()
+        .copied()
+        .find(|t| t.check(head_dim, arch).is_ok())
+}
+
+/// A warpgroup's role, for the report: who it is, what it does, its registers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Role {
+    /// Warpgroup index in the CTA.
+    pub warpgroup: usize,
+    /// `producer` or `consumer`.
+    pub role: &'static str,
+    /// What it does.
+    pub work: String,
+    /// Its `setmaxnreg` target.
+    pub registers: u32,
+}
+
+/// The Hopper plan for a head dim and dtype: tiles, roles and budgets.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Sm90Plan {
+    /// The GPU planned for.
+    pub arch: &'static str,
+    /// The problem's head dim.
+    pub head_dim: usize,
+    /// The head dim the kernel is compiled for.
+    pub padded_head_dim: usize,
+    /// Query rows per CTA.
+    pub block_m: usize,
+    /// The tiles.
+    pub tiles: Tiles,
+    /// Threads per CTA.
+    pub threads: usize,
+    /// Warpgroup roles.
+    pub roles: Vec<Role>,
+    /// The shared-memory budget.
+    pub smem: SmemBudget,
+    /// Total dynamic shared memory.
+    pub smem_total: usize,
+    /// The per-block limit it is checked against.
+    pub smem_limit: usize,
+    /// f32 accumulator registers per consumer thread (S + O).
+    pub accumulator_regs: u32,
+    /// TMA boxes per tile: (64-element head-dim slabs, rows).
+    pub tma_box: (usize, usize),
+}
+
+impl Sm90Plan {
+    /// Plans head dim `head_dim` of 16-bit elements (`dtype_size` 2) on `arch`.
+    pub fn new(arch: &GpuArch, head_dim: usize, dtype_size: usize) -> Result<Sm90Plan> {
+        if dtype_size != 2 {
+            return Err(Error::invalid(
+                "dtype",
+                format!("the Hopper kernel computes fp16 and bf16 (2 bytes), not {dtype_size}-byte elements"),
+            ));
+        }
+        if arch.family != Family::Hopper {
+            return Err(Error::invalid(
+                "arch",
+                format!(
+                    "{} is not a Hopper GPU; the sm90 plan is for H100/H200",
+                    arch.name
+                ),
+            ));
+        }
+        let Some(&padded) = HEAD_DIMS.iter().find(|&&h| h >= head_dim) else {
+            return Err(Error::invalid(
+                "depth",
+                format!(
+                    "head_dim {head_dim} exceeds the Hopper kernel's maximum {}",
+                    HEAD_DIMS[HEAD_DIMS.len() - 1]
+                ),
+            ));
+        };
+        if head_dim == 0 {
+            return Err(Error::invalid("depth", "head_dim must be at least 1"));
+        }
+        let tiles = tiles(arch, padded).ok_or_else(|| {
+            Error::invalid(
+                "depth",
+                format!("no Hopper tiles fit head_dim {padded} on {}", arch.name),
+            )
+        })?;
+        Ok(Self::with_tiles(arch, head_dim, padded, tiles))
+    }
+
+    fn with_tiles(arch: &GpuArch, head_dim: usize, padded: usize, tiles: Tiles) -> Sm90Plan {
+        let mut roles = vec![Role {
+            warpgroup: 0,
+            role: "producer",
+            work: format!(
+                "one thread issues TMA loads: Q once, then K and V into a {}-stage ring",
+                tiles.stages
+            ),
+            registers: tiles.producer_regs,
+        }];
+        for w in 0..tiles.consumer_wgs {
+            roles.push(Role {
+                warpgroup: w + 1,
+                role: "consumer",
+                work: format!(
+                    "query rows {}..{}: wgmma S = Q·Kᵀ (64×{}), softmax, wgmma O += P·V (64×{padded})",
+                    w * ROWS_PER_CONSUMER,
+                    (w + 1) * ROWS_PER_CONSUMER,
+                    tiles.block_n
+                ),
+                registers: tiles.consumer_regs,
+            });
+        }
+        let smem = tiles.smem(padded);
+        Sm90Plan {
+            arch: arch.name,
+            head_dim,
+            padded_head_dim: padded,
+            block_m: tiles.block_m(),
+            tiles,
+            threads: tiles.threads(),
+            roles,
+            smem,
+            smem_total: smem.total(),
+            smem_limit: arch.max_smem_per_block() as usize,
+            accumulator_regs: tiles.accumulator_regs(padded),
+            tma_box: (padded / SWIZZLE_ELEMS, tiles.block_n),
+        }
+    }
+
+    /// The machine-readable form (`fa4 plan --arch sm90 --json`).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("plain data serializes")
+    }
+}
+
+impl fmt::Display for Sm90Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let t = &self.tiles;
+        writeln!(f, "Hopper (sm_90a) forward plan for {}", self.arch)?;
+        writeln!(
+            f,
+            "  head_dim {} (compiled for {}), tile {}×{} (query rows × keys), {} K/V stages",
+            self.head_dim, self.padded_head_dim, self.block_m, t.block_n, t.stages
+        )?;
+        writeln!(
+            f,
+            "  {} threads: {} warpgroups",
+            self.threads,
+            self.roles.len()
+        )?;
+        for r in &self.roles {
+            writeln!(
+                f,
+                "    wg{} {:<8} {:>3} registers  {}",
+                r.warpgroup, r.role, r.registers, r.work
+            )?;
+        }
+        writeln!(
+            f,
+            "  registers: 128 × ({} + {} × {}) = {} of 65536; consumer accumulators {} per thread (+{} margin)",
+            t.producer_regs,
+            t.consumer_wgs,
+            t.consumer_regs,
+            128 * (t.producer_regs + t.consumer_wgs as u32 * t.consumer_regs),
+            self.accumulator_regs,
+            CONSUMER_REG_MARGIN
+        )?;
+        let s = &self.smem;
+        writeln!(
+            f,
+            "  shared memory: Q {} + K {} + V {} + barriers {} + alignment {} = {} of {} bytes",
+            s.q, s.k, s.v, s.barriers, s.align_slack, self.smem_total, self.smem_limit
+        )?;
+        writeln!(
+            f,
+            "  TMA: {} box(es) of 64 columns (128-byte swizzle) per tile, {} rows per K/V box",
+            self.tma_box.0, self.tma_box.1
+        )?;
+        write!(
+            f,
+            "  conditional rescaling: {}",
+            if t.lazy_rescale { "on" } else { "off" }
+        )
+    }
+}
+
+/// Which kernel a problem gets on a GPU, and why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Dispatch {
+    /// `sm90` (the Hopper kernel) or `sm80` (the Ampere-class kernel).
+    pub kernel: &'static str,
+    /// Why.
+    pub reason: String,
+}
+
+/// Problem features that decide between the Hopper kernel and the Ampere-class fallback.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Features {
+    /// Padded or exact head dim of Q/K (equal to V's).
+    pub head_dim: usize,
+    /// Element size in bytes.
+    pub dtype_size: usize,
+    /// Variable-length (packed) sequences.
+    pub varlen: bool,
+}
+
+/// The kernel choice on `arch`. The Hopper kernel does not run yet (it is being built in issue
+/// 5), so every problem goes to the Ampere-class kernel; the reason says which condition would
+/// also send it there once the Hopper kernel lands.
+pub fn dispatch(arch: &GpuArch, f: Features) -> Dispatch {
+    let sm80 = |reason: String| Dispatch {
+        kernel: "sm80",
+        reason,
+    };
+    if arch.family != Family::Hopper {
+        return sm80(format!("{} is not a Hopper GPU", arch.name));
+    }
+    if f.dtype_size != 2 {
+        return sm80(format!(
+            "{}-byte elements: the Hopper kernel computes fp16 and bf16",
+            f.dtype_size
+        ));
+    }
+    if f.varlen {
+        return sm80(
+            "variable-length batches: the Hopper kernel's TMA maps are per fixed-length batch"
+                .into(),
+        );
+    }
+    match Sm90Plan::new(arch, f.head_dim, f.dtype_size) {
+        Err(e) => sm80(e.to_string()),
+        Ok(_) => sm80("the Hopper kernel is planned but not yet enabled (issue 5: it has not passed the matrix on an H200)".into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::{A100, B200, H100, H200};
+
+    #[test]
+    fn every_head_dim_plans_on_hopper_within_budgets() {
+        for arch in [H100, H200] {
+            for d in [1, 32, 64, 80, 96, 128, 160, 192, 256] {
+                let p = Sm90Plan::new(&arch, d, 2).unwrap();
+                assert!(p.padded_head_dim >= d && HEAD_DIMS.contains(&p.padded_head_dim));
+                assert!(p.smem_total <= p.smem_limit, "{p}");
+                assert_eq!(
+                    p.smem_total,
+                    p.smem.q + p.smem.k + p.smem.v + p.smem.barriers + p.smem.align_slack
+                );
+                assert_eq!(p.threads, 128 * p.roles.len());
+                let t = p.tiles;
+                assert!(128 * (t.producer_regs + t.consumer_wgs as u32 * t.consumer_regs) <= 65536);
+                assert!(p.accumulator_regs + CONSUMER_REG_MARGIN <= t.consumer_regs);
+                assert_eq!(p.smem.q % TILE_ALIGN, 0);
+            }
+        }
+        // d128: Q 32 KiB, K and V 2 × 32 KiB each.
+        let p = Sm90Plan::new(&H200, 128, 2).unwrap();
+        assert_eq!((p.smem.q, p.smem.k, p.smem.v), (32768, 65536, 65536));
+        assert_eq!(p.accumulator_regs, 128);
+    }
+
+    #[test]
+    fn bad_inputs_and_tiles_are_named_errors() {
+        let name = |e: Error| match e {
+            Error::InvalidArgument { name, .. } => name,
+            e => panic!("{e}"),
+        };
+        assert_eq!(name(Sm90Plan::new(&H200, 0, 2).unwrap_err()), "depth");
+        assert_eq!(name(Sm90Plan::new(&H200, 257, 2).unwrap_err()), "depth");
+        assert_eq!(name(Sm90Plan::new(&H200, 128, 4).unwrap_err()), "dtype");
+        assert_eq!(name(Sm90Plan::new(&A100, 128, 2).unwrap_err()), "arch");
+        assert_eq!(name(Sm90Plan::new(&B200, 128, 2).unwrap_err()), "arch");
+        let good = tiles(&H200, 128).unwrap();
+        for bad in [
+            Tiles {
+                block_n: 120,
+                ..good
+            },
+            Tiles {
+                block_n: 272,
+                ..good
+            },
+            Tiles { stages: 1, ..good },
+            Tiles {
+                consumer_wgs: 4,
+                ..good
+            },
+            Tiles {
+                consumer_regs: 244,
+                ..good
+            },
+            Tiles {
+                producer_regs: 16,
+                ..good
+            },
+            Tiles {
+                consumer_wgs: 3,
+                ..good
+            },
+            Tiles {
+                block_n: 256,
+                ..good
+            },
+            Tiles { stages: 4, ..good },
+        ] {
+            assert!(bad.check(128, &H200).is_err(), "{bad:?}");
+        }
+        assert!(good.check(128, &A100).is_err());
+    }
+
+    #[test]
+    fn dispatch_says_why() {
+        let f = Features {
+            head_dim: 128,
+            dtype_size: 2,
+            varlen: false,
+        };
+        assert_eq!(dispatch(&A100, f).kernel, "sm80");
+        assert!(dispatch(&H200, Features { varlen: true, ..f })
+            .reason
+            .contains("variable-length"));
+        assert!(dispatch(&H200, Features { dtype_size: 4, ..f })
+            .reason
+            .contains("4-byte"));
+        assert!(dispatch(&H200, Features { head_dim: 512, ..f })
+            .reason
+            .contains("512"));
+    }
+}

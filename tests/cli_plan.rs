@@ -113,8 +113,17 @@ fn sm90_plan_reports_roles_budgets_and_the_kernel_choice() {
     let (code, out, err) = fa4(&["plan", "--arch", "sm90", "--depth", "96", "--json"]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
-    assert_eq!(v["head_dim"], 96);
-    assert_eq!(v["padded_head_dim"], 128);
+    assert_eq!(v["dispatch"]["kernel"], "sm80");
+    assert!(v["dispatch"]["reason"]
+        .as_str()
+        .unwrap()
+        .contains("head_dim 96"));
+    assert!(v.get("roles").is_none(), "no Hopper plan for d96: {v}");
+
+    let (code, out, err) = fa4(&["plan", "--arch", "sm90", "--depth", "128", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(v["head_dim"], 128);
     assert_eq!(v["roles"].as_array().map(Vec::len), Some(3));
     assert_eq!(v["roles"][0]["role"], "producer");
     let total = v["smem_total"].as_u64().unwrap();
@@ -136,12 +145,12 @@ fn sm90_plan_reports_roles_budgets_and_the_kernel_choice() {
         "{out}"
     );
 
+    let (code, out, _) = fa4(&["plan", "--arch", "sm90", "--depth", "512"]);
+    assert_eq!(code, 0);
+    assert!(out.contains("kernel for this problem: cpu"), "{out}");
+
     for (args, name) in [
-        (&["plan", "--arch", "sm90", "--depth", "512"][..], "--depth"),
-        (
-            &["plan", "--arch", "sm90", "--depth", "64", "--dtype", "f32"][..],
-            "--dtype",
-        ),
+        (&["plan", "--arch", "sm90", "--depth", "0"][..], "--depth"),
         (
             &["plan", "--arch", "sm90", "--depth", "64", "--group", "3"][..],
             "--group",

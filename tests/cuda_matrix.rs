@@ -201,3 +201,53 @@ fn two_mma_tiles_per_warp_match_the_oracle() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// The Hopper kernel, forced, on every matrix case it covers (fixed-length batches, positive
+/// scale, head dims 64/128/256; `config::sm90::uncovered` names the rest, which are listed).
+/// Runs on Hopper GPUs; elsewhere it says why it was skipped.
+#[test]
+fn hopper_kernel_matches_the_oracle() {
+    let Some(cuda) = gpu() else { return };
+    let arch = cuda.info().arch;
+    if arch.family != fa4::arch::Family::Hopper {
+        let _ = writeln!(
+            std::io::stderr(),
+            "hopper_kernel_matches_the_oracle: skipped: {} is not a Hopper GPU",
+            cuda.info().name
+        );
+        return;
+    }
+    let backend = Backend::Cuda(cuda.with_kernel(fa4::cuda::KernelChoice::Sm90));
+    let cases = matrix(&[DType::F16, DType::Bf16], &[64, 128, 256]);
+    let (mut ran, mut failures, mut uncovered) = (0, Vec::new(), Vec::new());
+    for (i, case) in cases.iter().enumerate() {
+        let features = fa4::config::sm90::Features {
+            head_dim: case.head_dim,
+            dtype_size: 2,
+            varlen: matches!(case.seqlens, fa4::check::Seqlens::Varlen { .. }),
+            negative_scale: case.scale.is_some_and(|s| s < 0.0),
+        };
+        if let Some(why) = fa4::config::sm90::uncovered(&arch, features) {
+            uncovered.push(format!("{case}: {why}"));
+            continue;
+        }
+        ran += 1;
+        match run_case(&backend, case, 9000 + i as u64) {
+            Ok(r) if r.passed() => {}
+            Ok(r) => failures.push(format!("{case}: {r}")),
+            Err(e) => failures.push(format!("{case}: error {e}")),
+        }
+    }
+    eprintln!(
+        "hopper kernel: {ran} cases run, {} not covered (the sm80 kernel runs them):\n  {}",
+        uncovered.len(),
+        uncovered.join("\n  ")
+    );
+    assert!(ran >= 8 * 6, "only {ran} cases covered");
+    assert!(
+        failures.is_empty(),
+        "{} of {ran} cases failed:\n{}",
+        failures.len(),
+        failures.join("\n")
+    );
+}

@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use fa4::arch::{A100, B200, H200};
 use fa4::config::sm80::all_specs;
-use fa4::cuda::compile::{compile_uncached, nvrtc_version};
+use fa4::cuda::compile::{compile_uncached, compile_with_log, nvrtc_version};
 use rayon::prelude::*;
 
 #[test]
@@ -48,4 +48,45 @@ fn every_sm80_variant_compiles_for_every_target() {
         failures.len(),
         failures.join("\n")
     );
+}
+
+/// The Hopper kernel's variants compile for sm_90a without spilling and without ptxas
+/// serialising the wgmma pipeline (which it does, with a warning, when accumulator registers
+/// are touched inside a wgmma group or when registers run short).
+#[test]
+fn every_sm90_variant_compiles_without_spills_or_wgmma_serialization() {
+    let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    if let Err(e) = nvrtc_version() {
+        if required {
+            panic!("FA4_REQUIRE_NVRTC=1 but {e}");
+        }
+        let _ = writeln!(std::io::stderr(), "nvrtc_compile (sm90): skipped: {e}");
+        return;
+    }
+    let specs = fa4::config::sm90::all_specs(&H200, "sm_90a");
+    assert_eq!(
+        specs.len(),
+        3 * 8,
+        "every head dim × dtype × mask × softcap"
+    );
+    let failures: Vec<String> = specs
+        .par_iter()
+        .filter_map(
+            |spec| match compile_with_log(spec, &["--ptxas-options=-v"]) {
+                Err(e) => Some(e.to_string()),
+                Ok((_, log)) => {
+                    let bad: Vec<&str> = log
+                        .lines()
+                        .filter(|l| {
+                            (l.contains("spill") && !l.contains(" 0 bytes spill stores"))
+                                || l.contains("serialized")
+                                || l.contains("warning")
+                        })
+                        .collect();
+                    (!bad.is_empty()).then(|| format!("{spec}:\n  {}", bad.join("\n  ")))
+                }
+            },
+        )
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -31,6 +31,9 @@ pub struct CudaBenchArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// Which CUDA kernel family runs the grid.
+    #[arg(long, value_enum, default_value_t = super::KernelArg::Auto)]
+    kernel: super::KernelArg,
 }
 
 #[derive(Serialize)]
@@ -86,7 +89,8 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
     let tiles = a.tiles.as_deref().map(super::parse_tiles).transpose()?;
     let cuda = CudaBackend::new(a.device)
         .map_err(|e| Error::invalid("--backend", format!("cuda: {e}")))?
-        .with_tiles(tiles);
+        .with_tiles(tiles)
+        .with_kernel(a.kernel.into());
     if !json {
         let i = cuda.info();
         println!(
@@ -119,7 +123,7 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
         let p = Problem::new(dtype, &l, &l, &l, &l, None, None, &opts)?;
         let plan = cuda.plan(&p)?;
         let start = std::time::Instant::now();
-        cuda.kernel(&plan.spec)?;
+        cuda.prepare(&plan)?;
         let first_call_s = start.elapsed().as_secs_f64();
         let t = match dtype {
             DType::Bf16 => time_forward::<half::bf16>(&cuda, &p, warmup, reps, 7)?,
@@ -137,7 +141,7 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
             batch,
             heads,
             causal: c,
-            kernel: plan.spec.to_string(),
+            kernel: plan.to_string(),
             median_ms: t.median_ms,
             min_ms: t.min_ms,
             tflops: t.tflops,

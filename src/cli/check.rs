@@ -36,27 +36,37 @@ pub struct CheckArgs {
     /// `block_m,block_n,warps,m_tiles,stages,ctas_per_sm,q_in_regs(0|1),lazy_rescale(0|1)`.
     #[arg(long)]
     tiles: Option<String>,
+    /// Which CUDA kernel family runs the matrix (`--backend cuda` only).
+    #[arg(long, value_enum)]
+    kernel: Option<super::KernelArg>,
 }
 
 pub fn run(args: CheckArgs) -> Result<ExitCode> {
-    let backend = match args.tiles.as_deref() {
-        None => args.backend.resolve()?,
-        Some(t) => {
-            let tiles = super::parse_tiles(t)?;
-            match args.backend.resolve()? {
-                Backend::Cuda(cuda) => Backend::Cuda(cuda.with_tiles(Some(tiles))),
-                other => {
-                    return Err(Error::invalid(
-                        "--tiles",
-                        format!(
-                            "only the CUDA backend has tiles to override, not {}",
-                            other.name()
-                        ),
-                    ))
-                }
-            }
+    let mut backend = args.backend.resolve()?;
+    for (flag, given) in [
+        ("--tiles", args.tiles.is_some()),
+        ("--kernel", args.kernel.is_some()),
+    ] {
+        if given && !matches!(backend, Backend::Cuda(_)) {
+            return Err(Error::invalid(
+                flag,
+                format!(
+                    "only the CUDA backend has kernels to choose, not {}",
+                    backend.name()
+                ),
+            ));
         }
-    };
+    }
+    if let Backend::Cuda(cuda) = &backend {
+        let mut cuda = cuda.clone();
+        if let Some(t) = args.tiles.as_deref() {
+            cuda = cuda.with_tiles(Some(super::parse_tiles(t)?));
+        }
+        if let Some(k) = args.kernel {
+            cuda = cuda.with_kernel(k.into());
+        }
+        backend = Backend::Cuda(cuda);
+    }
     if let Some(t) = args.dtype.iter().find(|&&t| t == DType::Fp8E4M3) {
         return Err(Error::invalid(
             "--dtype",

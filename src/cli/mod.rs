@@ -81,6 +81,28 @@ impl BackendArg {
     }
 }
 
+/// `--kernel`: which CUDA kernel family runs the problems.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, ValueEnum)]
+pub enum KernelArg {
+    /// The dispatcher's choice (`fa4 plan --arch sm90` says which and why).
+    #[default]
+    Auto,
+    /// The Ampere-class `mma.sync` kernel.
+    Sm80,
+    /// The Hopper TMA + wgmma kernel (an error where it does not cover the problem).
+    Sm90,
+}
+
+impl From<KernelArg> for fa4::cuda::KernelChoice {
+    fn from(k: KernelArg) -> Self {
+        match k {
+            KernelArg::Auto => fa4::cuda::KernelChoice::Auto,
+            KernelArg::Sm80 => fa4::cuda::KernelChoice::Sm80,
+            KernelArg::Sm90 => fa4::cuda::KernelChoice::Sm90,
+        }
+    }
+}
+
 /// A `--tiles` override (the form of [`fa4::config::sm80::Tiles`]'s `FromStr`), its errors
 /// naming the flag.
 pub fn parse_tiles(s: &str) -> fa4::Result<fa4::config::sm80::Tiles> {

@@ -86,27 +86,35 @@ fn run_sm90(args: &PlanArgs) -> Result<()> {
     let arch = fa4::arch::H200;
     let depth = args.depth as usize;
     let size = args.dtype.size_bytes() as usize;
-    let plan = Sm90Plan::new(&arch, depth, size).map_err(|e| match e {
-        Error::InvalidArgument { name, reason } => Error::invalid(format!("--{name}"), reason),
-        e => e,
-    })?;
+    if depth == 0 {
+        return Err(Error::invalid("--depth", "must be at least 1"));
+    }
     let dispatch = sm90::dispatch(
         &arch,
         sm90::Features {
             head_dim: depth,
             dtype_size: size,
             varlen: args.varlen,
+            negative_scale: false,
         },
     );
+    // A problem the Hopper kernel does not cover still gets an answer: which kernel, and why.
+    let plan = Sm90Plan::new(&arch, depth, size).ok();
     if args.json {
-        let mut v = serde_json::to_value(&plan).expect("plain data serializes");
+        let mut v = match &plan {
+            Some(plan) => serde_json::to_value(plan).expect("plain data serializes"),
+            None => serde_json::json!({}),
+        };
         v["dispatch"] = serde_json::to_value(&dispatch).expect("plain data serializes");
         println!(
             "{}",
             serde_json::to_string_pretty(&v).expect("plain data serializes")
         );
     } else {
-        println!("{plan}");
+        match &plan {
+            Some(plan) => println!("{plan}"),
+            None => println!("no Hopper plan for head_dim {depth}, {}", args.dtype),
+        }
         println!(
             "  kernel for this problem: {} ({})",
             dispatch.kernel, dispatch.reason

@@ -15,25 +15,79 @@ use std::time::Instant;
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
 use super::libs;
-use crate::config::sm80::KernelSpec;
+use crate::config::{sm80, sm90};
 use crate::error::{Error, Result};
 
 /// The params header, shared by every kernel family.
 pub const PARAMS_SRC: &str = include_str!("../kernels/sm80/params.cuh");
 /// The Ampere-class forward kernel.
 pub const SM80_FWD_SRC: &str = include_str!("../kernels/sm80/fwd.cu");
+/// The Hopper kernel's params (TMA maps around [`PARAMS_SRC`]'s struct).
+pub const SM90_PARAMS_SRC: &str = include_str!("../kernels/sm90/params.cuh");
+/// The Hopper forward kernel.
+pub const SM90_FWD_SRC: &str = include_str!("../kernels/sm90/fwd.cu");
 /// Environment variable naming the cache folder.
 pub const CACHE_DIR_ENV: &str = "FA4_CACHE_DIR";
 
+/// A kernel NVRTC can build: its full source and target are pure functions of the spec, and
+/// `Debug` names everything it is specialised on (part of the cache key).
+pub trait KernelSource: std::fmt::Debug + std::fmt::Display {
+    /// NVRTC target (`sm_90`, `sm_90a`, …): an exact architecture, so a cubin comes out.
+    fn target(&self) -> &'static str;
+    /// The full source: prelude, headers, kernel.
+    fn source(&self) -> String;
+    /// The entry point.
+    fn entry(&self) -> &'static str;
+    /// Dynamic shared memory of a launch.
+    fn smem_bytes(&self) -> usize;
+}
+
+impl KernelSource for sm80::KernelSpec {
+    fn target(&self) -> &'static str {
+        self.target
+    }
+    fn source(&self) -> String {
+        format!("{}\n{}\n{}", self.prelude(), PARAMS_SRC, SM80_FWD_SRC)
+    }
+    fn entry(&self) -> &'static str {
+        sm80::KernelSpec::entry(self)
+    }
+    fn smem_bytes(&self) -> usize {
+        sm80::KernelSpec::smem_bytes(self)
+    }
+}
+
+impl KernelSource for sm90::KernelSpec {
+    fn target(&self) -> &'static str {
+        self.target
+    }
+    fn source(&self) -> String {
+        format!(
+            "{}\n{}\n{}\n{}\n{}",
+            self.prelude(),
+            PARAMS_SRC,
+            SM90_PARAMS_SRC,
+            self.wgmma_wrappers(),
+            SM90_FWD_SRC
+        )
+    }
+    fn entry(&self) -> &'static str {
+        sm90::KernelSpec::entry(self)
+    }
+    fn smem_bytes(&self) -> usize {
+        sm90::KernelSpec::smem_bytes(self)
+    }
+}
+
 /// The full source of a kernel.
-pub fn source(spec: &KernelSpec) -> String {
-    format!("{}\n{}\n{}", spec.prelude(), PARAMS_SRC, SM80_FWD_SRC)
+pub fn source<S: KernelSource>(spec: &S) -> String {
+    spec.source()
 }
 
 /// NVRTC options: a pure function of the spec.
-pub fn options(spec: &KernelSpec) -> Vec<String> {
+pub fn options<S: KernelSource>(spec: &S) -> Vec<String> {
     vec![
-        format!("--gpu-architecture={}", spec.target),
+        format!("--gpu-architecture={}", spec.target()),
         "--std=c++17".into(),
         "--device-as-default-execution-space".into(),
         "--fmad=true".into(),
@@ -63,12 +117,19 @@ pub struct Compiled {
 }
 
 /// Compiles with NVRTC, returning the cubin or the compiler's log.
-pub fn compile_uncached(spec: &KernelSpec) -> Result<Vec<u8>> {
+pub fn compile_uncached<S: KernelSource>(spec: &S) -> Result<Vec<u8>> {
+    compile_with_log(spec, &[]).map(|(cubin, _)| cubin)
+}
+
+/// Compiles with NVRTC and `extra` options after the spec's own (e.g. `--ptxas-options=-v` in
+/// tests that check register use), returning the cubin and the compiler's log.
+pub fn compile_with_log<S: KernelSource>(spec: &S, extra: &[&str]) -> Result<(Vec<u8>, String)> {
     libs::nvrtc()?;
     let src = source(spec);
-    let opts = options(spec);
+    let mut opts = options(spec);
+    opts.extend(extra.iter().map(|o| o.to_string()));
     let c_src = CString::new(src).map_err(|e| Error::invalid("kernel source", e.to_string()))?;
-    let name = CString::new("fa4_fwd_sm80.cu").expect("no NUL");
+    let name = CString::new(format!("{}.cu", spec.entry())).expect("no NUL");
     let prog = nvrtc::create_program(&c_src, Some(&name))
         .map_err(|e| Error::cuda("nvrtcCreateProgram", format!("{e:?}")))?;
     // SAFETY: `prog` was created above and is destroyed once, below.
@@ -87,8 +148,8 @@ pub fn compile_uncached(spec: &KernelSpec) -> Result<Vec<u8>> {
     let result = match compiled {
         Err(_) => Err(Error::Compile {
             spec: spec.to_string(),
-            options: opts,
-            log,
+            options: opts.clone(),
+            log: log.clone(),
         }),
         Ok(()) => {
             let mut size = 0usize;
@@ -112,13 +173,13 @@ pub fn compile_uncached(spec: &KernelSpec) -> Result<Vec<u8>> {
     match result {
         Ok(buf) if buf.is_empty() => Err(Error::Compile {
             spec: spec.to_string(),
-            options: options(spec),
+            options: opts,
             log: format!(
                 "NVRTC produced no cubin for {} (is it a real architecture?)",
-                spec.target
+                spec.target()
             ),
         }),
-        r => r,
+        r => r.map(|buf| (buf, log)),
     }
 }
 
@@ -145,19 +206,19 @@ pub fn cache_dir() -> PathBuf {
 }
 
 /// The cache key of a spec: spec, options, NVRTC version and the whole source.
-pub fn cache_key(spec: &KernelSpec) -> Result<String> {
+pub fn cache_key<S: KernelSource>(spec: &S) -> Result<String> {
     let (major, minor) = nvrtc_version()?;
     let text = format!(
         "{spec:?}|{:?}|nvrtc {major}.{minor}|{}",
         options(spec),
         source(spec)
     );
-    Ok(format!("{}-{:016x}", spec.target, fnv1a(text.as_bytes())))
+    Ok(format!("{}-{:016x}", spec.target(), fnv1a(text.as_bytes())))
 }
 
 /// The cubin of a spec: from the disk cache, or compiled and then cached. A cache that cannot
 /// be written is not an error (the kernel still runs); one that cannot be read is recompiled.
-pub fn compile(spec: &KernelSpec) -> Result<Compiled> {
+pub fn compile<S: KernelSource>(spec: &S) -> Result<Compiled> {
     let start = Instant::now();
     let dir = cache_dir();
     let path = dir.join(format!("{}.cubin", cache_key(spec)?));

@@ -13,6 +13,7 @@ pub mod bench;
 pub mod compile;
 mod libs;
 pub(crate) mod params;
+mod tma;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -24,10 +25,12 @@ use cudarc::driver::{
 };
 
 use crate::arch::{self, ComputeCapability, Family, GpuArch};
-use crate::config::sm80::{self, KernelSpec, Tiles};
+use crate::config::sm80::{self, Tiles};
+use crate::config::sm90;
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 use crate::tensor::{Element, Layout};
+use compile::KernelSource;
 use params::FwdParams;
 
 /// What the live device reports, and the description planners use for it.
@@ -69,7 +72,39 @@ struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     info: DeviceInfo,
-    kernels: Mutex<HashMap<KernelSpec, CudaFunction>>,
+    /// Loaded kernels by their spec's `Debug` form (which names every specialisation).
+    kernels: Mutex<HashMap<String, CudaFunction>>,
+}
+
+/// Which kernel family runs a problem on the GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KernelChoice {
+    /// What [`sm90::dispatch`] picks: the Hopper kernel where it is enabled and covers the
+    /// problem, else the Ampere-class kernel.
+    #[default]
+    Auto,
+    /// The Ampere-class `mma.sync` kernel.
+    Sm80,
+    /// The Hopper kernel (an error where it does not cover the problem or the GPU).
+    Sm90,
+}
+
+/// A planned launch: which kernel, its spec and grid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Planned {
+    /// The Ampere-class kernel.
+    Sm80(sm80::Plan),
+    /// The Hopper kernel.
+    Sm90(sm90::Plan),
+}
+
+impl std::fmt::Display for Planned {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Planned::Sm80(p) => write!(f, "{}", p.spec),
+            Planned::Sm90(p) => write!(f, "{}", p.spec),
+        }
+    }
 }
 
 /// The CUDA backend on one device. Cheap to clone.
@@ -77,6 +112,8 @@ struct Device {
 pub struct CudaBackend {
     dev: Arc<Device>,
     tiles: Option<Tiles>,
+    sm90_tiles: Option<sm90::Tiles>,
+    choice: KernelChoice,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -84,6 +121,8 @@ impl std::fmt::Debug for CudaBackend {
         f.debug_struct("CudaBackend")
             .field("device", &self.dev.info)
             .field("tiles", &self.tiles)
+            .field("sm90_tiles", &self.sm90_tiles)
+            .field("choice", &self.choice)
             .finish()
     }
 }
@@ -170,6 +209,8 @@ impl CudaBackend {
                 kernels: Mutex::new(HashMap::new()),
             }),
             tiles: None,
+            sm90_tiles: None,
+            choice: KernelChoice::Auto,
         })
     }
 
@@ -177,8 +218,24 @@ impl CudaBackend {
     /// tuning; each launch still checks the tiles against the kernel and the GPU).
     pub fn with_tiles(&self, tiles: Option<Tiles>) -> CudaBackend {
         CudaBackend {
-            dev: self.dev.clone(),
             tiles,
+            ..self.clone()
+        }
+    }
+
+    /// The same device with the Hopper planner's tile choice replaced by `tiles`.
+    pub fn with_sm90_tiles(&self, tiles: Option<sm90::Tiles>) -> CudaBackend {
+        CudaBackend {
+            sm90_tiles: tiles,
+            ..self.clone()
+        }
+    }
+
+    /// The same device with the kernel family chosen by `choice`.
+    pub fn with_kernel(&self, choice: KernelChoice) -> CudaBackend {
+        CudaBackend {
+            choice,
+            ..self.clone()
         }
     }
 
@@ -238,14 +295,38 @@ impl CudaBackend {
     }
 
     /// Plans a problem for this device, or says why it cannot run here.
-    pub fn plan(&self, p: &Problem) -> Result<sm80::Plan> {
-        sm80::plan(p, &self.dev.info.arch, self.dev.info.target, self.tiles)
+    pub fn plan(&self, p: &Problem) -> Result<Planned> {
+        let info = &self.dev.info;
+        let hopper = match self.choice {
+            KernelChoice::Sm80 => false,
+            KernelChoice::Sm90 => true,
+            KernelChoice::Auto => sm90::dispatch(&info.arch, sm90::features(p)).kernel == "sm90",
+        };
+        if hopper {
+            // wgmma and setmaxnreg need the architecture-specific target.
+            let target = match info.target {
+                "sm_90" => "sm_90a",
+                other => other,
+            };
+            sm90::plan(p, &info.arch, target, self.sm90_tiles).map(Planned::Sm90)
+        } else {
+            sm80::plan(p, &info.arch, info.target, self.tiles).map(Planned::Sm80)
+        }
+    }
+
+    /// Compiles (or loads from the cache) the kernel of a plan, ahead of its first launch.
+    pub fn prepare(&self, plan: &Planned) -> Result<()> {
+        match plan {
+            Planned::Sm80(p) => self.kernel(&p.spec).map(drop),
+            Planned::Sm90(p) => self.kernel(&p.spec).map(drop),
+        }
     }
 
     /// The loaded kernel of a spec: compiled (or read from the disk cache) on first use.
-    pub fn kernel(&self, spec: &KernelSpec) -> Result<CudaFunction> {
+    pub fn kernel<S: KernelSource>(&self, spec: &S) -> Result<CudaFunction> {
+        let key = format!("{spec:?}");
         let mut kernels = self.dev.kernels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(f) = kernels.get(spec) {
+        if let Some(f) = kernels.get(&key) {
             return Ok(f.clone());
         }
         let compiled = compile::compile(spec)?;
@@ -262,7 +343,7 @@ impl CudaBackend {
             spec.smem_bytes() as i32,
         )
         .map_err(|e| Error::cuda("setting the shared-memory limit", e))?;
-        kernels.insert(*spec, f.clone());
+        kernels.insert(key, f.clone());
         Ok(f)
     }
 
@@ -309,10 +390,13 @@ impl CudaBackend {
             (false, None) => {}
         }
         let plan = self.plan(p)?;
-        if plan.grid.0 == 0 || batch == 0 {
+        let grid = match &plan {
+            Planned::Sm80(pl) => pl.grid,
+            Planned::Sm90(pl) => pl.grid,
+        };
+        if grid.0 == 0 || batch == 0 {
             return Ok(());
         }
-        let func = self.kernel(&plan.spec)?;
         let stream = &self.dev.stream;
 
         let (q_ptr, _q_sync) = q.device_ptr(stream);
@@ -344,21 +428,67 @@ impl CudaBackend {
             }
         }
         let params = make_params(p, [q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cq_ptr, ck_ptr]);
-        let cfg = LaunchConfig {
-            grid_dim: plan.grid,
-            block_dim: (plan.spec.threads() as u32, 1, 1),
-            shared_mem_bytes: plan.spec.smem_bytes() as u32,
-        };
-        let mut launch = stream.launch_builder(&func);
-        launch.arg(&params);
-        // SAFETY: the problem was validated (shapes, strides, non-overlapping output, cu_seqlens
-        // from 0 non-decreasing to the totals); every buffer was checked above to hold the
-        // layout's extent and to be 16-byte aligned; the planner checked the head dim and every
-        // stride against the kernel's 16-byte copies and sized the grid, block and shared memory
-        // of this spec (the kernel static_asserts the same shared-memory count). The pointers stay
-        // valid while their sync guards (held to the end of this function) order later uses.
-        unsafe { launch.launch(cfg) }
-            .map_err(|e| Error::cuda(format!("launch {}", plan.spec), e))?;
+        match plan {
+            Planned::Sm80(plan) => {
+                let func = self.kernel(&plan.spec)?;
+                let cfg = LaunchConfig {
+                    grid_dim: plan.grid,
+                    block_dim: (plan.spec.threads() as u32, 1, 1),
+                    shared_mem_bytes: plan.spec.smem_bytes() as u32,
+                };
+                let mut launch = stream.launch_builder(&func);
+                launch.arg(&params);
+                // SAFETY: the problem was validated (shapes, strides, non-overlapping output,
+                // cu_seqlens from 0 non-decreasing to the totals); every buffer was checked above
+                // to hold the layout's extent and to be 16-byte aligned; the planner checked the
+                // head dim and every stride against the kernel's 16-byte copies and sized the
+                // grid, block and shared memory of this spec (the kernel static_asserts the same
+                // shared-memory count). The pointers stay valid while their sync guards (held to
+                // the end of this function) order later uses.
+                unsafe { launch.launch(cfg) }
+                    .map_err(|e| Error::cuda(format!("launch {}", plan.spec), e))?;
+            }
+            Planned::Sm90(plan) => {
+                let func = self.kernel(&plan.spec)?;
+                let t = &plan.spec.tiles;
+                let bf16 = plan.spec.bf16;
+                let seq = p.sequences()[0];
+                let map = |name: &str, ptr: u64, l: &Layout, rows: usize, box_rows: usize| {
+                    tma::encode(
+                        name,
+                        &tma::MapSpec {
+                            ptr,
+                            bf16,
+                            dims: [l.dims[0], rows, l.dims[2], l.dims[3]],
+                            strides: l.strides,
+                            box_rows,
+                        },
+                    )
+                };
+                let sp = params::Sm90Params {
+                    tq: map("q", q_ptr, p.q_layout(), seq.q_len, t.block_m())?,
+                    tk: map("k", k_ptr, p.k_layout(), seq.k_len, t.block_n)?,
+                    tv: map("v", v_ptr, p.v_layout(), seq.k_len, t.block_n)?,
+                    p: params,
+                };
+                let cfg = LaunchConfig {
+                    grid_dim: plan.grid,
+                    block_dim: (plan.spec.threads() as u32, 1, 1),
+                    shared_mem_bytes: plan.spec.smem_bytes() as u32,
+                };
+                let mut launch = stream.launch_builder(&func);
+                launch.arg(&sp);
+                // SAFETY: as for the sm80 launch (validated problem, buffers checked for extent
+                // and 16-byte alignment). The Hopper planner accepted only fixed-length batches
+                // with head_dim 64/128/256 and 16-byte strides below 2^40; the TMA maps describe
+                // exactly the layouts' extents (reads past a sequence's end are zero-filled by
+                // the hardware, not performed), and the output is written only at rows below
+                // seqlen_q and columns below head_dim. The kernel static_asserts the planner's
+                // shared-memory count and params size.
+                unsafe { launch.launch(cfg) }
+                    .map_err(|e| Error::cuda(format!("launch {}", plan.spec), e))?;
+            }
+        }
         Ok(())
     }
 

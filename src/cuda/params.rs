@@ -55,11 +55,44 @@ const _: () = assert!(std::mem::offset_of!(FwdParams, scale_log2) == 208);
 // SAFETY: a plain #[repr(C)] struct of integers and floats, laid out like the C header.
 unsafe impl DeviceRepr for FwdParams {}
 
+/// A TMA map as the kernel receives it (`TmaMap` in `kernels/sm90/params.cuh`): the 128 opaque
+/// bytes `cuTensorMapEncodeTiled` writes.
+#[repr(C, align(64))]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct TmaMap {
+    pub opaque: [u64; 16],
+}
+
+/// Launch parameters of the Hopper kernel: the Q, K and V maps and the common parameters.
+#[repr(C, align(64))]
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Sm90Params {
+    pub tq: TmaMap,
+    pub tk: TmaMap,
+    pub tv: TmaMap,
+    pub p: FwdParams,
+}
+
+/// The header's `FA4_SM90_PARAMS_SIZE`.
+pub const SM90_PARAMS_SIZE: usize = 640;
+
+const _: () = assert!(std::mem::size_of::<Sm90Params>() == SM90_PARAMS_SIZE);
+const _: () = assert!(std::mem::offset_of!(Sm90Params, p) == 384);
+
+// SAFETY: #[repr(C)] plain data (the maps are opaque bytes, FwdParams is DeviceRepr), laid out
+// like the header's struct (size asserted on both sides, alignment 64 on both).
+unsafe impl DeviceRepr for Sm90Params {}
+
 #[cfg(test)]
 mod tests {
     #[test]
     fn the_header_states_the_same_size() {
         let header = super::super::compile::PARAMS_SRC;
         assert!(header.contains(&format!("#define FA4_PARAMS_SIZE {}", super::PARAMS_SIZE)));
+        let header = super::super::compile::SM90_PARAMS_SRC;
+        assert!(header.contains(&format!(
+            "#define FA4_SM90_PARAMS_SIZE {}",
+            super::SM90_PARAMS_SIZE
+        )));
     }
 }

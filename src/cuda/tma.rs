@@ -1,0 +1,86 @@
+//! TMA maps for the Hopper kernel: Q, K and V described to `cuTensorMapEncodeTiled`.
+//!
+//! Each tensor `(batch, rows, heads, head_dim)` (element strides batch, row, head) is seen as
+//! five dimensions, innermost first: 64 columns of a slab, rows, `head_dim / 64` slabs, heads,
+//! batch, with byte strides (row, 128, head, batch). One box of `(64, box_rows, slabs, 1, 1)`
+//! then lands in shared memory as `slabs` tiles of `(box_rows, 64)` with the 128-byte swizzle:
+//! the layout `wgmma` reads. Rows past the end of the tensor are zero-filled.
+
+use cudarc::driver::sys::{
+    self, CUresult, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
+    CUtensorMapL2promotion, CUtensorMapSwizzle,
+};
+
+use super::params::TmaMap;
+use crate::config::sm90::SWIZZLE_ELEMS;
+use crate::error::{Error, Result};
+
+/// One tensor for a map.
+pub(crate) struct MapSpec {
+    /// Device address of element (0, 0, 0, 0): 16-byte aligned.
+    pub ptr: u64,
+    /// bf16 (else fp16).
+    pub bf16: bool,
+    /// `[batch, rows, heads, head_dim]`; head_dim a multiple of 64.
+    pub dims: [usize; 4],
+    /// Element strides of batch, row and head (multiples of 8).
+    pub strides: [usize; 3],
+    /// Rows per box (≤ 256).
+    pub box_rows: usize,
+}
+
+/// Encodes a map, or the driver's error naming the tensor.
+pub(crate) fn encode(name: &str, m: &MapSpec) -> Result<TmaMap> {
+    let [batch, rows, heads, head_dim] = m.dims;
+    let slabs = head_dim / SWIZZLE_ELEMS;
+    let global_dim: [u64; 5] = [
+        SWIZZLE_ELEMS as u64,
+        rows as u64,
+        slabs as u64,
+        heads as u64,
+        batch as u64,
+    ];
+    let el = 2u64;
+    let global_strides: [u64; 4] = [
+        m.strides[1] as u64 * el,
+        SWIZZLE_ELEMS as u64 * el,
+        m.strides[2] as u64 * el,
+        m.strides[0] as u64 * el,
+    ];
+    let box_dim: [u32; 5] = [SWIZZLE_ELEMS as u32, m.box_rows as u32, slabs as u32, 1, 1];
+    let element_strides: [u32; 5] = [1; 5];
+    let mut map = sys::CUtensorMap { opaque: [0; 16] };
+    let dtype = if m.bf16 {
+        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
+    } else {
+        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+    };
+    // SAFETY: every pointer is to a live local array of the rank's length (5 dims, 4 strides,
+    // 5 box dims, 5 element strides) or to `map`; the driver only writes `map`. The address is
+    // not dereferenced here (the kernel reads through the map); the caller checked that the
+    // buffer holds the layout's extent and is 16-byte aligned, and the planner that every
+    // stride is a multiple of 16 bytes below 2^40.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            &mut map,
+            dtype,
+            5,
+            m.ptr as *mut std::ffi::c_void,
+            global_dim.as_ptr(),
+            global_strides.as_ptr(),
+            box_dim.as_ptr(),
+            element_strides.as_ptr(),
+            CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != CUresult::CUDA_SUCCESS {
+        return Err(Error::cuda(
+            format!("cuTensorMapEncodeTiled ({name}: dims {global_dim:?}, byte strides {global_strides:?}, box {box_dim:?})"),
+            format!("{r:?}"),
+        ));
+    }
+    Ok(TmaMap { opaque: map.opaque })
+}

@@ -1,0 +1,26 @@
+// Launch parameters of the Hopper forward kernel: three TMA maps (built on the host by
+// cuTensorMapEncodeTiled, opaque here) and the common FwdParams (`../sm80/params.cuh`).
+// Mirrored by `cuda::params::Sm90Params` (Rust); both sides assert the size.
+// A map must sit at a 64-byte aligned address: the struct and each map are aligned so.
+
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+// Q, K and V are each seen as a 5-D tensor, innermost first:
+//   (64 columns of a slab, rows, head_dim / 64 slabs, heads, batch)
+// with byte strides (row, 128, head, batch), so that one box of (64, rows, slabs, 1, 1)
+// lands in shared memory as `slabs` swizzled (rows, 64) tiles: the wgmma operand layout.
+struct __align__(64) TmaMap {
+    u64 opaque[16];
+};
+
+struct __align__(64) Sm90Params {
+    TmaMap tq;
+    TmaMap tk;
+    TmaMap tv;
+    FwdParams p;
+};
+
+#define FA4_SM90_PARAMS_SIZE 640
+static_assert(sizeof(Sm90Params) == FA4_SM90_PARAMS_SIZE, "Sm90Params layout must match the Rust mirror");

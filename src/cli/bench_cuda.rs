@@ -28,6 +28,10 @@ pub struct CudaBenchArgs {
     /// `block_m,block_n,warps,m_tiles,stages,ctas_per_sm,q_in_regs(0|1),lazy_rescale(0|1)`.
     #[arg(long)]
     tiles: Option<String>,
+    /// Override the Hopper planner's tiles:
+    /// `block_n,consumer_wgs,stages,producer_regs,consumer_regs,lazy,overlap,pingpong`.
+    #[arg(long)]
+    sm90_tiles: Option<String>,
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
@@ -90,7 +94,13 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
     let cuda = CudaBackend::new(a.device)
         .map_err(|e| Error::invalid("--backend", format!("cuda: {e}")))?
         .with_tiles(tiles)
-        .with_kernel(a.kernel.into());
+        .with_kernel(a.kernel.into())
+        .with_sm90_tiles(
+            a.sm90_tiles
+                .as_deref()
+                .map(super::parse_sm90_tiles)
+                .transpose()?,
+        );
     if !json {
         let i = cuda.info();
         println!(

@@ -36,6 +36,10 @@ pub struct CheckArgs {
     /// `block_m,block_n,warps,m_tiles,stages,ctas_per_sm,q_in_regs(0|1),lazy_rescale(0|1)`.
     #[arg(long)]
     tiles: Option<String>,
+    /// Override the Hopper kernel's tiles (`--backend cuda` only; the form of `fa4 bench
+    /// --sm90-tiles`).
+    #[arg(long)]
+    sm90_tiles: Option<String>,
     /// Which CUDA kernel family runs the matrix (`--backend cuda` only).
     #[arg(long, value_enum)]
     kernel: Option<super::KernelArg>,
@@ -46,6 +50,7 @@ pub fn run(args: CheckArgs) -> Result<ExitCode> {
     for (flag, given) in [
         ("--tiles", args.tiles.is_some()),
         ("--kernel", args.kernel.is_some()),
+        ("--sm90-tiles", args.sm90_tiles.is_some()),
     ] {
         if given && !matches!(backend, Backend::Cuda(_)) {
             return Err(Error::invalid(
@@ -61,6 +66,9 @@ pub fn run(args: CheckArgs) -> Result<ExitCode> {
         let mut cuda = cuda.clone();
         if let Some(t) = args.tiles.as_deref() {
             cuda = cuda.with_tiles(Some(super::parse_tiles(t)?));
+        }
+        if let Some(t) = args.sm90_tiles.as_deref() {
+            cuda = cuda.with_sm90_tiles(Some(super::parse_sm90_tiles(t)?));
         }
         if let Some(k) = args.kernel {
             cuda = cuda.with_kernel(k.into());

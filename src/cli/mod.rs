@@ -112,6 +112,15 @@ pub fn parse_tiles(s: &str) -> fa4::Result<fa4::config::sm80::Tiles> {
     })
 }
 
+/// A `--sm90-tiles` override (the form of [`fa4::config::sm90::Tiles`]'s `FromStr`), its
+/// errors naming the flag.
+pub fn parse_sm90_tiles(s: &str) -> fa4::Result<fa4::config::sm90::Tiles> {
+    s.parse().map_err(|e| match e {
+        fa4::Error::InvalidArgument { reason, .. } => fa4::Error::invalid("--sm90-tiles", reason),
+        e => e,
+    })
+}
+
 /// Help and version go to stdout as clap formats them; a usage error becomes one line.
 fn clap_error(e: clap::Error) -> ExitCode {
     use clap::error::ErrorKind;

@@ -59,6 +59,50 @@ pub struct Tiles {
     /// Conditional rescaling (FlashAttention-4): rescale O only when a row max grew by more
     /// than 2^8 (exact: numerator and denominator share the stale max).
     pub lazy_rescale: bool,
+    /// Issue block j + 1's Q·Kᵀ with block j's P·V and run its softmax while P·V is in flight.
+    pub intra_wg_overlap: bool,
+    /// The consumer warpgroups take turns issuing their wgmma groups (named barriers), so one's
+    /// softmax overlaps the other's matrix products. Needs two consumer warpgroups.
+    pub pingpong: bool,
+}
+
+/// The command-line spelling of a Hopper tile override (`fa4 bench --sm90-tiles`):
+/// `block_n,consumer_wgs,stages,producer_regs,consumer_regs,lazy,overlap,pingpong` (flags 0|1).
+impl std::str::FromStr for Tiles {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Tiles> {
+        let bad = || Error::invalid("sm90 tiles", format!("expected eight integers, got `{s}`"));
+        let v: Vec<usize> = s
+            .split(',')
+            .map(|x| x.trim().parse::<usize>())
+            .collect::<std::result::Result<_, _>>()
+            .map_err(|_| bad())?;
+        let [block_n, consumer_wgs, stages, producer_regs, consumer_regs, lazy, overlap, pingpong] =
+            v[..]
+        else {
+            return Err(bad());
+        };
+        let flag = |x: usize, name: &str| match x {
+            0 => Ok(false),
+            1 => Ok(true),
+            _ => Err(Error::invalid(
+                "sm90 tiles",
+                format!("{name} must be 0 or 1, got {x}"),
+            )),
+        };
+        let regs = |x: usize| u32::try_from(x).map_err(|_| bad());
+        Ok(Tiles {
+            block_n,
+            consumer_wgs,
+            stages,
+            producer_regs: regs(producer_regs)?,
+            consumer_regs: regs(consumer_regs)?,
+            lazy_rescale: flag(lazy, "lazy")?,
+            intra_wg_overlap: flag(overlap, "overlap")?,
+            pingpong: flag(pingpong, "pingpong")?,
+        })
+    }
 }
 
 /// The shared-memory budget of a launch, in bytes, tile by tile.
@@ -106,10 +150,13 @@ impl Tiles {
         }
     }
 
-    /// f32 accumulator registers per consumer thread: S (64 × block_n) and O (64 × head_dim)
-    /// spread over the warpgroup's 128 threads.
+    /// Operand registers per consumer thread: the f32 accumulators S (64 × block_n) and O
+    /// (64 × head_dim) and the packed 16-bit P (64 × block_n), spread over 128 threads. With the
+    /// intra-warpgroup overlap all three are live at once.
     pub fn accumulator_regs(&self, head_dim: usize) -> u32 {
-        ((ROWS_PER_CONSUMER * (self.block_n + head_dim)) / WARPGROUP_THREADS) as u32
+        let f32s = ROWS_PER_CONSUMER * (self.block_n + head_dim) / WARPGROUP_THREADS;
+        let p = ROWS_PER_CONSUMER * self.block_n / (2 * WARPGROUP_THREADS);
+        (f32s + p) as u32
     }
 
     /// Checks the tiles against the kernel's rules and the GPU's limits, naming each violation.
@@ -139,6 +186,9 @@ impl Tiles {
         }
         if !(2..=8).contains(&self.stages) {
             return bad("stages must be 2 to 8".into());
+        }
+        if self.pingpong && self.consumer_wgs != 2 {
+            return bad("ping-pong alternates exactly two consumer warpgroups".into());
         }
         let threads = self.threads();
         if threads > arch.max_threads_per_sm as usize {
@@ -200,13 +250,17 @@ const fn t(
         producer_regs,
         consumer_regs,
         lazy_rescale: false,
+        intra_wg_overlap: false,
+        pingpong: false,
     }
 }
 
-/// Tile candidates per padded head dim, first that fits wins. Two consumer warpgroups (128
-/// query rows) take 240 registers each and leave the producer 24 (128 · (24 + 2 · 240) = 64,512
-/// of 65,536). The key-block widths follow the register budget: S (block_n / 2) and O
-/// (head_dim / 2) accumulators plus the margin must fit 240.
+/// Tile candidates per head dim, first that fits wins. Two consumer warpgroups (128 query rows)
+/// take 240 registers each and leave the producer 24 (128 · (24 + 2 · 240) = 64,512 of 65,536).
+/// The key-block widths follow the register budget (S, O and packed P plus the margin fit 240).
+/// Measured on an H200 (bf16, 16k tokens, TFLOP/s at 16k non-causal; `docs/perf.md`): 128-key
+/// blocks beat 64 (d64 483 vs 369, d128 629 vs 576), two stages beat three (629 vs 613), and
+/// the overlap and ping-pong switches lose as built (d128 480–593 against 629), so they are off.
 const CANDIDATES: [(usize, &[Tiles]); 3] = [
     (64, &[t(128, 2, 2, 24, 240)]),
     (128, &[t(128, 2, 2, 24, 240)]),
@@ -270,6 +324,8 @@ impl KernelSpec {
              constexpr int PRODUCER_REGS = {};\n\
              constexpr int CONSUMER_REGS = {};\n\
              constexpr bool LAZY_RESCALE = {};\n\
+             constexpr bool INTRA_WG_OVERLAP = {};\n\
+             constexpr bool PINGPONG = {};\n\
              constexpr bool IS_BF16 = {};\n\
              constexpr bool HAS_WINDOW = {};\n\
              constexpr bool HAS_SOFTCAP = {};\n\
@@ -281,6 +337,8 @@ impl KernelSpec {
             t.producer_regs,
             t.consumer_regs,
             t.lazy_rescale,
+            t.intra_wg_overlap,
+            t.pingpong,
             self.bf16,
             self.window,
             self.softcap,
@@ -341,7 +399,7 @@ impl fmt::Display for KernelSpec {
         let t = &self.tiles;
         write!(
             f,
-            "sm90-fwd {} {} d{} {}x{} c{} s{} r{}/{}{}{}{}",
+            "sm90-fwd {} {} d{} {}x{} c{} s{} r{}/{}{}{}{}{}{}",
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
             self.head_dim,
@@ -352,6 +410,8 @@ impl fmt::Display for KernelSpec {
             t.producer_regs,
             t.consumer_regs,
             if t.lazy_rescale { " lazy" } else { "" },
+            if t.intra_wg_overlap { " overlap" } else { "" },
+            if t.pingpong { " pingpong" } else { "" },
             if self.window { " window" } else { "" },
             if self.softcap { " softcap" } else { "" }
         )
@@ -548,10 +608,13 @@ impl fmt::Display for Sm90Plan {
             "  TMA: {} box(es) of 64 columns (128-byte swizzle) per tile, {} rows per K/V box",
             self.tma_box.0, self.tma_box.1
         )?;
+        let on = |b: bool| if b { "on" } else { "off" };
         write!(
             f,
-            "  conditional rescaling: {}",
-            if t.lazy_rescale { "on" } else { "off" }
+            "  softmax/MMA overlap in a warpgroup: {}; ping-pong between consumers: {}; conditional rescaling: {}",
+            on(t.intra_wg_overlap),
+            on(t.pingpong),
+            on(t.lazy_rescale)
         )
     }
 }
@@ -782,7 +845,7 @@ mod tests {
         // d128: Q 32 KiB, K and V 2 × 32 KiB each.
         let p = Sm90Plan::new(&H200, 128, 2).unwrap();
         assert_eq!((p.smem.q, p.smem.k, p.smem.v), (32768, 65536, 65536));
-        assert_eq!(p.accumulator_regs, 128);
+        assert_eq!(p.accumulator_regs, 160);
     }
 
     #[test]
@@ -829,6 +892,11 @@ mod tests {
                 ..good
             },
             Tiles { stages: 4, ..good },
+            Tiles {
+                consumer_wgs: 1,
+                pingpong: true,
+                ..good
+            },
         ] {
             assert!(bad.check(128, &H200).is_err(), "{bad:?}");
         }

@@ -4,7 +4,7 @@
 //
 // Self-contained (NVRTC may have no headers). The planner (`config::sm90`) prepends a prelude
 // defining HEAD_DIM, BLOCK_N, CONSUMER_WGS, STAGES, PRODUCER_REGS, CONSUMER_REGS,
-// LAZY_RESCALE, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, FA4_SMEM_BYTES, and generates the wgmma wrappers
+// LAZY_RESCALE, INTRA_WG_OVERLAP, PINGPONG, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, FA4_SMEM_BYTES, and generates the wgmma wrappers
 // `wgmma_ss` (N = BLOCK_N) and `wgmma_rs` (N = HEAD_DIM); then `../sm80/params.cuh` and
 // `params.cuh`; then the generated wgmma wrappers; then this file.
 //
@@ -178,6 +178,117 @@ __device__ __forceinline__ void producer(const Sm90Params& P, const Smem& sm, in
 
 // ---------------------------------------------------------------------------------------------
 // Consumer c: rows [m0 + 64c, m0 + 64c + 64) of the CTA's query block.
+//
+// Per key block: S = Q·Kᵀ (wgmma, async), masks and online softmax on S in registers, O rescale,
+// P packed from S, O += P·V (wgmma, async). With INTRA_WG_OVERLAP the Q·Kᵀ of block j + 1 and
+// the P·V of block j are issued together and the softmax of block j + 1 runs while the P·V of
+// block j is still in the tensor cores (S and P live in separate registers, so the softmax never
+// touches an operand in flight). With PINGPONG the two consumer warpgroups take turns issuing
+// their wgmma groups (named barriers), so one's softmax overlaps the other's matrix products.
+
+// The consumer's running state: O, and each of its two rows' max and partial sum.
+struct RowState {
+    float max[2];  // raw scores (before scale_log2)
+    float sum[2];  // this thread's columns only
+};
+
+constexpr int SCHED_BARRIER0 = 1;  // named barriers 1, 2: consumer warpgroup c waits on 1 + c
+
+__device__ __forceinline__ void sched_wait(int c) {
+    if constexpr (PINGPONG && CONSUMER_WGS == 2)
+        asm volatile("bar.sync %0, %1;\n" ::"r"(SCHED_BARRIER0 + c), "n"(2 * WG_THREADS) : "memory");
+}
+__device__ __forceinline__ void sched_pass(int c) {
+    if constexpr (PINGPONG && CONSUMER_WGS == 2)
+        asm volatile("bar.arrive %0, %1;\n" ::"r"(SCHED_BARRIER0 + (1 - c)), "n"(2 * WG_THREADS) : "memory");
+}
+
+// Issues S = Q·Kᵀ for the K tile at `k_base` (one commit group).
+__device__ __forceinline__ void issue_qk(float (&rS)[S_REGS], u32 q_base, u32 k_base) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const u32 a = q_base + (kk / 4) * (BLOCK_M * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
+        const u32 b = k_base + (kk / 4) * (BLOCK_N * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
+        wgmma_ss(rS, smem_desc(a, 16, SBO_BYTES), smem_desc(b, 16, SBO_BYTES), kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+}
+
+// Issues O += P·V for the V tile at `v_base` (one commit group). V (BLOCK_N keys, HEAD_DIM) is
+// MN-major for this product; its 64-column slabs are BLOCK_N rows apart (the leading offset).
+__device__ __forceinline__ void issue_pv(float (&rO)[O_REGS], const u32 (&rP)[P_REGS], u32 v_base) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+        wgmma_rs(rO, rP[4 * kk], rP[4 * kk + 1], rP[4 * kk + 2], rP[4 * kk + 3],
+                 smem_desc(v_base + kk * KSTEP_V_BYTES, BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES));
+    wgmma_commit();
+}
+
+// Softcap, masks and the online softmax of key block n on S (in place: S becomes P in f32).
+// Returns each row's O correction factor.
+__device__ __forceinline__ void softmax_block(const FwdParams& p, float (&rS)[S_REGS], RowState& st, int n, int row0,
+                                              int lane, int free_lo, int free_hi, float (&corr)[2]) {
+    if constexpr (HAS_SOFTCAP) {
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) rS[i] = p.softcap * tanh_accurate(rS[i] * p.softcap_scale);
+    }
+    // Mask: only blocks that cross a row's key bounds (or the end of the keys).
+    const int key0 = n * BLOCK_N;
+    if (key0 < free_lo || key0 + BLOCK_N > free_hi) {
+        int lo[2], hi[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            lo[h] = key_lo(p, row0 + 8 * h);
+            hi[h] = key_hi(p, row0 + 8 * h);
+        }
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i) {
+            const int j = key0 + acc_col(i, lane), h = acc_slot(i);
+            if (j < lo[h] || j >= hi[h]) rS[i] = NEG_INF;
+        }
+    }
+    // The 4 lanes of a quad share a row.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        float mx = st.max[h];
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i)
+            if (acc_slot(i) == h) mx = fmaxf(mx, rS[i]);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // Conditional rescaling keeps the stale max unless the new one is 2^8 larger.
+        const bool move = !LAZY_RESCALE || (mx - st.max[h]) * p.scale_log2 > RESCALE_THRESHOLD;
+        const float m_new = move ? mx : st.max[h];
+        // A row with no allowed key so far keeps max −inf; shift by 0 so exp2(−inf) = 0.
+        const float shift = m_new == NEG_INF ? 0.0f : m_new * p.scale_log2;
+        corr[h] = move ? exp2_approx(st.max[h] * p.scale_log2 - shift) : 1.0f;
+        st.max[h] = m_new;
+        float sum = 0.0f;
+#pragma unroll
+        for (int i = 0; i < S_REGS; ++i)
+            if (acc_slot(i) == h) {
+                rS[i] = exp2_approx(fmaf(rS[i], p.scale_log2, -shift));
+                sum += rS[i];
+            }
+        st.sum[h] = st.sum[h] * corr[h] + sum;
+    }
+}
+
+// P in the A-register layout: k step kk takes S registers 8kk .. 8kk + 7, pairwise.
+__device__ __forceinline__ void pack_p(const float (&rS)[S_REGS], u32 (&rP)[P_REGS]) {
+#pragma unroll
+    for (int j = 0; j < P_REGS; ++j) rP[j] = pack2(rS[2 * j], rS[2 * j + 1]);
+}
+
+__device__ __forceinline__ void rescale_o(float (&rO)[O_REGS], const float (&corr)[2]) {
+#pragma unroll
+    for (int i = 0; i < O_REGS; ++i) rO[i] *= corr[acc_slot(i)];
+}
+
+__device__ __forceinline__ void zero(float* r, int n) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) r[i] = 0.0f;
+}
 
 __device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, int c, int m0, int head, int batch,
                                          int n_begin, int n_end, int free_lo, int free_hi) {
@@ -187,113 +298,93 @@ __device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, in
     const int row0 = m0 + 64 * c + 16 * warp + lane / 4;  // this thread's rows: row0 + 8·slot
 
     float rO[O_REGS];  // (64, HEAD_DIM) per warpgroup
-#pragma unroll
-    for (int i = 0; i < O_REGS; ++i) rO[i] = 0.0f;
-    float row_max[2] = {NEG_INF, NEG_INF};  // raw scores (before scale_log2)
-    float row_sum[2] = {0.0f, 0.0f};        // this thread's columns only
+    zero(rO, O_REGS);
+    RowState st = {{NEG_INF, NEG_INF}, {0.0f, 0.0f}};
+    float rS[S_REGS];  // (64, BLOCK_N) per warpgroup
+    u32 rP[P_REGS];
+    float corr[2];
 
-    // Q descriptor of k step kk: slab kk / 4, this warpgroup's 64 rows, 32 bytes per k16 step.
+    // Q of this warpgroup: slab kk / 4 of its 64 rows (see issue_qk).
     const u32 q_base = sm.q + 64 * c * SLAB_ROW_BYTES;
     mbar_wait(sm.q_full, 0);
+    if (c == 1) sched_pass(1);  // warpgroup 0 issues first
 
-    for (int n = n_begin; n < n_end; ++n) {
-        const Ring r = Ring::at(n - n_begin);
-
-        // S = Q·Kᵀ, (64, BLOCK_N): both operands K-major in shared memory.
-        float rS[S_REGS];
-#pragma unroll
-        for (int i = 0; i < S_REGS; ++i) rS[i] = 0.0f;
-        mbar_wait(sm.k_full + 8 * r.stage, r.phase);
-        const u32 k_base = sm.k_stage(r.stage);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-            const u32 a = q_base + (kk / 4) * (BLOCK_M * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
-            const u32 b = k_base + (kk / 4) * (BLOCK_N * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
-            wgmma_ss(rS, smem_desc(a, 16, SBO_BYTES), smem_desc(b, 16, SBO_BYTES), kk > 0 ? 1 : 0);
+    if constexpr (INTRA_WG_OVERLAP) {
+        if (n_begin < n_end) {
+            // Prologue: block n_begin's S and P.
+            const Ring r = Ring::at(0);
+            zero(rS, S_REGS);
+            mbar_wait(sm.k_full + 8 * r.stage, r.phase);
+            sched_wait(c);
+            wgmma_fence();
+            issue_qk(rS, q_base, sm.k_stage(r.stage));
+            sched_pass(c);
+            wgmma_wait_all();
+            softmax_block(p, rS, st, n_begin, row0, lane, free_lo, free_hi, corr);
+            pack_p(rS, rP);
         }
-        wgmma_commit();
-        wgmma_wait_all();
-
-        if constexpr (HAS_SOFTCAP) {
-#pragma unroll
-            for (int i = 0; i < S_REGS; ++i) rS[i] = p.softcap * tanh_accurate(rS[i] * p.softcap_scale);
+        for (int n = n_begin + 1; n < n_end; ++n) {
+            const Ring r = Ring::at(n - n_begin), prev = Ring::at(n - n_begin - 1);
+            zero(rS, S_REGS);
+            mbar_wait(sm.k_full + 8 * r.stage, r.phase);
+            mbar_wait(sm.v_full + 8 * prev.stage, prev.phase);
+            sched_wait(c);
+            wgmma_fence();
+            issue_qk(rS, q_base, sm.k_stage(r.stage));  // block n's S …
+            issue_pv(rO, rP, sm.v_stage(prev.stage));   // … and block n - 1's P·V, in flight together
+            sched_pass(c);
+            asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // S is in
+            softmax_block(p, rS, st, n, row0, lane, free_lo, free_hi, corr);
+            wgmma_wait_all();  // P·V of block n - 1 is in: its stage is free, O and P may change
+            __syncwarp();
+            if (lane == 0) mbar_arrive(sm.kv_empty + 8 * prev.stage);
+            rescale_o(rO, corr);
+            pack_p(rS, rP);
         }
-        // Mask: only blocks that cross a row's key bounds (or the end of the keys).
-        const int key0 = n * BLOCK_N;
-        if (key0 < free_lo || key0 + BLOCK_N > free_hi) {
-            int lo[2], hi[2];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                lo[h] = key_lo(p, row0 + 8 * h);
-                hi[h] = key_hi(p, row0 + 8 * h);
-            }
-#pragma unroll
-            for (int i = 0; i < S_REGS; ++i) {
-                const int j = key0 + acc_col(i, lane), h = acc_slot(i);
-                if (j < lo[h] || j >= hi[h]) rS[i] = NEG_INF;
-            }
+        if (n_begin < n_end) {
+            const Ring last = Ring::at(n_end - 1 - n_begin);
+            mbar_wait(sm.v_full + 8 * last.stage, last.phase);
+            wgmma_fence();
+            issue_pv(rO, rP, sm.v_stage(last.stage));
+            wgmma_wait_all();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(sm.kv_empty + 8 * last.stage);
         }
-
-        // Online softmax; the 4 lanes of a quad share a row.
-        float corr[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float mx = row_max[h];
-#pragma unroll
-            for (int i = 0; i < S_REGS; ++i)
-                if (acc_slot(i) == h) mx = fmaxf(mx, rS[i]);
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const bool move = !LAZY_RESCALE || (mx - row_max[h]) * p.scale_log2 > RESCALE_THRESHOLD;
-            const float m_new = move ? mx : row_max[h];
-            const float shift = m_new == NEG_INF ? 0.0f : m_new * p.scale_log2;
-            corr[h] = move ? exp2_approx(row_max[h] * p.scale_log2 - shift) : 1.0f;
-            row_max[h] = m_new;
-            float sum = 0.0f;
-#pragma unroll
-            for (int i = 0; i < S_REGS; ++i)
-                if (acc_slot(i) == h) {
-                    rS[i] = exp2_approx(fmaf(rS[i], p.scale_log2, -shift));
-                    sum += rS[i];
-                }
-            row_sum[h] = row_sum[h] * corr[h] + sum;
+    } else {
+        for (int n = n_begin; n < n_end; ++n) {
+            const Ring r = Ring::at(n - n_begin);
+            zero(rS, S_REGS);
+            mbar_wait(sm.k_full + 8 * r.stage, r.phase);
+            sched_wait(c);
+            wgmma_fence();
+            issue_qk(rS, q_base, sm.k_stage(r.stage));
+            sched_pass(c);
+            wgmma_wait_all();
+            softmax_block(p, rS, st, n, row0, lane, free_lo, free_hi, corr);
+            rescale_o(rO, corr);
+            pack_p(rS, rP);
+            mbar_wait(sm.v_full + 8 * r.stage, r.phase);
+            sched_wait(c);
+            wgmma_fence();
+            issue_pv(rO, rP, sm.v_stage(r.stage));
+            sched_pass(c);
+            wgmma_wait_all();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(sm.kv_empty + 8 * r.stage);  // this warp is done with the stage
         }
-#pragma unroll
-        for (int i = 0; i < O_REGS; ++i) rO[i] *= corr[acc_slot(i)];
-
-        // P in the A-register layout: k step kk takes S registers 8kk .. 8kk + 7, pairwise.
-        u32 rP[P_REGS];
-#pragma unroll
-        for (int j = 0; j < P_REGS; ++j) rP[j] = pack2(rS[2 * j], rS[2 * j + 1]);
-
-        // O += P·V: V (BLOCK_N keys, HEAD_DIM) is MN-major for this product; its 64-column
-        // slabs are BLOCK_N rows apart (the leading byte offset).
-        mbar_wait(sm.v_full + 8 * r.stage, r.phase);
-        const u32 v_base = sm.v_stage(r.stage);
-        wgmma_fence();
-#pragma unroll
-        for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-            wgmma_rs(rO, rP[4 * kk], rP[4 * kk + 1], rP[4 * kk + 2], rP[4 * kk + 3],
-                     smem_desc(v_base + kk * KSTEP_V_BYTES, BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES));
-        }
-        wgmma_commit();
-        wgmma_wait_all();
-        __syncwarp();
-        if (lane == 0) mbar_arrive(sm.kv_empty + 8 * r.stage);  // this warp is done with the stage
     }
 
     // Epilogue: O = acc / sum, 16-bit pairs straight from registers; LSE from one lane per row.
     float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-        float sum = row_sum[h];
+        float sum = st.sum[h];
         sum += __shfl_xor_sync(0xffffffffu, sum, 1);
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         inv[h] = sum == 0.0f ? 0.0f : 1.0f / sum;  // no allowed key: O = 0
         const int i = row0 + 8 * h;
         if (p.lse != nullptr && lane % 4 == 0 && i < p.seqlen_q) {
-            float lse = sum == 0.0f ? NEG_INF : row_max[h] * p.lse_scale + __logf(sum);
+            float lse = sum == 0.0f ? NEG_INF : st.max[h] * p.lse_scale + __logf(sum);
             if (sum != sum) lse = sum;  // NaN propagates
             p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + i] = lse;
         }

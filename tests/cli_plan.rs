@@ -124,6 +124,7 @@ fn sm90_plan_reports_roles_budgets_and_the_kernel_choice() {
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
     assert_eq!(v["head_dim"], 128);
+    assert_eq!(v["dispatch"]["kernel"], "sm90", "{v}");
     assert_eq!(v["roles"].as_array().map(Vec::len), Some(3));
     assert_eq!(v["roles"][0]["role"], "producer");
     let total = v["smem_total"].as_u64().unwrap();

@@ -225,7 +225,8 @@ fn hopper_kernel_matches_the_oracle() {
             head_dim: case.head_dim,
             dtype_size: 2,
             varlen: matches!(case.seqlens, fa4::check::Seqlens::Varlen { .. }),
-            negative_scale: case.scale.is_some_and(|s| s < 0.0),
+            nonpositive_scale: case.scale.is_some_and(|s| s <= 0.0),
+            no_keys: matches!(case.seqlens, fa4::check::Seqlens::Fixed { k: 0, .. }),
         };
         if let Some(why) = fa4::config::sm90::uncovered(&arch, features) {
             uncovered.push(format!("{case}: {why}"));

@@ -56,7 +56,7 @@ pub fn run(args: CheckArgs) -> Result<ExitCode> {
             return Err(Error::invalid(
                 flag,
                 format!(
-                    "only the CUDA backend has kernels to choose, not {}",
+                    "only the CUDA backend has kernels and tiles to choose, not {}",
                     backend.name()
                 ),
             ));

@@ -95,7 +95,8 @@ fn run_sm90(args: &PlanArgs) -> Result<()> {
             head_dim: depth,
             dtype_size: size,
             varlen: args.varlen,
-            negative_scale: false,
+            nonpositive_scale: false,
+            no_keys: false,
         },
     );
     // A problem the Hopper kernel does not cover still gets an answer: which kernel, and why.

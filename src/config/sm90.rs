@@ -22,8 +22,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 
-/// Head dims the Hopper kernel is compiled for; a problem's head dim is padded up to the next
-/// (TMA zero-fills the padding columns).
+/// Head dims the Hopper kernel is compiled for (exactly: other head dims go to the sm80 kernel).
 pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 /// Threads in a warpgroup (the unit of `wgmma` and `setmaxnreg`).
 pub const WARPGROUP_THREADS: usize = 128;
@@ -108,7 +107,7 @@ impl std::str::FromStr for Tiles {
 /// The shared-memory budget of a launch, in bytes, tile by tile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct SmemBudget {
-    /// Q, (block_m, head_dim), reused for O in the epilogue.
+    /// Q, (block_m, head_dim).
     pub q: usize,
     /// K ring, stages × (block_n, head_dim).
     pub k: usize,
@@ -206,6 +205,12 @@ impl Tiles {
                     "{what} {r} must be a multiple of 8 in {MIN_REGS}..={MAX_REGS}"
                 ));
             }
+        }
+        if self.producer_regs > self.consumer_regs {
+            return bad(format!(
+                "producer_regs {} must not exceed consumer_regs {} (the producer gives registers away)",
+                self.producer_regs, self.consumer_regs
+            ));
         }
         // setmaxnreg redistributes the SM's register file between the warpgroups.
         let total = WARPGROUP_THREADS as u32
@@ -479,7 +484,7 @@ pub struct Sm90Plan {
     pub smem_total: usize,
     /// The per-block limit it is checked against.
     pub smem_limit: usize,
-    /// f32 accumulator registers per consumer thread (S + O).
+    /// Operand registers per consumer thread (S and O accumulators, packed P).
     pub accumulator_regs: u32,
     /// TMA boxes per tile: (64-element head-dim slabs, rows).
     pub tma_box: (usize, usize),
@@ -642,43 +647,70 @@ pub struct Features {
     pub dtype_size: usize,
     /// Variable-length (packed) sequences.
     pub varlen: bool,
-    /// A negative softmax scale.
-    pub negative_scale: bool,
+    /// A softmax scale ≤ 0 (the kernel's running max assumes scale > 0).
+    pub nonpositive_scale: bool,
+    /// A batch whose sequences have no keys (its TMA maps would have an empty dimension).
+    pub no_keys: bool,
+}
+
+/// Why the Hopper kernel does not cover a problem with these features on `arch` (the argument
+/// to blame and the reason), or `None`.
+pub fn uncovered_arg(arch: &GpuArch, f: Features) -> Option<(&'static str, String)> {
+    if arch.family != Family::Hopper {
+        return Some(("device", format!("{} is not a Hopper GPU", arch.name)));
+    }
+    if f.dtype_size != 2 {
+        return Some((
+            "dtype",
+            format!(
+                "{}-byte elements: the Hopper kernel computes fp16 and bf16",
+                f.dtype_size
+            ),
+        ));
+    }
+    if !HEAD_DIMS.contains(&f.head_dim) {
+        return Some((
+            "q",
+            format!(
+                "head_dim {}: the Hopper kernel covers exactly {HEAD_DIMS:?} (its TMA boxes read whole 64-column slabs)",
+                f.head_dim
+            ),
+        ));
+    }
+    if f.varlen {
+        return Some((
+            "cu_seqlens_q",
+            "variable-length batches: the Hopper kernel's TMA maps cover fixed-length batches"
+                .into(),
+        ));
+    }
+    if f.nonpositive_scale {
+        return Some((
+            "scale",
+            "a scale ≤ 0: the Hopper kernel assumes scale > 0".into(),
+        ));
+    }
+    if f.no_keys {
+        return Some((
+            "k",
+            "no keys (seqlen_k = 0): nothing for the Hopper kernel's TMA maps to describe".into(),
+        ));
+    }
+    if tiles(arch, f.head_dim).is_none() {
+        return Some((
+            "q",
+            format!(
+                "no Hopper tiles fit head_dim {} on {}",
+                f.head_dim, arch.name
+            ),
+        ));
+    }
+    None
 }
 
 /// Why the Hopper kernel does not cover a problem with these features on `arch`, or `None`.
 pub fn uncovered(arch: &GpuArch, f: Features) -> Option<String> {
-    if arch.family != Family::Hopper {
-        return Some(format!("{} is not a Hopper GPU", arch.name));
-    }
-    if f.dtype_size != 2 {
-        return Some(format!(
-            "{}-byte elements: the Hopper kernel computes fp16 and bf16",
-            f.dtype_size
-        ));
-    }
-    if !HEAD_DIMS.contains(&f.head_dim) {
-        return Some(format!(
-            "head_dim {}: the Hopper kernel covers exactly {HEAD_DIMS:?} (its TMA boxes read whole 64-column slabs)",
-            f.head_dim
-        ));
-    }
-    if f.varlen {
-        return Some(
-            "variable-length batches: the Hopper kernel's TMA maps cover fixed-length batches"
-                .into(),
-        );
-    }
-    if f.negative_scale {
-        return Some("a negative scale: the Hopper kernel assumes scale > 0".into());
-    }
-    if tiles(arch, f.head_dim).is_none() {
-        return Some(format!(
-            "no Hopper tiles fit head_dim {} on {}",
-            f.head_dim, arch.name
-        ));
-    }
-    None
+    uncovered_arg(arch, f).map(|(_, why)| why)
 }
 
 /// The kernel choice on `arch` when the caller does not force one: `sm90`, `sm80`, or `cpu`
@@ -715,7 +747,8 @@ pub fn features(p: &Problem) -> Features {
         head_dim: p.head_dim(),
         dtype_size: p.dtype().size_bytes() as usize,
         varlen: p.is_varlen(),
-        negative_scale: p.scale() < 0.0,
+        nonpositive_scale: p.scale() <= 0.0,
+        no_keys: p.sequences().iter().any(|s| s.k_len == 0),
     }
 }
 
@@ -738,14 +771,7 @@ pub fn plan(
     target: &'static str,
     tiles: Option<Tiles>,
 ) -> Result<Plan> {
-    if let Some(why) = uncovered(arch, features(p)) {
-        let name = match () {
-            _ if arch.family != Family::Hopper => "device",
-            _ if p.is_varlen() => "cu_seqlens_q",
-            _ if p.scale() < 0.0 => "scale",
-            _ if !matches!(p.dtype(), DType::Bf16 | DType::F16) => "dtype",
-            _ => "q",
-        };
+    if let Some((name, why)) = uncovered_arg(arch, features(p)) {
         return Err(Error::invalid(name, why));
     }
     if p.head_dim_v() != p.head_dim() {
@@ -769,7 +795,7 @@ pub fn plan(
             .iter()
             .zip(&l.strides)
         {
-            if !st.is_multiple_of(8) || st * 2 >= TMA_MAX_STRIDE_BYTES {
+            if !st.is_multiple_of(8) || st >= TMA_MAX_STRIDE_BYTES / 2 {
                 return Err(Error::invalid(
                     name,
                     format!("{axis} {st} must be a multiple of 8 elements (16 bytes) below 2^39 for the Hopper kernel's TMA maps"),
@@ -909,7 +935,8 @@ mod tests {
             head_dim: 128,
             dtype_size: 2,
             varlen: false,
-            negative_scale: false,
+            nonpositive_scale: false,
+            no_keys: false,
         };
         assert_eq!(dispatch(&A100, f).kernel, "sm80");
         let why = |g: Features| dispatch(&H200, g);
@@ -921,12 +948,65 @@ mod tests {
         assert!(why(Features { head_dim: 96, ..f })
             .reason
             .contains("exactly"));
-        assert!(why(Features {
-            negative_scale: true,
+        let scale = why(Features {
+            nonpositive_scale: true,
             ..f
-        })
-        .reason
-        .contains("negative"));
+        });
+        assert!(scale.kernel == "sm80" && scale.reason.contains("scale"));
+        let keys = why(Features { no_keys: true, ..f });
+        assert!(keys.kernel == "sm80" && keys.reason.contains("seqlen_k = 0"));
         assert_eq!(why(f).kernel, if ENABLED { "sm90" } else { "sm80" });
+    }
+
+    fn problem(
+        sk: usize,
+        opts: &crate::problem::Options,
+        row_stride: Option<usize>,
+    ) -> Result<Problem> {
+        use crate::tensor::Layout;
+        let (b, sq, h, d) = (2, 100, 4, 128);
+        let q = Layout::new("q", &[b, sq, h, d], None)?;
+        let strides = row_stride.map(|r| [r * sk.max(1), r, d, 1]);
+        let k = Layout::new("k", &[b, sk, h, d], strides.as_ref().map(|s| &s[..]))?;
+        let o = Layout::new("out", &[b, sq, h, d], None)?;
+        Problem::new(DType::Bf16, &q, &k, &k.clone(), &o, None, None, opts)
+    }
+
+    #[test]
+    fn plan_names_the_argument_it_cannot_take() {
+        use crate::problem::Options;
+        let name = |e: Error| match e {
+            Error::InvalidArgument { name, .. } => name,
+            e => panic!("{e}"),
+        };
+        let ok = plan(
+            &problem(300, &Options::new(), None).unwrap(),
+            &H200,
+            "sm_90a",
+            None,
+        )
+        .unwrap();
+        assert_eq!(ok.grid, (1, 4, 2));
+        assert_eq!(ok.spec.head_dim, 128);
+        let p0 = problem(0, &Options::new(), None).unwrap();
+        assert_eq!(name(plan(&p0, &H200, "sm_90a", None).unwrap_err()), "k");
+        let zero = problem(64, &Options::new().scale(0.0), None).unwrap();
+        assert_eq!(
+            name(plan(&zero, &H200, "sm_90a", None).unwrap_err()),
+            "scale"
+        );
+        let neg = problem(64, &Options::new().scale(-0.5), None).unwrap();
+        assert_eq!(
+            name(plan(&neg, &H200, "sm_90a", None).unwrap_err()),
+            "scale"
+        );
+        assert_eq!(name(plan(&p0, &A100, "sm_80", None).unwrap_err()), "device");
+        // A row stride of 516 elements is not a 16-byte multiple.
+        let p = problem(64, &Options::new(), Some(4 * 128 + 4)).unwrap();
+        assert_eq!(name(plan(&p, &H200, "sm_90a", None).unwrap_err()), "k");
+        // 2^39 elements (2^40 bytes) is past TMA's stride range, where the layout itself allows it.
+        if let Ok(p) = problem(64, &Options::new(), Some(1 << 39)) {
+            assert_eq!(name(plan(&p, &H200, "sm_90a", None).unwrap_err()), "k");
+        }
     }
 }

@@ -324,7 +324,7 @@ impl CudaBackend {
 
     /// The loaded kernel of a spec: compiled (or read from the disk cache) on first use.
     pub fn kernel<S: KernelSource>(&self, spec: &S) -> Result<CudaFunction> {
-        let key = format!("{spec:?}");
+        let key = format!("{}:{spec:?}", spec.entry());
         let mut kernels = self.dev.kernels.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = kernels.get(&key) {
             return Ok(f.clone());
@@ -452,7 +452,9 @@ impl CudaBackend {
                 let func = self.kernel(&plan.spec)?;
                 let t = &plan.spec.tiles;
                 let bf16 = plan.spec.bf16;
-                let seq = p.sequences()[0];
+                let seq = *p.sequences().first().ok_or_else(|| {
+                    Error::invalid("q", "an empty batch reached the Hopper launch")
+                })?;
                 let map = |name: &str, ptr: u64, l: &Layout, rows: usize, box_rows: usize| {
                     tma::encode(
                         name,
@@ -560,7 +562,18 @@ fn make_params(p: &Problem, ptrs: [u64; 7]) -> FwdParams {
     let i = |x: usize| x as i64;
     let (q, k, v, o) = (p.q_layout(), p.k_layout(), p.v_layout(), p.o_layout());
     let (left, right) = p.mask().bounds();
-    let side = |b: Option<usize>| b.map_or(-1, |x| x.min(i32::MAX as usize) as i32);
+    // A side at least as long as a sequence's queries plus keys bounds nothing: pass it as
+    // unbounded (-1), so the kernels' int32 bound arithmetic cannot overflow on huge windows.
+    let span = p
+        .sequences()
+        .iter()
+        .map(|s| s.q_len + s.k_len)
+        .max()
+        .unwrap_or(0);
+    let side = |b: Option<usize>| match b {
+        Some(x) if x < span => x.min(i32::MAX as usize) as i32,
+        _ => -1,
+    };
     let scale = p.scale();
     let (scale_log2, softcap_scale, softcap) = match p.softcap() {
         Some(c) => (std::f32::consts::LOG2_E, scale.abs() / c, c),
@@ -604,5 +617,30 @@ fn make_params(p: &Problem, ptrs: [u64; 7]) -> FwdParams {
         softcap_scale,
         softcap,
         lse_scale: scale_log2 * std::f32::consts::LN_2,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{DType, Mask, Options};
+
+    #[test]
+    fn huge_window_sides_are_passed_as_unbounded() {
+        let l = Layout::new("q", &[1, 40, 2, 64], None).unwrap();
+        let opts = Options::new().mask(Mask::Window {
+            left: Some(usize::MAX),
+            right: Some(3),
+        });
+        let p = Problem::new(DType::Bf16, &l, &l, &l, &l, None, None, &opts).unwrap();
+        let params = make_params(&p, [0; 7]);
+        assert_eq!((params.window_left, params.window_right), (-1, 3));
+        let opts = Options::new().mask(Mask::Window {
+            left: Some(79),
+            right: Some(80),
+        });
+        let p = Problem::new(DType::Bf16, &l, &l, &l, &l, None, None, &opts).unwrap();
+        let params = make_params(&p, [0; 7]);
+        assert_eq!((params.window_left, params.window_right), (79, -1));
     }
 }

@@ -192,15 +192,26 @@ struct RowState {
     float sum[2];  // this thread's columns only
 };
 
-constexpr int SCHED_BARRIER0 = 1;  // named barriers 1, 2: consumer warpgroup c waits on 1 + c
-
+// Named barriers 1 and 2 (0 is __syncthreads): consumer warpgroup c waits on 1 + c and passes
+// the turn by arriving on the other's. Warpgroup 1 opens with one pass, so warpgroup 0 issues
+// first; that opening arrival leaves one arrival pending on barrier 1 when the CTA ends (one
+// tile per CTA today; a persistent scheduler must consume it before the next tile). The ids are
+// immediates so that ptxas reserves only these two barriers.
 __device__ __forceinline__ void sched_wait(int c) {
-    if constexpr (PINGPONG && CONSUMER_WGS == 2)
-        asm volatile("bar.sync %0, %1;\n" ::"r"(SCHED_BARRIER0 + c), "n"(2 * WG_THREADS) : "memory");
+    if constexpr (PINGPONG && CONSUMER_WGS == 2) {
+        if (c == 0)
+            asm volatile("bar.sync 1, %0;\n" ::"n"(2 * WG_THREADS) : "memory");
+        else
+            asm volatile("bar.sync 2, %0;\n" ::"n"(2 * WG_THREADS) : "memory");
+    }
 }
 __device__ __forceinline__ void sched_pass(int c) {
-    if constexpr (PINGPONG && CONSUMER_WGS == 2)
-        asm volatile("bar.arrive %0, %1;\n" ::"r"(SCHED_BARRIER0 + (1 - c)), "n"(2 * WG_THREADS) : "memory");
+    if constexpr (PINGPONG && CONSUMER_WGS == 2) {
+        if (c == 0)
+            asm volatile("bar.arrive 2, %0;\n" ::"n"(2 * WG_THREADS) : "memory");
+        else
+            asm volatile("bar.arrive 1, %0;\n" ::"n"(2 * WG_THREADS) : "memory");
+    }
 }
 
 // Issues S = Q·Kᵀ for the K tile at `k_base` (one commit group).

@@ -208,6 +208,15 @@ pub fn matrix(dtypes: &[DType], head_dims: &[usize]) -> Vec<Case> {
                     mask: Mask::Causal,
                     ..c(fixed(2, 33, 47))
                 },
+                // A window side far past the sequence (the kernels get it as unbounded; int32
+                // bound arithmetic on it would overflow).
+                Case {
+                    mask: Mask::Window {
+                        left: Some(usize::MAX),
+                        right: Some(1),
+                    },
+                    ..c(fixed(1, 30, 45))
+                },
                 // A negative scale (the CUDA kernel negates Q once and runs with |scale|).
                 Case {
                     scale: Some(-0.2),

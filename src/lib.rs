@@ -6,7 +6,7 @@
 //! | layer | module | what it does |
 //! |---|---|---|
 //! | hardware | [`arch`] | limits of the GPUs fa4 plans for (SMs, shared memory, TMEM) |
-//! | planners | [`config`] | pure functions from a problem's shape to a kernel plan: [`config::sm100::FA4Config`] (Blackwell, the seed), [`config::sm80`] (the Ampere-class kernel), [`cpu::plan`] |
+//! | planners | [`config`] | pure functions from a problem's shape to a kernel plan: [`config::sm100::FA4Config`] (Blackwell, the seed), [`config::sm90`] (the Hopper kernel, and which kernel a problem gets), [`config::sm80`] (the Ampere-class kernel), [`cpu::plan`] |
 //! | problem | [`problem`], [`mask`], [`tensor`] | shapes, strides, dtypes, mask, scale, softcap, varlen: validated once, trusted after |
 //! | backends | [`Backend`], [`cpu`], [`cuda`] | one API for the CPU and the GPU; CUDA kernels compiled at run time by NVRTC and cached on disk |
 //! | oracle | [`cpu::reference`], [`check`] | the float64 evaluation, the tolerance rule, the correctness matrix |
@@ -20,6 +20,11 @@
 //! | head dims | 1–1024, `head_dim_v` free | multiples of 8 up to 256, `head_dim_v == head_dim` |
 //! | fixed and varlen batches, zero-length sequences, strided views | yes | yes (strides in multiples of 8 elements) |
 //! | GQA/MQA, causal (bottom-right), local window, softcap, custom scale, LSE | yes | yes |
+//!
+//! On Hopper GPUs the CUDA backend runs fp16/bf16 problems with head dim 64, 128 or 256, a
+//! fixed-length batch and a positive scale on the Hopper kernel (TMA, `wgmma`, warp
+//! specialisation) and everything else on the Ampere-class kernel;
+//! [`config::sm90::dispatch`] says which and why.
 //!
 //! ## Example
 //!

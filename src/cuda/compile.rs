@@ -1,7 +1,7 @@
 //! Kernel compilation with NVRTC at run time, and the on-disk cache of the results.
 //!
-//! A kernel's source is the planner's prelude (a pure function of the [`KernelSpec`]), the
-//! params header and the kernel file, all embedded in the binary. NVRTC compiles it for the
+//! A kernel's source is the planner's prelude (a pure function of the spec, a
+//! [`KernelSource`]), the params header and the kernel file, all embedded in the binary. NVRTC compiles it for the
 //! device's exact architecture into a cubin. Cubins are cached under
 //! `$FA4_CACHE_DIR` (default `$XDG_CACHE_HOME/fa4` or `~/.cache/fa4`), keyed by a hash of the
 //! spec, the full source, the options and the NVRTC version; a cache file is written to a

@@ -3,7 +3,9 @@
 //! Built on cudarc with dynamic loading: the crate builds with no CUDA installed, and at run
 //! time a missing driver or NVRTC is an [`Error::CudaUnavailable`] naming what was looked for.
 //! Kernels are compiled by NVRTC for the device's exact architecture on first use (see
-//! [`compile`]) and kept in memory per [`KernelSpec`] and on disk across runs.
+//! [`compile`]) and kept in memory per kernel spec ([`crate::config::sm80::KernelSpec`],
+//! [`crate::config::sm90::KernelSpec`]) and on disk across runs. [`CudaBackend::plan`] picks the
+//! kernel family ([`KernelChoice`]; on Hopper GPUs `config::sm90::dispatch` decides).
 //!
 //! Host slices go in and out through [`CudaBackend::forward_host`] (what [`crate::Backend`]
 //! uses); callers who keep data on the GPU use [`CudaBackend::forward_device`] with

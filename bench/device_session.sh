@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One device call that re-verifies the CUDA backend and measures it beside its peers, as the
+# H200 entries of docs/perf.md were produced. Run on the GPU machine from the repository root,
+# with the binaries built on the host and carried in a folder (default .device/):
+#   fa4            target/release/fa4 (stripped)
+#   cuda_matrix    the tests/cuda_matrix.rs binary (`cargo test --release --no-run` prints it)
+# Usage: bench/device_session.sh [BIN_DIR] [check|grid|ablation|all]   (default: .device all)
+# Writes logs under $OUT (or ./device-out); every step has a timeout so a hang cannot eat the
+# session.
+set -uo pipefail
+bin=${1:-.device}; what=${2:-all}
+out=${OUT:-./device-out}; mkdir -p "$out"
+export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} FA4_CACHE_DIR=${FA4_CACHE_DIR:-/tmp/fa4cache}
+F=$bin/fa4
+here=$(dirname "$0")
+
+check() {
+    nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+    timeout 200 "$bin/cuda_matrix" --test-threads 1 > "$out/matrix.txt" 2>&1
+    echo "cuda_matrix rc=$?"; grep -E "^test |test result" "$out/matrix.txt"
+    for k in sm80 auto; do
+        timeout 120 "$F" check --backend cuda --kernel $k --dtype bf16,fp16 > "$out/check-$k.txt" 2>&1
+        echo "fa4 check --kernel $k rc=$? ($(tail -1 "$out/check-$k.txt"))"
+    done
+    timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 "$F" check --backend cuda \
+        --dtype bf16,fp16 --head-dim 64,128,256 > "$out/memcheck.txt" 2>&1
+    echo "memcheck rc=$?"; grep -E "ERROR SUMMARY" "$out/memcheck.txt"
+    for d in 64 128 256; do
+        timeout 120 compute-sanitizer --tool racecheck --error-exitcode 9 "$F" check --backend cuda \
+            --dtype bf16 --head-dim $d > "$out/racecheck-$d.txt" 2>&1
+        echo "racecheck d$d rc=$?"; grep -E "RACECHECK SUMMARY" "$out/racecheck-$d.txt"
+    done
+    timeout 100 compute-sanitizer --tool synccheck --error-exitcode 9 "$F" check --backend cuda \
+        --dtype fp16 --head-dim 128,256 > "$out/synccheck.txt" 2>&1
+    echo "synccheck rc=$?"; grep -E "ERROR SUMMARY" "$out/synccheck.txt"
+}
+
+grid() {
+    PYTHONUNBUFFERED=1 timeout 300 python3 "$here/grid.py" --fa4 "$F" --reps 30 2>&1 | tee "$out/grid.txt" | tail -20
+    PYTHONUNBUFFERED=1 timeout 300 python3 "$here/grid.py" --fa4 "$F" --reps 30 --extra --kernel sm80 \
+        2>&1 | tee "$out/grid-sm80.txt" | tail -20
+}
+
+# The Hopper kernel's planner switches, one at a time, on the grid (bf16, TFLOP/s per shape:
+# 1k, 1k causal, 4k, 4k causal, 16k, 16k causal). Each variant passes its matrix cases first.
+ablation() {
+    for d in 64 128 256; do
+        bn=$([ $d = 256 ] && echo 64 || echo 128)
+        for f in 0,0,0 1,0,0 0,1,0 0,0,1; do   # lazy_rescale, intra_wg_overlap, pingpong
+            t=$bn,2,2,24,240,$f
+            c=$(timeout 60 "$F" check --backend cuda --kernel sm90 --sm90-tiles $t --dtype bf16 --head-dim $d 2>&1 | tail -1)
+            r=$(timeout 60 "$F" bench --backend cuda --kernel sm90 --sm90-tiles $t --json --reps 20 --dtype bf16 \
+                --grid $d,1024,0 $d,1024,1 $d,4096,0 $d,4096,1 $d,16384,0 $d,16384,1 2>&1 |
+                python3 -c "import json,sys; print(' '.join('%.0f' % r['tflops'] for r in json.load(sys.stdin)))" 2>&1)
+            echo "d$d lazy,overlap,pingpong=$f | $c | $r"
+        done
+    done | tee "$out/ablation.txt"
+}
+
+case $what in
+    check) check ;;
+    grid) grid ;;
+    ablation) ablation ;;
+    all) check; grid; ablation ;;
+    *) echo "usage: $0 [BIN_DIR] [check|grid|ablation|all]" >&2; exit 2 ;;
+esac

@@ -90,7 +90,11 @@ fn parse_grid(items: &[String]) -> Result<Vec<(usize, usize, bool)>> {
 /// Runs the CUDA benchmark; prints a table, or one JSON array with `json`.
 pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bool) -> Result<()> {
     let grid = parse_grid(&a.grid)?;
-    let tiles = a.tiles.as_deref().map(super::parse_tiles).transpose()?;
+    let tiles = a
+        .tiles
+        .as_deref()
+        .map(|t| super::parse_tiles("--tiles", t))
+        .transpose()?;
     let cuda = CudaBackend::new(a.device)
         .map_err(|e| Error::invalid("--backend", format!("cuda: {e}")))?
         .with_tiles(tiles)
@@ -98,7 +102,7 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
         .with_sm90_tiles(
             a.sm90_tiles
                 .as_deref()
-                .map(super::parse_sm90_tiles)
+                .map(|t| super::parse_tiles("--sm90-tiles", t))
                 .transpose()?,
         );
     if !json {

@@ -65,10 +65,10 @@ pub fn run(args: CheckArgs) -> Result<ExitCode> {
     if let Backend::Cuda(cuda) = &backend {
         let mut cuda = cuda.clone();
         if let Some(t) = args.tiles.as_deref() {
-            cuda = cuda.with_tiles(Some(super::parse_tiles(t)?));
+            cuda = cuda.with_tiles(Some(super::parse_tiles("--tiles", t)?));
         }
         if let Some(t) = args.sm90_tiles.as_deref() {
-            cuda = cuda.with_sm90_tiles(Some(super::parse_sm90_tiles(t)?));
+            cuda = cuda.with_sm90_tiles(Some(super::parse_tiles("--sm90-tiles", t)?));
         }
         if let Some(k) = args.kernel {
             cuda = cuda.with_kernel(k.into());

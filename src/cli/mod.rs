@@ -103,20 +103,11 @@ impl From<KernelArg> for fa4::cuda::KernelChoice {
     }
 }
 
-/// A `--tiles` override (the form of [`fa4::config::sm80::Tiles`]'s `FromStr`), its errors
-/// naming the flag.
-pub fn parse_tiles(s: &str) -> fa4::Result<fa4::config::sm80::Tiles> {
+/// A tile override (`--tiles`, `--sm90-tiles`: the form of the planner's `Tiles::from_str`),
+/// its errors naming the flag.
+pub fn parse_tiles<T: std::str::FromStr<Err = fa4::Error>>(flag: &str, s: &str) -> fa4::Result<T> {
     s.parse().map_err(|e| match e {
-        fa4::Error::InvalidArgument { reason, .. } => fa4::Error::invalid("--tiles", reason),
-        e => e,
-    })
-}
-
-/// A `--sm90-tiles` override (the form of [`fa4::config::sm90::Tiles`]'s `FromStr`), its
-/// errors naming the flag.
-pub fn parse_sm90_tiles(s: &str) -> fa4::Result<fa4::config::sm90::Tiles> {
-    s.parse().map_err(|e| match e {
-        fa4::Error::InvalidArgument { reason, .. } => fa4::Error::invalid("--sm90-tiles", reason),
+        fa4::Error::InvalidArgument { reason, .. } => fa4::Error::invalid(flag, reason),
         e => e,
     })
 }

@@ -111,24 +111,8 @@ impl std::str::FromStr for Tiles {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Tiles> {
-        let bad = || Error::invalid("tiles", format!("expected eight integers, got `{s}`"));
-        let v: Vec<usize> = s
-            .split(',')
-            .map(|x| x.trim().parse::<usize>())
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|_| bad())?;
-        let [block_m, block_n, num_warps, m_tiles, stages, min_blocks_per_sm, q, lazy] = v[..]
-        else {
-            return Err(bad());
-        };
-        let flag = |x: usize, name: &str| match x {
-            0 => Ok(false),
-            1 => Ok(true),
-            _ => Err(Error::invalid(
-                "tiles",
-                format!("{name} must be 0 or 1, got {x}"),
-            )),
-        };
+        let [block_m, block_n, num_warps, m_tiles, stages, min_blocks_per_sm, q, lazy] =
+            super::override_fields(s, "tiles")?;
         Ok(Tiles {
             block_m,
             block_n,
@@ -136,8 +120,8 @@ impl std::str::FromStr for Tiles {
             m_tiles,
             stages,
             min_blocks_per_sm,
-            q_in_regs: flag(q, "q_in_regs")?,
-            lazy_rescale: flag(lazy, "lazy_rescale")?,
+            q_in_regs: super::override_flag(q, "q_in_regs", "tiles")?,
+            lazy_rescale: super::override_flag(lazy, "lazy_rescale", "tiles")?,
         })
     }
 }
@@ -336,20 +320,16 @@ pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
         let Some(tiles) = tiles(arch, head_dim) else {
             continue;
         };
-        for bf16 in [false, true] {
-            for window in [false, true] {
-                for softcap in [false, true] {
-                    out.push(KernelSpec {
-                        target,
-                        bf16,
-                        head_dim,
-                        window,
-                        softcap,
-                        tiles,
-                    });
-                }
-            }
-        }
+        out.extend(
+            super::feature_variants().map(|(bf16, window, softcap)| KernelSpec {
+                target,
+                bf16,
+                head_dim,
+                window,
+                softcap,
+                tiles,
+            }),
+        );
     }
     out
 }
@@ -404,18 +384,8 @@ pub fn plan(
         ));
     };
     aligned("q", "head_dim", d)?;
-    for (name, l) in [
-        ("q", p.q_layout()),
-        ("k", p.k_layout()),
-        ("v", p.v_layout()),
-        ("out", p.o_layout()),
-    ] {
-        for (axis, &st) in ["batch stride", "row stride", "head stride"]
-            .iter()
-            .zip(&l.strides)
-        {
-            aligned(name, axis, st)?;
-        }
+    for (name, axis, st) in super::strides(p) {
+        aligned(name, axis, st)?;
     }
     if p.scale() == 0.0 {
         return Err(Error::invalid(
@@ -439,21 +409,6 @@ pub fn plan(
             )
         })?,
     };
-    let block_m = tiles.block_m;
-    let max_q = p.sequences().iter().map(|s| s.q_len).max().unwrap_or(0);
-    let batch = p.sequences().len();
-    let too_big = |what: &str, v: usize| {
-        Error::invalid("q", format!("{what} {v} exceeds the CUDA grid limit"))
-    };
-    let grid_x = u32::try_from(max_q.div_ceil(block_m)).map_err(|_| too_big("seqlen_q", max_q))?;
-    let grid_y = u32::try_from(p.heads_q())
-        .ok()
-        .filter(|&y| y <= 65_535)
-        .ok_or_else(|| too_big("heads_q", p.heads_q()))?;
-    let grid_z = u32::try_from(batch)
-        .ok()
-        .filter(|&z| z <= 65_535)
-        .ok_or_else(|| too_big("batch", batch))?;
     Ok(Plan {
         spec: KernelSpec {
             target,
@@ -463,7 +418,7 @@ pub fn plan(
             softcap: p.softcap().is_some(),
             tiles,
         },
-        grid: (grid_x, grid_y, grid_z),
+        grid: super::grid(p, tiles.block_m)?,
     })
 }
 

@@ -71,26 +71,14 @@ impl std::str::FromStr for Tiles {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Tiles> {
-        let bad = || Error::invalid("sm90 tiles", format!("expected eight integers, got `{s}`"));
-        let v: Vec<usize> = s
-            .split(',')
-            .map(|x| x.trim().parse::<usize>())
-            .collect::<std::result::Result<_, _>>()
-            .map_err(|_| bad())?;
+        const WHAT: &str = "sm90 tiles";
         let [block_n, consumer_wgs, stages, producer_regs, consumer_regs, lazy, overlap, pingpong] =
-            v[..]
-        else {
-            return Err(bad());
+            super::override_fields(s, WHAT)?;
+        let regs = |x: usize| {
+            u32::try_from(x)
+                .map_err(|_| Error::invalid(WHAT, format!("expected eight integers, got `{s}`")))
         };
-        let flag = |x: usize, name: &str| match x {
-            0 => Ok(false),
-            1 => Ok(true),
-            _ => Err(Error::invalid(
-                "sm90 tiles",
-                format!("{name} must be 0 or 1, got {x}"),
-            )),
-        };
-        let regs = |x: usize| u32::try_from(x).map_err(|_| bad());
+        let flag = |x: usize, name: &str| super::override_flag(x, name, WHAT);
         Ok(Tiles {
             block_n,
             consumer_wgs,
@@ -430,20 +418,16 @@ pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
         let Some(tiles) = tiles(arch, head_dim) else {
             continue;
         };
-        for bf16 in [false, true] {
-            for window in [false, true] {
-                for softcap in [false, true] {
-                    out.push(KernelSpec {
-                        target,
-                        bf16,
-                        head_dim,
-                        window,
-                        softcap,
-                        tiles,
-                    });
-                }
-            }
-        }
+        out.extend(
+            super::feature_variants().map(|(bf16, window, softcap)| KernelSpec {
+                target,
+                bf16,
+                head_dim,
+                window,
+                softcap,
+                tiles,
+            }),
+        );
     }
     out
 }
@@ -785,22 +769,12 @@ pub fn plan(
         ));
     }
     let head_dim = p.head_dim();
-    for (name, l) in [
-        ("q", p.q_layout()),
-        ("k", p.k_layout()),
-        ("v", p.v_layout()),
-        ("out", p.o_layout()),
-    ] {
-        for (axis, &st) in ["batch stride", "row stride", "head stride"]
-            .iter()
-            .zip(&l.strides)
-        {
-            if !st.is_multiple_of(8) || st >= TMA_MAX_STRIDE_BYTES / 2 {
-                return Err(Error::invalid(
-                    name,
-                    format!("{axis} {st} must be a multiple of 8 elements (16 bytes) below 2^39 for the Hopper kernel's TMA maps"),
-                ));
-            }
+    for (name, axis, st) in super::strides(p) {
+        if !st.is_multiple_of(8) || st >= TMA_MAX_STRIDE_BYTES / 2 {
+            return Err(Error::invalid(
+                name,
+                format!("{axis} {st} must be a multiple of 8 elements (16 bytes) below 2^39 for the Hopper kernel's TMA maps"),
+            ));
         }
     }
     let tiles = match tiles {
@@ -818,20 +792,6 @@ pub fn plan(
             format!("seqlens {sq}/{sk} exceed the TMA coordinate range"),
         ));
     }
-    let batch = p.sequences().len();
-    let too_big = |what: &str, v: usize| {
-        Error::invalid("q", format!("{what} {v} exceeds the CUDA grid limit"))
-    };
-    let grid_x =
-        u32::try_from(sq.div_ceil(tiles.block_m())).map_err(|_| too_big("seqlen_q", sq))?;
-    let grid_y = u32::try_from(p.heads_q())
-        .ok()
-        .filter(|&y| y <= 65_535)
-        .ok_or_else(|| too_big("heads_q", p.heads_q()))?;
-    let grid_z = u32::try_from(batch)
-        .ok()
-        .filter(|&z| z <= 65_535)
-        .ok_or_else(|| too_big("batch", batch))?;
     Ok(Plan {
         spec: KernelSpec {
             target,
@@ -841,7 +801,7 @@ pub fn plan(
             softcap: p.softcap().is_some(),
             tiles,
         },
-        grid: (grid_x, grid_y, grid_z),
+        grid: super::grid(p, tiles.block_m())?,
     })
 }
 

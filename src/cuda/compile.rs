@@ -18,6 +18,8 @@ use super::libs;
 use crate::config::{sm80, sm90};
 use crate::error::{Error, Result};
 
+/// Types, constants and PTX wrappers shared by every kernel family.
+pub const COMMON_SRC: &str = include_str!("../kernels/common.cuh");
 /// The params header, shared by every kernel family.
 pub const PARAMS_SRC: &str = include_str!("../kernels/sm80/params.cuh");
 /// The Ampere-class forward kernel.
@@ -47,7 +49,13 @@ impl KernelSource for sm80::KernelSpec {
         self.target
     }
     fn source(&self) -> String {
-        format!("{}\n{}\n{}", self.prelude(), PARAMS_SRC, SM80_FWD_SRC)
+        format!(
+            "{}\n{}\n{}\n{}",
+            self.prelude(),
+            COMMON_SRC,
+            PARAMS_SRC,
+            SM80_FWD_SRC
+        )
     }
     fn entry(&self) -> &'static str {
         sm80::KernelSpec::entry(self)
@@ -63,8 +71,9 @@ impl KernelSource for sm90::KernelSpec {
     }
     fn source(&self) -> String {
         format!(
-            "{}\n{}\n{}\n{}\n{}",
+            "{}\n{}\n{}\n{}\n{}\n{}",
             self.prelude(),
+            COMMON_SRC,
             PARAMS_SRC,
             SM90_PARAMS_SRC,
             self.wgmma_wrappers(),

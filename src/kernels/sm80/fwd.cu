@@ -4,16 +4,13 @@
 //
 // Self-contained: no CUDA headers (NVRTC may have none). The planner (`config::sm80`) prepends
 // a prelude defining HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, MIN_BLOCKS_PER_SM,
-// M_TILES, Q_IN_REGS, LAZY_RESCALE, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, then `params.cuh`, then this file.
+// M_TILES, Q_IN_REGS, LAZY_RESCALE, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, then `../common.cuh` and
+// `params.cuh`, then this file.
 //
 // Work split: one CTA = BLOCK_M query rows of one (batch, head); warp w owns M_TILES MMA tiles
 // of 16 rows, [16·M_TILES·w, 16·M_TILES·(w + 1)); in each, lane = 4·g + t owns rows g and g + 8
 // and columns 2t, 2t + 1 of every 8-wide MMA tile (the m16n8k16 accumulator layout). With two
 // tiles a warp reuses every K and V fragment it loads twice, halving ldmatrix traffic per MMA.
-
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
 
 constexpr int NUM_THREADS = NUM_WARPS * 32;
 constexpr int ROWS_PER_WARP = 16 * M_TILES;
@@ -24,12 +21,7 @@ constexpr int KSTEPS_D = HEAD_DIM / 16;           // k16 steps over the head dim
 constexpr int NTILES_N = BLOCK_N / 8;             // n8 tiles of S
 constexpr int KSTEPS_N = BLOCK_N / 16;            // k16 steps over keys (P·V)
 constexpr int NTILES_D = HEAD_DIM / 8;            // n8 tiles of O
-constexpr float LOG2E = 1.4426950408889634f;
-// Conditional rescaling keeps a row's stale max until the new one is this much larger (log2
-// units): P then stays below 2^8, well inside fp16/bf16 range, and O is rescaled rarely.
-constexpr float RESCALE_THRESHOLD = 8.0f;
 constexpr u32 SIGN_BITS = 0x80008000u;             // the sign bits of a packed 16-bit pair
-#define NEG_INF __int_as_float(0xff800000u)  // −inf (no constexpr spelling without headers)
 
 static_assert(BLOCK_M == NUM_WARPS * ROWS_PER_WARP, "each warp owns M_TILES tiles of 16 rows");
 static_assert(HEAD_DIM % 64 == 0, "the swizzle permutes 8 chunks: rows are whole 128-byte groups");
@@ -45,10 +37,6 @@ static_assert(SMEM_BYTES == FA4_SMEM_BYTES, "the planner's shared-memory count m
 
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers
-
-__device__ __forceinline__ u32 smem_u32(const void* p) {
-    return static_cast<u32>(__cvta_generic_to_shared(p));
-}
 
 // 16-byte async copy; src_bytes = 0 zero-fills the destination (rows/cols out of range).
 __device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
@@ -84,30 +72,6 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 
             : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
             : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
     }
-}
-
-// Two floats to a packed 16-bit pair, `lo` in the low half (round to nearest even).
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-    if constexpr (IS_BF16) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    } else {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    }
-    return r;
-}
-
-__device__ __forceinline__ float exp2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-// tanh from ex2 (relative error ~1e-7, far below 16-bit rounding of the scores).
-__device__ __forceinline__ float tanh_accurate(float x) {
-    float e = exp2_approx(2.0f * LOG2E * fabsf(x));
-    float t = 1.0f - 2.0f / (e + 1.0f);
-    return copysignf(t, x);
 }
 
 // Byte offset of 16-byte chunk `c` of row `r` in a swizzled (rows, HEAD_DIM) tile: the low

@@ -5,8 +5,8 @@
 // Self-contained (NVRTC may have no headers). The planner (`config::sm90`) prepends a prelude
 // defining HEAD_DIM, BLOCK_N, CONSUMER_WGS, STAGES, PRODUCER_REGS, CONSUMER_REGS,
 // LAZY_RESCALE, INTRA_WG_OVERLAP, PINGPONG, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, FA4_SMEM_BYTES, and generates the wgmma wrappers
-// `wgmma_ss` (N = BLOCK_N) and `wgmma_rs` (N = HEAD_DIM); then `../sm80/params.cuh` and
-// `params.cuh`; then the generated wgmma wrappers; then this file.
+// `wgmma_ss` (N = BLOCK_N) and `wgmma_rs` (N = HEAD_DIM); then `../common.cuh`,
+// `../sm80/params.cuh` and `params.cuh`; then the generated wgmma wrappers; then this file.
 //
 // Warp roles (one CTA = BLOCK_M query rows of one (batch, head)):
 //   warpgroup 0      producer   PRODUCER_REGS   thread 0 issues every TMA load
@@ -37,9 +37,6 @@ constexpr int P_REGS = BLOCK_N / 4;                 // packed 16-bit P pairs per
 constexpr int SBO_BYTES = 8 * SLAB_ROW_BYTES;       // 8-row core-matrix groups of a swizzle atom
 constexpr int KSTEP_K_MAJOR_BYTES = 32;             // k16 step inside a 128-byte swizzle row
 constexpr int KSTEP_V_BYTES = 16 * SLAB_ROW_BYTES;  // k16 step over 16 key rows of V
-constexpr float LOG2E = 1.4426950408889634f;
-constexpr float RESCALE_THRESHOLD = 8.0f;           // conditional rescaling, log2 units
-#define NEG_INF __int_as_float(0xff800000u)
 
 static_assert(SLABS * SLAB_ELEMS == HEAD_DIM, "head dims are whole 64-element slabs");
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "BLOCK_N is a wgmma N and a multiple of k16");
@@ -49,8 +46,6 @@ static_assert(STAGES >= 2, "the K/V ring needs at least two stages");
 
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers
-
-__device__ __forceinline__ u32 smem_u32(const void* p) { return static_cast<u32>(__cvta_generic_to_shared(p)); }
 
 __device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
@@ -95,29 +90,6 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
-
-// Two floats to a packed 16-bit pair, `lo` in the low half.
-__device__ __forceinline__ u32 pack2(float lo, float hi) {
-    u32 r;
-    if constexpr (IS_BF16) {
-        asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    } else {
-        asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
-    }
-    return r;
-}
-
-__device__ __forceinline__ float exp2_approx(float x) {
-    float y;
-    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-    return y;
-}
-
-__device__ __forceinline__ float tanh_accurate(float x) {
-    float e = exp2_approx(2.0f * LOG2E * fabsf(x));
-    float t = 1.0f - 2.0f / (e + 1.0f);
-    return copysignf(t, x);
-}
 
 // ---------------------------------------------------------------------------------------------
 // Accumulator layout of wgmma m64nN (f32): thread t of the warpgroup (warp w = t / 32, lane l)

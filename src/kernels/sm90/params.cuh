@@ -3,10 +3,6 @@
 // Mirrored by `cuda::params::Sm90Params` (Rust); both sides assert the size.
 // A map must sit at a 64-byte aligned address: the struct and each map are aligned so.
 
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef unsigned long long u64;
-
 // Q, K and V are each seen as a 5-D tensor, innermost first:
 //   (64 columns of a slab, rows, head_dim / 64 slabs, heads, batch)
 // with byte strides (row, 128, head, batch), so that one box of (64, rows, slabs, 1, 1)

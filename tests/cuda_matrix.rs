@@ -203,21 +203,75 @@ fn two_mma_tiles_per_warp_match_the_oracle() {
 }
 
 /// The Hopper kernel, forced, on every matrix case it covers (fixed-length batches, positive
-/// scale, head dims 64/128/256; `config::sm90::uncovered` names the rest, which are listed).
-/// Runs on Hopper GPUs; elsewhere it says why it was skipped.
+/// scale, head dims 64/128/256; `config::sm90::uncovered` names the rest, which are listed),
+/// with the planner's tiles. Runs on Hopper GPUs; elsewhere it says why it was skipped.
 #[test]
 fn hopper_kernel_matches_the_oracle() {
-    let Some(cuda) = gpu() else { return };
-    let arch = cuda.info().arch;
-    if arch.family != fa4::arch::Family::Hopper {
+    let Some(cuda) = hopper("hopper_kernel_matches_the_oracle") else {
+        return;
+    };
+    hopper_matrix(&cuda, "planned tiles", |_| {});
+}
+
+/// Every planner switch of the Hopper kernel, alone and together, on the same cases: the
+/// intra-warpgroup overlap, ping-pong, conditional rescaling, the persistent launch and the
+/// polynomial exponentials (some and all of them).
+#[test]
+fn hopper_switches_match_the_oracle() {
+    let Some(cuda) = hopper("hopper_switches_match_the_oracle") else {
+        return;
+    };
+    type Switch = fn(&mut fa4::config::sm90::Tiles);
+    // Ping-pong needs exactly two consumer warpgroups (d64 plans three).
+    let variants: [(&str, Switch); 7] = [
+        ("no overlap", |t| t.intra_wg_overlap = false),
+        ("overlap", |t| t.intra_wg_overlap = true),
+        ("overlap+pingpong+lazy", |t| {
+            t.intra_wg_overlap = true;
+            t.pingpong = t.consumer_wgs == 2;
+            t.lazy_rescale = true;
+        }),
+        ("persistent", |t| t.persistent = true),
+        ("persistent+overlap+pingpong+poly2", |t| {
+            t.persistent = true;
+            t.intra_wg_overlap = true;
+            t.pingpong = t.consumer_wgs == 2;
+            t.poly_exp2 = 2;
+        }),
+        ("poly8", |t| t.poly_exp2 = 8),
+        ("two consumer warpgroups", |t| {
+            t.consumer_wgs = 2;
+            t.producer_regs = 40;
+            t.consumer_regs = 232;
+        }),
+    ];
+    for (name, switch) in variants {
+        hopper_matrix(&cuda, name, switch);
+    }
+}
+
+/// The CUDA backend when the GPU is a Hopper one; otherwise says why `test` is skipped.
+fn hopper(test: &str) -> Option<fa4::cuda::CudaBackend> {
+    let cuda = gpu()?;
+    if cuda.info().arch.family != fa4::arch::Family::Hopper {
         let _ = writeln!(
             std::io::stderr(),
-            "hopper_kernel_matches_the_oracle: skipped: {} is not a Hopper GPU",
+            "{test}: skipped: {} is not a Hopper GPU",
             cuda.info().name
         );
-        return;
+        return None;
     }
-    let backend = Backend::Cuda(cuda.with_kernel(fa4::cuda::KernelChoice::Sm90));
+    Some(cuda)
+}
+
+/// Runs the covered matrix cases on the Hopper kernel with the planner's tiles changed by
+/// `switch`, and asserts that every one passes.
+fn hopper_matrix(
+    cuda: &fa4::cuda::CudaBackend,
+    name: &str,
+    switch: impl Fn(&mut fa4::config::sm90::Tiles),
+) {
+    let arch = cuda.info().arch;
     let cases = matrix(&[DType::F16, DType::Bf16], &[64, 128, 256]);
     let (mut ran, mut failures, mut uncovered) = (0, Vec::new(), Vec::new());
     for (i, case) in cases.iter().enumerate() {
@@ -232,6 +286,12 @@ fn hopper_kernel_matches_the_oracle() {
             uncovered.push(format!("{case}: {why}"));
             continue;
         }
+        let mut tiles = fa4::config::sm90::tiles(&arch, case.head_dim).expect("covered head dim");
+        switch(&mut tiles);
+        let backend = Backend::Cuda(
+            cuda.with_kernel(fa4::cuda::KernelChoice::Sm90)
+                .with_sm90_tiles(Some(tiles)),
+        );
         ran += 1;
         match run_case(&backend, case, 9000 + i as u64) {
             Ok(r) if r.passed() => {}
@@ -240,15 +300,109 @@ fn hopper_kernel_matches_the_oracle() {
         }
     }
     eprintln!(
-        "hopper kernel: {ran} cases run, {} not covered (the sm80 kernel runs them):\n  {}",
+        "hopper kernel ({name}): {ran} cases run, {} not covered (the sm80 kernel runs them):\n  {}",
         uncovered.len(),
         uncovered.join("\n  ")
     );
-    assert!(ran >= 8 * 6, "only {ran} cases covered");
+    assert!(ran >= 8 * 6, "{name}: only {ran} cases covered");
     assert!(
         failures.is_empty(),
-        "{} of {ran} cases failed:\n{}",
+        "{name}: {} of {ran} cases failed:\n{}",
         failures.len(),
         failures.join("\n")
     );
+}
+
+/// The persistent launch (one CTA per SM walking several tiles each) against one CTA per tile,
+/// on problems of hundreds of tiles: the same kernel computes each tile the same way wherever it
+/// runs, so output and LSE must agree bit for bit. Causal (uneven tiles), a window with GQA, and
+/// d256; with and without the overlap switches.
+#[test]
+fn persistent_launch_equals_one_cta_per_tile() {
+    let Some(cuda) = hopper("persistent_launch_equals_one_cta_per_tile") else {
+        return;
+    };
+    let window = fa4::Mask::Window {
+        left: Some(300),
+        right: Some(0),
+    };
+    persistent_case::<bf16>(&cuda, DType::Bf16, 2, 2000, 16, 128, fa4::Mask::Causal);
+    persistent_case::<half::f16>(&cuda, DType::F16, 3, 1500, 12, 64, window);
+    persistent_case::<bf16>(&cuda, DType::Bf16, 3, 1100, 12, 256, fa4::Mask::None);
+}
+
+fn persistent_case<T: fa4::Element>(
+    cuda: &CudaBackend,
+    dtype: DType,
+    batch: usize,
+    seqlen: usize,
+    heads: usize,
+    d: usize,
+    mask: fa4::Mask,
+) {
+    let arch = cuda.info().arch;
+    let what = format!("{dtype:?} b{batch} s{seqlen} h{heads} d{d} {mask:?}");
+    let block_m = fa4::config::sm90::tiles(&arch, d).unwrap().block_m();
+    let tiles_total = seqlen.div_ceil(block_m) * heads * batch;
+    assert!(
+        tiles_total > 2 * arch.sm_count as usize,
+        "{what}: {tiles_total} tiles"
+    );
+    let mut rng = StdRng::seed_from_u64(77);
+    let heads_kv = heads / 4;
+    let n_q = batch * seqlen * heads * d;
+    let n_kv = batch * seqlen * heads_kv * d;
+    let fill = |rng: &mut StdRng, n: usize| {
+        let mut x = vec![T::from_f32(0.0); n];
+        random_fill(rng, &mut x, d, 2.0);
+        x
+    };
+    let (q, k, v) = (
+        fill(&mut rng, n_q),
+        fill(&mut rng, n_kv),
+        fill(&mut rng, n_kv),
+    );
+    let ql = fa4::tensor::Layout::new("q", &[batch, seqlen, heads, d], None).unwrap();
+    let kl = fa4::tensor::Layout::new("k", &[batch, seqlen, heads_kv, d], None).unwrap();
+    let opts = Options::new().mask(mask);
+    let p = fa4::Problem::new(dtype, &ql, &kl, &kl, &ql, None, None, &opts).unwrap();
+    let run = |persistent: bool, overlap: bool| {
+        let mut tiles = fa4::config::sm90::tiles(&arch, d).unwrap();
+        tiles.persistent = persistent;
+        tiles.intra_wg_overlap = overlap;
+        tiles.pingpong = overlap && tiles.consumer_wgs == 2;
+        let b = cuda
+            .with_kernel(fa4::cuda::KernelChoice::Sm90)
+            .with_sm90_tiles(Some(tiles));
+        // Poisoned outputs: a tile the launch skips stays NaN.
+        let mut out = vec![T::from_f32(f32::NAN); n_q];
+        let mut lse = vec![f32::NAN; p.lse_len()];
+        b.forward_host(&p, &q, &k, &v, &mut out, Some(&mut lse))
+            .unwrap();
+        assert!(
+            out.iter().all(|x| x.to_f32().is_finite()) && lse.iter().all(|x| !x.is_nan()),
+            "{what}: persistent={persistent} overlap={overlap} left outputs unwritten"
+        );
+        (out, lse)
+    };
+    for overlap in [false, true] {
+        let (a, b) = (run(false, overlap), run(true, overlap));
+        let same_out =
+            a.0.iter()
+                .zip(&b.0)
+                .all(|(x, y)| x.to_f32().to_bits() == y.to_f32().to_bits());
+        let same_lse =
+            a.1.iter()
+                .zip(&b.1)
+                .all(|(x, y)| x.to_bits() == y.to_bits());
+        assert!(
+            same_out && same_lse,
+            "{what} overlap={overlap}: the persistent launch differs (out equal {same_out}, lse equal {same_lse})"
+        );
+        if overlap {
+            // And once against the oracle.
+            let r = fa4::check::check(&p, &q, &k, &v, &b.0, Some(&b.1));
+            assert!(r.passed(), "{what} persistent: {r}");
+        }
+    }
 }

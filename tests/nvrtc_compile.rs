@@ -69,6 +69,16 @@ fn every_sm90_variant_compiles_without_spills_or_wgmma_serialization() {
         3 * 8,
         "every head dim × dtype × mask × softcap"
     );
+    // Each also with every kernel switch on (the persistent launch changes only the grid).
+    let switched = specs.iter().map(|s| {
+        let mut s = *s;
+        s.tiles.intra_wg_overlap = true;
+        s.tiles.pingpong = true;
+        s.tiles.lazy_rescale = true;
+        s.tiles.poly_exp2 = 2;
+        s
+    });
+    let specs: Vec<_> = specs.iter().copied().chain(switched).collect();
     let failures: Vec<String> = specs
         .par_iter()
         .filter_map(

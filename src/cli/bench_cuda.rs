@@ -29,7 +29,7 @@ pub struct CudaBenchArgs {
     #[arg(long)]
     tiles: Option<String>,
     /// Override the Hopper planner's tiles:
-    /// `block_n,consumer_wgs,stages,producer_regs,consumer_regs,lazy,overlap,pingpong`.
+    /// `block_n,consumer_wgs,stages,producer_regs,consumer_regs,lazy,overlap,pingpong,persistent,poly`.
     #[arg(long)]
     sm90_tiles: Option<String>,
     /// CUDA device ordinal.

@@ -64,10 +64,15 @@ pub(crate) fn feature_variants() -> impl Iterator<Item = (bool, bool, bool)> {
     })
 }
 
-/// The eight comma-separated integers of a tile override (`--tiles`, `--sm90-tiles`); errors
+/// The `N` comma-separated integers of a tile override (`--tiles`, `--sm90-tiles`); errors
 /// name `what`.
-pub(crate) fn override_fields(s: &str, what: &str) -> Result<[usize; 8]> {
-    let bad = || Error::invalid(what, format!("expected eight integers, got `{s}`"));
+pub(crate) fn override_fields<const N: usize>(s: &str, what: &str) -> Result<[usize; N]> {
+    let bad = || {
+        Error::invalid(
+            what,
+            format!("expected {N} comma-separated integers, got `{s}`"),
+        )
+    };
     let v: Vec<usize> = s
         .split(',')
         .map(|x| x.trim().parse::<usize>())

@@ -40,7 +40,13 @@ pub const MAX_REGS: u32 = 256;
 /// Registers per consumer thread the kernel needs beyond its S and O accumulators (addresses,
 /// row statistics, loop state, packed P in flight): a planning margin, confirmed by ptxas
 /// reporting no spills for every planned variant (`tests/nvrtc_compile.rs`).
-pub const CONSUMER_REG_MARGIN: u32 = 48;
+pub const CONSUMER_REG_MARGIN: u32 = 32;
+/// Problems of at most this many query blocks per sequence get the persistent launch when the
+/// planner picks the tiles: with few key blocks per tile, hiding each tile's start (Q and first
+/// K/V loads) and end behind its neighbour's pays; on long sequences the hardware's own dynamic
+/// order of one CTA per tile balances causal work better. Measured on an H200 (docs/perf.md):
+/// persistent +7–16% at 1k tokens, ±2% at 4k, −1–3% at 16k.
+pub const PERSISTENT_MAX_M_BLOCKS: usize = 32;
 
 /// The tile shape and warpgroup roles of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -63,20 +69,28 @@ pub struct Tiles {
     /// The consumer warpgroups take turns issuing their wgmma groups (named barriers), so one's
     /// softmax overlaps the other's matrix products. Needs two consumer warpgroups.
     pub pingpong: bool,
+    /// Persistent launch: one CTA per SM walks a list of tiles (longest first, in alternating
+    /// rounds), loading the next tile's Q and K/V while it finishes the last. Off: one CTA per
+    /// tile. The kernel is the same; only the grid differs.
+    pub persistent: bool,
+    /// Exponentials on the FMA units (FlashAttention-4): this many of every 8 are computed by a
+    /// polynomial instead of MUFU.EX2 (0..=8).
+    pub poly_exp2: usize,
 }
 
 /// The command-line spelling of a Hopper tile override (`fa4 bench --sm90-tiles`):
-/// `block_n,consumer_wgs,stages,producer_regs,consumer_regs,lazy,overlap,pingpong` (flags 0|1).
+/// `block_n,consumer_wgs,stages,producer_regs,consumer_regs,lazy,overlap,pingpong,persistent,poly`
+/// (flags 0|1; `poly` is [`Tiles::poly_exp2`], 0..=8).
 impl std::str::FromStr for Tiles {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Tiles> {
         const WHAT: &str = "sm90 tiles";
-        let [block_n, consumer_wgs, stages, producer_regs, consumer_regs, lazy, overlap, pingpong] =
+        let [block_n, consumer_wgs, stages, producer_regs, consumer_regs, lazy, overlap, pingpong, persistent, poly_exp2] =
             super::override_fields(s, WHAT)?;
         let regs = |x: usize| {
             u32::try_from(x)
-                .map_err(|_| Error::invalid(WHAT, format!("expected eight integers, got `{s}`")))
+                .map_err(|_| Error::invalid(WHAT, format!("expected ten integers, got `{s}`")))
         };
         let flag = |x: usize, name: &str| super::override_flag(x, name, WHAT);
         Ok(Tiles {
@@ -88,6 +102,8 @@ impl std::str::FromStr for Tiles {
             lazy_rescale: flag(lazy, "lazy")?,
             intra_wg_overlap: flag(overlap, "overlap")?,
             pingpong: flag(pingpong, "pingpong")?,
+            persistent: flag(persistent, "persistent")?,
+            poly_exp2,
         })
     }
 }
@@ -95,13 +111,14 @@ impl std::str::FromStr for Tiles {
 /// The shared-memory budget of a launch, in bytes, tile by tile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct SmemBudget {
-    /// Q, (block_m, head_dim).
+    /// Q, [`Tiles::q_stages`] × (block_m, head_dim).
     pub q: usize,
     /// K ring, stages × (block_n, head_dim).
     pub k: usize,
     /// V ring, stages × (block_n, head_dim).
     pub v: usize,
-    /// mbarriers: Q full, and per stage K full, V full and K/V empty (8 bytes each).
+    /// mbarriers: Q full and empty, and per stage K full, V full, K empty and V empty (8 bytes
+    /// each).
     pub barriers: usize,
     /// Slack to align the dynamic shared-memory base to [`TILE_ALIGN`].
     pub align_slack: usize,
@@ -127,14 +144,37 @@ impl Tiles {
 
     /// Shared memory, tile by tile, for a padded head dim of 16-bit elements.
     pub fn smem(&self, head_dim: usize) -> SmemBudget {
+        self.smem_with(head_dim, self.q_stages(head_dim))
+    }
+
+    fn smem_with(&self, head_dim: usize, q_stages: usize) -> SmemBudget {
         let tile = |rows: usize| (rows * head_dim * 2).next_multiple_of(TILE_ALIGN);
         SmemBudget {
-            q: tile(self.block_m()),
+            q: q_stages * tile(self.block_m()),
             k: self.stages * tile(self.block_n),
             v: self.stages * tile(self.block_n),
-            barriers: 8 * (1 + 3 * self.stages),
+            barriers: 8 * (2 * q_stages + 4 * self.stages),
             align_slack: TILE_ALIGN,
         }
+    }
+
+    /// Q slots: two where they fit in a Hopper block's shared memory (a persistent CTA then loads
+    /// its next tile's Q during the current one), else one.
+    pub fn q_stages(&self, head_dim: usize) -> usize {
+        let limit = crate::arch::H100.max_smem_per_block() as usize;
+        if self.smem_with(head_dim, 2).total() <= limit {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Registers per thread a CTA is launched with: the kernel's launch bounds (one CTA of
+    /// [`Tiles::threads`] per SM) let ptxas give each thread the SM's file divided by the
+    /// threads, in steps of 8, at most 248 (255 is the per-thread limit); `setmaxnreg` then moves
+    /// them between warpgroups.
+    pub fn launch_regs(&self, arch: &GpuArch) -> u32 {
+        (arch.registers_per_sm / self.threads() as u32).min(255) / 8 * 8
     }
 
     /// Operand registers per consumer thread: the f32 accumulators S (64 × block_n) and O
@@ -177,6 +217,12 @@ impl Tiles {
         if self.pingpong && self.consumer_wgs != 2 {
             return bad("ping-pong alternates exactly two consumer warpgroups".into());
         }
+        if self.poly_exp2 > 8 {
+            return bad(format!(
+                "poly_exp2 {} must be 0..=8 (exponentials of every 8 on the FMA units)",
+                self.poly_exp2
+            ));
+        }
         let threads = self.threads();
         if threads > arch.max_threads_per_sm as usize {
             return bad(format!(
@@ -200,13 +246,16 @@ impl Tiles {
                 self.producer_regs, self.consumer_regs
             ));
         }
-        // setmaxnreg redistributes the SM's register file between the warpgroups.
+        // setmaxnreg only moves registers between the warps of a CTA: what the consumers gain
+        // the producer must give up, out of what the CTA was launched with (otherwise
+        // setmaxnreg.inc waits forever).
         let total = WARPGROUP_THREADS as u32
             * (self.producer_regs + self.consumer_wgs as u32 * self.consumer_regs);
-        if total > arch.registers_per_sm {
+        let launched = threads as u32 * self.launch_regs(arch);
+        if total > launched {
             return bad(format!(
-                "{total} registers (128 × ({} + {} × {})) exceed the SM's {}",
-                self.producer_regs, self.consumer_wgs, self.consumer_regs, arch.registers_per_sm
+                "{total} registers (128 × ({} + {} × {})) exceed the {launched} the CTA is launched with ({threads} threads × {})",
+                self.producer_regs, self.consumer_wgs, self.consumer_regs, self.launch_regs(arch)
             ));
         }
         let need = self.accumulator_regs(head_dim) + CONSUMER_REG_MARGIN;
@@ -235,6 +284,7 @@ const fn t(
     stages: usize,
     producer_regs: u32,
     consumer_regs: u32,
+    intra_wg_overlap: bool,
 ) -> Tiles {
     Tiles {
         block_n,
@@ -243,32 +293,58 @@ const fn t(
         producer_regs,
         consumer_regs,
         lazy_rescale: false,
-        intra_wg_overlap: false,
+        intra_wg_overlap,
         pingpong: false,
+        persistent: false,
+        poly_exp2: 0,
     }
 }
 
-/// Tile candidates per head dim, first that fits wins. Two consumer warpgroups (128 query rows)
-/// take 240 registers each and leave the producer 24 (128 · (24 + 2 · 240) = 64,512 of 65,536).
-/// The key-block widths follow the register budget (S, O and packed P plus the margin fit 240).
-/// Measured on an H200 (bf16, 16k tokens, TFLOP/s at 16k non-causal; `docs/perf.md`): 128-key
-/// blocks beat 64 (d64 483 vs 369, d128 629 vs 576), two stages beat three (629 vs 613), and
-/// the overlap and ping-pong switches lose as built (d128 480–593 against 629), so they are off.
+/// Tile candidates per head dim, first that fits wins; [`plan`] then turns on the persistent
+/// launch for short sequences ([`PERSISTENT_MAX_M_BLOCKS`]). A CTA of 384 threads (two consumer
+/// warpgroups, 128 query rows) is launched with 168 registers per thread (64,512); the consumers
+/// take 232 each and leave the producer 40 (its tile loop spills at 24). At d64 three consumers
+/// (192 rows, 512 threads launched with 128) take 160 each and leave the producer 32, as
+/// FlashAttention-3 does. The key-block widths
+/// follow the register budget (S, O and packed P plus the margin). Measured on an H200 (bf16,
+/// 16k tokens; `docs/perf.md`): 128-key blocks beat 64 (d64 483 vs 369, d128 629 vs 576 TFLOP/s),
+/// two stages beat three; the intra-warpgroup overlap gains 2–7% at d128 and d256 and loses at
+/// d64; ping-pong is within ±3%, conditional rescaling and the polynomial exponentials lose 2–5%
+/// (the softmax is off the critical path once it overlaps), so those are off.
 const CANDIDATES: [(usize, &[Tiles]); 3] = [
-    (64, &[t(128, 2, 2, 24, 240)]),
-    (128, &[t(128, 2, 2, 24, 240)]),
-    (256, &[t(64, 2, 2, 24, 240)]),
+    (
+        64,
+        &[t(128, 3, 2, 32, 160, false), t(128, 2, 2, 40, 232, false)],
+    ),
+    (128, &[t(128, 2, 2, 40, 232, true)]),
+    (256, &[t(64, 2, 2, 40, 232, true)]),
 ];
 
 /// Tiles for one padded head dim on one GPU: the first candidate that fits, or `None`.
 pub fn tiles(arch: &GpuArch, head_dim: usize) -> Option<Tiles> {
+    fitting(arch, head_dim).next()
+}
+
+fn fitting(arch: &GpuArch, head_dim: usize) -> impl Iterator<Item = Tiles> + '_ {
     CANDIDATES
         .iter()
-        .find(|(d, _)| *d == head_dim)?
-        .1
-        .iter()
-        .copied()
-        .find(|t| t.check(head_dim, arch).is_ok())
+        .filter(move |(d, _)| *d == head_dim)
+        .flat_map(|(_, c)| c.iter().copied())
+        .filter(move |t| t.check(head_dim, arch).is_ok())
+}
+
+/// Tiles for a problem with `seqlen_q` query rows per sequence: the first fitting candidate
+/// whose padding (rows computed past the end of the last query block) is within 5% of the
+/// sequence of the least padding any candidate has, with the persistent launch for at most
+/// [`PERSISTENT_MAX_M_BLOCKS`] query blocks. At d64 this keeps 192-row tiles for 4k and 16k
+/// tokens but takes 128 rows at 1k, where a 192-row tile would be a third full: measured on an
+/// H200 (docs/perf.md), 1k causal 273 against 233 TFLOP/s.
+pub fn tiles_for(arch: &GpuArch, head_dim: usize, seqlen_q: usize) -> Option<Tiles> {
+    let pad = |t: &Tiles| seqlen_q.div_ceil(t.block_m()) * t.block_m() - seqlen_q;
+    let least = fitting(arch, head_dim).map(|t| pad(&t)).min()?;
+    let mut t = fitting(arch, head_dim).find(|t| pad(t) <= least + seqlen_q / 20)?;
+    t.persistent = seqlen_q.div_ceil(t.block_m()) <= PERSISTENT_MAX_M_BLOCKS;
+    Some(t)
 }
 
 /// What the Hopper kernel is specialised on: the compile-cache key (with the source hash and the
@@ -314,11 +390,13 @@ impl KernelSpec {
              constexpr int BLOCK_N = {};\n\
              constexpr int CONSUMER_WGS = {};\n\
              constexpr int STAGES = {};\n\
+             constexpr int Q_STAGES = {};\n\
              constexpr int PRODUCER_REGS = {};\n\
              constexpr int CONSUMER_REGS = {};\n\
              constexpr bool LAZY_RESCALE = {};\n\
              constexpr bool INTRA_WG_OVERLAP = {};\n\
              constexpr bool PINGPONG = {};\n\
+             constexpr int POLY_EXP2 = {};\n\
              constexpr bool IS_BF16 = {};\n\
              constexpr bool HAS_WINDOW = {};\n\
              constexpr bool HAS_SOFTCAP = {};\n\
@@ -327,11 +405,13 @@ impl KernelSpec {
             t.block_n,
             t.consumer_wgs,
             t.stages,
+            t.q_stages(self.head_dim),
             t.producer_regs,
             t.consumer_regs,
             t.lazy_rescale,
             t.intra_wg_overlap,
             t.pingpong,
+            t.poly_exp2,
             self.bf16,
             self.window,
             self.softcap,
@@ -392,7 +472,7 @@ impl fmt::Display for KernelSpec {
         let t = &self.tiles;
         write!(
             f,
-            "sm90-fwd {} {} d{} {}x{} c{} s{} r{}/{}{}{}{}{}{}",
+            "sm90-fwd {} {} d{} {}x{} c{} s{} r{}/{}{}{}{}{}{}{}{}",
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
             self.head_dim,
@@ -405,6 +485,12 @@ impl fmt::Display for KernelSpec {
             if t.lazy_rescale { " lazy" } else { "" },
             if t.intra_wg_overlap { " overlap" } else { "" },
             if t.pingpong { " pingpong" } else { "" },
+            if t.persistent { " persistent" } else { "" },
+            if t.poly_exp2 > 0 {
+                format!(" poly{}/8", t.poly_exp2)
+            } else {
+                String::new()
+            },
             if self.window { " window" } else { "" },
             if self.softcap { " softcap" } else { "" }
         )
@@ -470,6 +556,8 @@ pub struct Sm90Plan {
     pub smem_limit: usize,
     /// Operand registers per consumer thread (S and O accumulators, packed P).
     pub accumulator_regs: u32,
+    /// Registers per thread the CTA is launched with ([`Tiles::launch_regs`]).
+    pub launch_regs: u32,
     /// TMA boxes per tile: (64-element head-dim slabs, rows).
     pub tma_box: (usize, usize),
 }
@@ -513,7 +601,8 @@ impl Sm90Plan {
             warpgroup: 0,
             role: "producer",
             work: format!(
-                "one thread issues TMA loads: Q once, then K and V into a {}-stage ring",
+                "one thread issues TMA loads: each tile's Q ({} slot(s)), then K and V into a {}-stage ring",
+                tiles.q_stages(padded),
                 tiles.stages
             ),
             registers: tiles.producer_regs,
@@ -544,6 +633,7 @@ impl Sm90Plan {
             smem_total: smem.total(),
             smem_limit: arch.max_smem_per_block() as usize,
             accumulator_regs: tiles.accumulator_regs(padded),
+            launch_regs: tiles.launch_regs(arch),
             tma_box: (padded / SWIZZLE_ELEMS, tiles.block_n),
         }
     }
@@ -578,11 +668,14 @@ impl fmt::Display for Sm90Plan {
         }
         writeln!(
             f,
-            "  registers: 128 × ({} + {} × {}) = {} of 65536; consumer accumulators {} per thread (+{} margin)",
+            "  registers: 128 × ({} + {} × {}) = {} of the {} launched ({} threads × {}); consumer accumulators {} per thread (+{} margin)",
             t.producer_regs,
             t.consumer_wgs,
             t.consumer_regs,
             128 * (t.producer_regs + t.consumer_wgs as u32 * t.consumer_regs),
+            self.threads as u32 * self.launch_regs,
+            self.threads,
+            self.launch_regs,
             self.accumulator_regs,
             CONSUMER_REG_MARGIN
         )?;
@@ -598,12 +691,26 @@ impl fmt::Display for Sm90Plan {
             self.tma_box.0, self.tma_box.1
         )?;
         let on = |b: bool| if b { "on" } else { "off" };
-        write!(
+        writeln!(
             f,
             "  softmax/MMA overlap in a warpgroup: {}; ping-pong between consumers: {}; conditional rescaling: {}",
             on(t.intra_wg_overlap),
             on(t.pingpong),
             on(t.lazy_rescale)
+        )?;
+        write!(
+            f,
+            "  exponentials on the FMA units: {} of 8; launch: {}",
+            t.poly_exp2,
+            if t.persistent {
+                "persistent (one CTA per SM walks the tiles in pairs of equal causal cost)"
+                    .to_string()
+            } else {
+                format!(
+                    "one CTA per tile; persistent (one CTA per SM walks the tiles) for sequences of at most {} query rows",
+                    PERSISTENT_MAX_M_BLOCKS * self.block_m
+                )
+            }
         )
     }
 }
@@ -741,8 +848,33 @@ pub fn features(p: &Problem) -> Features {
 pub struct Plan {
     /// The kernel to compile.
     pub spec: KernelSpec,
-    /// Grid: (query blocks, heads_q, batch).
+    /// Grid: (CTAs, 1, 1), one per tile or, persistent, at most one per SM.
     pub grid: (u32, u32, u32),
+}
+
+/// The 1-D grid of a launch: one CTA per tile (query block × head × batch), or with
+/// [`Tiles::persistent`] one per SM at most, each walking the tiles (the kernel numbers them).
+fn launch_grid(p: &Problem, arch: &GpuArch, tiles: &Tiles) -> Result<(u32, u32, u32)> {
+    let (m_blocks, heads, batch) = super::grid(p, tiles.block_m())?;
+    let total = u64::from(m_blocks) * u64::from(heads) * u64::from(batch);
+    // The kernel counts tiles in int32 (and rounds of the grid past the last one).
+    let total = u32::try_from(total)
+        .ok()
+        .filter(|&t| t <= i32::MAX as u32 / 2)
+        .ok_or_else(|| {
+            Error::invalid(
+                "q",
+                format!(
+                    "{total} tiles (query blocks × heads × batch) exceed the Hopper kernel's 2^30"
+                ),
+            )
+        })?;
+    let ctas = if tiles.persistent {
+        total.min(arch.sm_count)
+    } else {
+        total
+    };
+    Ok((ctas, 1, 1))
 }
 
 /// Largest byte stride a TMA map takes (2^40).
@@ -782,7 +914,10 @@ pub fn plan(
             t.check(head_dim, arch)?;
             t
         }
-        None => self::tiles(arch, head_dim).expect("covered problems have tiles"),
+        None => {
+            let sq = p.sequences().first().map_or(0, |s| s.q_len);
+            tiles_for(arch, head_dim, sq).expect("covered problems have tiles")
+        }
     };
     let seq = p.sequences().first().copied();
     let (sq, sk) = seq.map_or((0, 0), |s| (s.q_len, s.k_len));
@@ -801,7 +936,7 @@ pub fn plan(
             softcap: p.softcap().is_some(),
             tiles,
         },
-        grid: super::grid(p, tiles.block_m())?,
+        grid: launch_grid(p, arch, &tiles)?,
     })
 }
 
@@ -823,15 +958,22 @@ mod tests {
                 );
                 assert_eq!(p.threads, 128 * p.roles.len());
                 let t = p.tiles;
-                assert!(128 * (t.producer_regs + t.consumer_wgs as u32 * t.consumer_regs) <= 65536);
+                assert!(
+                    128 * (t.producer_regs + t.consumer_wgs as u32 * t.consumer_regs)
+                        <= p.threads as u32 * p.launch_regs
+                );
                 assert!(p.accumulator_regs + CONSUMER_REG_MARGIN <= t.consumer_regs);
                 assert_eq!(p.smem.q % TILE_ALIGN, 0);
             }
         }
-        // d128: Q 32 KiB, K and V 2 × 32 KiB each.
+        // d128: two Q slots of 32 KiB, K and V 2 × 32 KiB each.
         let p = Sm90Plan::new(&H200, 128, 2).unwrap();
-        assert_eq!((p.smem.q, p.smem.k, p.smem.v), (32768, 65536, 65536));
-        assert_eq!(p.accumulator_regs, 160);
+        assert_eq!(p.tiles.q_stages(128), 2);
+        assert_eq!((p.smem.q, p.smem.k, p.smem.v), (65536, 65536, 65536));
+        // d256: a second 64 KiB Q slot would not fit beside 128 KiB of K/V.
+        let p = Sm90Plan::new(&H200, 256, 2).unwrap();
+        assert_eq!((p.tiles.q_stages(256), p.smem.q), (1, 65536));
+        assert_eq!(p.accumulator_regs, 176);
     }
 
     #[test]
@@ -883,10 +1025,43 @@ mod tests {
                 pingpong: true,
                 ..good
             },
+            Tiles {
+                poly_exp2: 9,
+                ..good
+            },
+            // 128 · (32 + 2 · 240) = 65,536 > 384 · 168: setmaxnreg.inc would wait forever.
+            Tiles {
+                producer_regs: 32,
+                consumer_regs: 240,
+                ..good
+            },
         ] {
             assert!(bad.check(128, &H200).is_err(), "{bad:?}");
         }
+        // The most the consumers can take from a 24-register producer: exactly the launch.
+        let full = Tiles {
+            producer_regs: 24,
+            consumer_regs: 240,
+            ..good
+        };
+        assert!(full.check(128, &H200).is_ok());
+        assert_eq!(full.launch_regs(&H200), 168);
         assert!(good.check(128, &A100).is_err());
+    }
+
+    #[test]
+    fn problem_tiles_follow_the_sequence_length() {
+        // d64: 192-row tiles unless a 192-row tile would be mostly padding; persistent up to
+        // 32 query blocks.
+        let d64 = |sq| tiles_for(&H200, 64, sq).unwrap();
+        assert_eq!((d64(1024).block_m(), d64(1024).persistent), (128, true));
+        assert_eq!((d64(4096).block_m(), d64(4096).persistent), (192, true));
+        assert_eq!((d64(16384).block_m(), d64(16384).persistent), (192, false));
+        let d128 = |sq| tiles_for(&H200, 128, sq).unwrap();
+        assert!(d128(4096).persistent && !d128(4097).persistent);
+        assert!(d128(100).persistent && d128(100).intra_wg_overlap);
+        assert_eq!(tiles_for(&H200, 96, 1024), None);
+        assert_eq!(tiles_for(&A100, 128, 1024), None);
     }
 
     #[test]
@@ -946,7 +1121,30 @@ mod tests {
             None,
         )
         .unwrap();
-        assert_eq!(ok.grid, (1, 4, 2));
+        // One CTA per tile: 1 query block × 4 heads × 2 sequences.
+        assert_eq!(ok.grid, (8, 1, 1));
+        // Persistent: at most one CTA per SM.
+        let mut tiles = self::tiles(&H200, 128).unwrap();
+        tiles.persistent = true;
+        let few = plan(
+            &problem(300, &Options::new(), None).unwrap(),
+            &H200,
+            "sm_90a",
+            Some(tiles),
+        )
+        .unwrap();
+        assert_eq!(few.grid, (8, 1, 1));
+        let l = crate::tensor::Layout::new("q", &[2, 100_000, 4, 128], None).unwrap();
+        let long = Problem::new(DType::Bf16, &l, &l, &l, &l, None, None, &Options::new()).unwrap();
+        assert_eq!(
+            plan(&long, &H200, "sm_90a", Some(tiles)).unwrap().grid,
+            (H200.sm_count, 1, 1)
+        );
+        tiles.persistent = false;
+        assert_eq!(
+            plan(&long, &H200, "sm_90a", Some(tiles)).unwrap().grid,
+            (782 * 4 * 2, 1, 1)
+        );
         assert_eq!(ok.spec.head_dim, 128);
         let p0 = problem(0, &Options::new(), None).unwrap();
         assert_eq!(name(plan(&p0, &H200, "sm_90a", None).unwrap_err()), "k");

@@ -487,8 +487,12 @@ impl CudaBackend {
                 // with head_dim 64/128/256 and 16-byte strides below 2^40; the TMA maps describe
                 // exactly the layouts' extents (reads past a sequence's end are zero-filled by
                 // the hardware, not performed), and the output is written only at rows below
-                // seqlen_q and columns below head_dim. The kernel static_asserts the planner's
-                // shared-memory count and params size.
+                // seqlen_q and columns below head_dim. The grid is one CTA per tile or, persistent,
+                // at most one per SM; the kernel numbers the tiles from the params (the planner
+                // checked that they fit in int32) and visits each exactly once. The kernel
+                // static_asserts the planner's shared-memory count and params size, and the
+                // planner's register split fits the CTA's launch allocation, so `setmaxnreg`
+                // cannot wait forever.
                 unsafe { launch.launch(cfg) }
                     .map_err(|e| Error::cuda(format!("launch {}", plan.spec), e))?;
             }

@@ -4,18 +4,27 @@
 //
 // Self-contained (NVRTC may have no headers). The planner (`config::sm90`) prepends a prelude
 // defining HEAD_DIM, BLOCK_N, CONSUMER_WGS, STAGES, PRODUCER_REGS, CONSUMER_REGS,
-// LAZY_RESCALE, INTRA_WG_OVERLAP, PINGPONG, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, FA4_SMEM_BYTES, and generates the wgmma wrappers
+// Q_STAGES, LAZY_RESCALE, INTRA_WG_OVERLAP, PINGPONG, POLY_EXP2, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, FA4_SMEM_BYTES, and
+// generates the wgmma wrappers
 // `wgmma_ss` (N = BLOCK_N) and `wgmma_rs` (N = HEAD_DIM); then `../common.cuh`,
 // `../sm80/params.cuh` and `params.cuh`; then the generated wgmma wrappers; then this file.
 //
-// Warp roles (one CTA = BLOCK_M query rows of one (batch, head)):
+// Work: a tile is BLOCK_M query rows of one (batch, head). The launch has one CTA per tile, or
+// (persistent) fewer CTAs that each walk a list of tiles (`tile_number`): the producer then
+// loads the next tile's Q (into the other of Q_STAGES slots) and first K/V while the consumers
+// finish the last one.
+// Warp roles:
 //   warpgroup 0      producer   PRODUCER_REGS   thread 0 issues every TMA load
 //   warpgroup 1 + c  consumer c CONSUMER_REGS   rows [64c, 64c + 64): S, softmax, O
-// Pipelines (mbarriers, one phase bit each, flipped on every reuse of a stage):
-//   load_q       producer → consumers  q_full          1 arrival + Q bytes
+// Pipelines (mbarriers, one phase bit each, flipped on every reuse):
+//   load_q[t]    producer → consumers  q_full[t]       1 arrival + Q bytes   (t: Q slot)
+//   release_q[t] consumers → producer  q_empty[t]      one arrival per consumer warp
 //   load_k[s]    producer → consumers  k_full[s]       1 arrival + K bytes
 //   load_v[s]    producer → consumers  v_full[s]       1 arrival + V bytes
-//   release[s]   consumers → producer  kv_empty[s]     one arrival per consumer warp
+//   release_k[s] consumers → producer  k_empty[s]      one arrival per consumer warp
+//   release_v[s] consumers → producer  v_empty[s]      one arrival per consumer warp
+// K and V of a stage are released separately: with the intra-warpgroup overlap a consumer is
+// done with K of block n one step before V of block n.
 //
 // Shared-memory tiles are TMA boxes with the 128-byte swizzle: a (rows, HEAD_DIM) tile is
 // stored as HEAD_DIM / 64 slabs of (rows, 64), each row 128 bytes, each slab 1024-aligned.
@@ -28,9 +37,9 @@ constexpr int SLAB_ROW_BYTES = 128;
 constexpr int SLABS = HEAD_DIM / SLAB_ELEMS;
 constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2;     // (BLOCK_M, HEAD_DIM)
 constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2;    // (BLOCK_N, HEAD_DIM)
-constexpr int NUM_BARRIERS = 1 + 3 * STAGES;
+constexpr int NUM_BARRIERS = 2 * Q_STAGES + 4 * STAGES;
 constexpr int TILE_ALIGN = 1024;
-constexpr int SMEM_BYTES = Q_BYTES + 2 * STAGES * KV_BYTES + 8 * NUM_BARRIERS + TILE_ALIGN;
+constexpr int SMEM_BYTES = Q_STAGES * Q_BYTES + 2 * STAGES * KV_BYTES + 8 * NUM_BARRIERS + TILE_ALIGN;
 constexpr int S_REGS = BLOCK_N / 2;                 // f32 S accumulator per thread, (64, BLOCK_N) per warpgroup
 constexpr int O_REGS = HEAD_DIM / 2;                // f32 O accumulator per thread, (64, HEAD_DIM)
 constexpr int P_REGS = BLOCK_N / 4;                 // packed 16-bit P pairs per thread
@@ -43,6 +52,7 @@ static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "BLOCK_N is a wgmma N and a m
 static_assert(Q_BYTES % TILE_ALIGN == 0 && KV_BYTES % TILE_ALIGN == 0, "tiles keep 1024-byte alignment");
 static_assert(SMEM_BYTES == FA4_SMEM_BYTES, "the planner's shared-memory count must match");
 static_assert(STAGES >= 2, "the K/V ring needs at least two stages");
+static_assert(Q_STAGES == 1 || Q_STAGES == 2, "one or two Q slots");
 
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers
@@ -112,10 +122,11 @@ __device__ __forceinline__ int key_hi(const FwdParams& p, int i) {
 
 // The barriers, and the per-stage tile addresses.
 struct Smem {
-    u32 q, k, v;        // tiles: (BLOCK_M, HEAD_DIM), STAGES × (BLOCK_N, HEAD_DIM) each
-    u32 q_full;         // load_q
-    u32 k_full, v_full; // load_k[s], load_v[s]: + 8·s
-    u32 kv_empty;       // release[s]: + 8·s
+    u32 q, k, v;          // tiles: Q_STAGES × (BLOCK_M, HEAD_DIM), STAGES × (BLOCK_N, HEAD_DIM) each
+    u32 q_full, q_empty;  // load_q[t], release_q[t]: + 8·t
+    u32 k_full, v_full;   // load_k[s], load_v[s]: + 8·s
+    u32 k_empty, v_empty; // release_k[s], release_v[s]: + 8·s
+    __device__ u32 q_slot(int t) const { return q + t * Q_BYTES; }
     __device__ u32 k_stage(int s) const { return k + s * KV_BYTES; }
     __device__ u32 v_stage(int s) const { return v + s * KV_BYTES; }
 };
@@ -125,31 +136,86 @@ struct Ring {
     int stage;
     u32 phase;
     __device__ static Ring at(int j) { return Ring{j % STAGES, static_cast<u32>((j / STAGES) & 1)}; }
+    // The Q slot of a CTA's k-th tile.
+    __device__ static Ring q(int k) { return Ring{k % Q_STAGES, static_cast<u32>((k / Q_STAGES) & 1)}; }
 };
 
 // ---------------------------------------------------------------------------------------------
-// Producer: one thread loads Q once, then K and V of every key block into the ring.
+// Tiles: which query block of which (batch, head) the k-th tile of a CTA is, and its key blocks.
 
-__device__ __forceinline__ void producer(const Sm90Params& P, const Smem& sm, int m0, int head, int batch,
-                                         int n_begin, int n_end) {
-    const int kv_head = head / P.p.group;
+struct Tile {
+    int m0, head, batch;
+    int n_begin, n_end;    // key blocks [n_begin, n_end) hold every allowed key of the tile
+    int free_lo, free_hi;  // a block inside [free_lo, free_hi) needs no mask
+};
+
+__device__ __forceinline__ int m_blocks(const FwdParams& p) { return (p.seqlen_q + BLOCK_M - 1) / BLOCK_M; }
+__device__ __forceinline__ int num_tiles(const FwdParams& p) { return m_blocks(p) * p.heads_q * p.batch; }
+
+// Tiles are numbered query block fastest (the tiles that run at once share K and V in L2).
+// One CTA per tile (gridDim.x = tiles): CTA b runs tile b, and a head's query blocks come last
+// first, so the hardware starts the longest (under a causal mask) first. Persistent (fewer
+// CTAs): CTA b runs the pairs of tiles b, b + gridDim.x, …, and a head's query blocks are
+// ordered last, first, second last, second, …, so each pair costs about the same (a causal
+// tile's keys grow with its query block; the pair's sum does not).
+// The number of this CTA's k-th tile, or −1 when it has none. Strictly increasing in k.
+__device__ __forceinline__ int tile_number(int k, int total) {
+    const int g = gridDim.x, b = blockIdx.x;
+    if (g >= total) return k == 0 ? b : -1;
+    const long long t = 2 * (static_cast<long long>(k / 2) * g + b) + (k & 1);
+    return t < total ? static_cast<int>(t) : -1;
+}
+
+__device__ __forceinline__ Tile tile_at(const FwdParams& p, int t) {
+    const int mb = m_blocks(p), hb = t / mb, r = t % mb;
+    const bool paired = static_cast<int>(gridDim.x) < num_tiles(p);
+    Tile w;
+    w.m0 = (paired && (r & 1) ? r / 2 : mb - 1 - (paired ? r / 2 : r)) * BLOCK_M;
+    w.head = hb % p.heads_q;
+    w.batch = hb / p.heads_q;
+    const int last_row = min(w.m0 + BLOCK_M, p.seqlen_q) - 1;
+    const int span_lo = key_lo(p, w.m0), span_hi = key_hi(p, last_row);
+    w.n_begin = span_lo / BLOCK_N;
+    w.n_end = span_hi > span_lo ? (span_hi + BLOCK_N - 1) / BLOCK_N : w.n_begin;
+    w.free_lo = key_lo(p, last_row);
+    w.free_hi = key_hi(p, w.m0);
+    return w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Producer: one thread loads, tile after tile, Q and then K and V of every key block into the
+// ring (whose position runs on across tiles).
+
+__device__ __forceinline__ void producer(const Sm90Params& P, const Smem& sm) {
+    const FwdParams& p = P.p;
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&P.tq)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&P.tk)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&P.tv)) : "memory");
-    mbar_expect_tx(sm.q_full, Q_BYTES);
-    tma_load_5d(sm.q, &P.tq, sm.q_full, 0, m0, 0, head, batch);
-    for (int n = n_begin; n < n_end; ++n) {
-        const Ring r = Ring::at(n - n_begin);
-        mbar_wait(sm.kv_empty + 8 * r.stage, r.phase ^ 1);  // a fresh barrier passes phase "-1"
-        mbar_expect_tx(sm.k_full + 8 * r.stage, KV_BYTES);
-        tma_load_5d(sm.k_stage(r.stage), &P.tk, sm.k_full + 8 * r.stage, 0, n * BLOCK_N, 0, kv_head, batch);
-        mbar_expect_tx(sm.v_full + 8 * r.stage, KV_BYTES);
-        tma_load_5d(sm.v_stage(r.stage), &P.tv, sm.v_full + 8 * r.stage, 0, n * BLOCK_N, 0, kv_head, batch);
+    const int total = num_tiles(p);
+    int j = 0;  // key blocks loaded so far
+    for (int k = 0;; ++k) {
+        const int t = tile_number(k, total);
+        if (t < 0) break;
+        const Tile w = tile_at(p, t);
+        const int kv_head = w.head / p.group;
+        const Ring qs = Ring::q(k);
+        mbar_wait(sm.q_empty + 8 * qs.stage, qs.phase ^ 1);  // the slot's last Q is consumed (a fresh barrier passes phase "-1")
+        mbar_expect_tx(sm.q_full + 8 * qs.stage, Q_BYTES);
+        tma_load_5d(sm.q_slot(qs.stage), &P.tq, sm.q_full + 8 * qs.stage, 0, w.m0, 0, w.head, w.batch);
+        for (int n = w.n_begin; n < w.n_end; ++n, ++j) {
+            const Ring r = Ring::at(j);
+            mbar_wait(sm.k_empty + 8 * r.stage, r.phase ^ 1);
+            mbar_expect_tx(sm.k_full + 8 * r.stage, KV_BYTES);
+            tma_load_5d(sm.k_stage(r.stage), &P.tk, sm.k_full + 8 * r.stage, 0, n * BLOCK_N, 0, kv_head, w.batch);
+            mbar_wait(sm.v_empty + 8 * r.stage, r.phase ^ 1);
+            mbar_expect_tx(sm.v_full + 8 * r.stage, KV_BYTES);
+            tma_load_5d(sm.v_stage(r.stage), &P.tv, sm.v_full + 8 * r.stage, 0, n * BLOCK_N, 0, kv_head, w.batch);
+        }
     }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Consumer c: rows [m0 + 64c, m0 + 64c + 64) of the CTA's query block.
+// Consumer c: rows [m0 + 64c, m0 + 64c + 64) of each tile's query block.
 //
 // Per key block: S = Q·Kᵀ (wgmma, async), masks and online softmax on S in registers, O rescale,
 // P packed from S, O += P·V (wgmma, async). With INTRA_WG_OVERLAP the Q·Kᵀ of block j + 1 and
@@ -166,8 +232,8 @@ struct RowState {
 
 // Named barriers 1 and 2 (0 is __syncthreads): consumer warpgroup c waits on 1 + c and passes
 // the turn by arriving on the other's. Warpgroup 1 opens with one pass, so warpgroup 0 issues
-// first; that opening arrival leaves one arrival pending on barrier 1 when the CTA ends (one
-// tile per CTA today; a persistent scheduler must consume it before the next tile). The ids are
+// first; both take the same number of turns per tile, so the turn carries over from tile to
+// tile, and the opening arrival is left pending on barrier 1 when the CTA ends. The ids are
 // immediates so that ptxas reserves only these two barriers.
 __device__ __forceinline__ void sched_wait(int c) {
     if constexpr (PINGPONG && CONSUMER_WGS == 2) {
@@ -184,6 +250,12 @@ __device__ __forceinline__ void sched_pass(int c) {
         else
             asm volatile("bar.arrive 1, %0;\n" ::"n"(2 * WG_THREADS) : "memory");
     }
+}
+
+// One arrival per consumer warp on a release barrier (after the warp's wgmma wait).
+__device__ __forceinline__ void release(u32 bar, int lane) {
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bar);
 }
 
 // Issues S = Q·Kᵀ for the K tile at `k_base` (one commit group).
@@ -205,6 +277,34 @@ __device__ __forceinline__ void issue_pv(float (&rO)[O_REGS], const u32 (&rP)[P_
         wgmma_rs(rO, rP[4 * kk], rP[4 * kk + 1], rP[4 * kk + 2], rP[4 * kk + 3],
                  smem_desc(v_base + kk * KSTEP_V_BYTES, BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES));
     wgmma_commit();
+}
+
+// 2^x on the FMA units (FlashAttention-4): 2^x = 2^j · 2^f with j = round(x) (from the low
+// mantissa bits of x + 1.5·2^23) and f = x − j in [−0.5, 0.5], 2^f by a minimax polynomial
+// (fitted for this kernel: relative error 7.5e-5 at degree 3 for bf16, 2.7e-6 at degree 4 for
+// fp16, below the rounding of P to 16 bits), and 2^j added to the exponent bits. Below 2^−126
+// (masked scores are −inf) the result is 0, as ex2.approx.ftz gives; NaN stays NaN (x − x).
+__device__ __forceinline__ float exp2_poly(float x) {
+    const float shifter = 12582912.0f;  // 1.5 · 2^23
+    const float xc = fmaxf(x, -126.0f);
+    const float t = xc + shifter;
+    const float f = xc - (t - shifter);
+    float y;
+    if constexpr (IS_BF16) {
+        y = fmaf(fmaf(fmaf(0.0551716685f, f, 0.242611140f), f, 0.693260968f), f, 0.999928057f);
+    } else {
+        y = fmaf(fmaf(fmaf(fmaf(0.00957010128f, f, 0.0559178628f), f, 0.240247443f), f, 0.693121791f), f,
+                 0.999999285f);
+    }
+    const int j = __float_as_int(t) - __float_as_int(shifter);
+    const float r = __int_as_float(__float_as_int(y) + (j << 23));
+    return x < -126.0f ? 0.0f : r + (x - x);
+}
+
+// Exponential of accumulator register i: POLY_EXP2 of every 8 on the FMA units, the rest on MUFU.
+__device__ __forceinline__ float exp2_mixed(int i, float x) {
+    if (POLY_EXP2 > 0 && i % 8 < POLY_EXP2) return exp2_poly(x);
+    return exp2_approx(x);
 }
 
 // Softcap, masks and the online softmax of key block n on S (in place: S becomes P in f32).
@@ -250,7 +350,7 @@ __device__ __forceinline__ void softmax_block(const FwdParams& p, float (&rS)[S_
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i)
             if (acc_slot(i) == h) {
-                rS[i] = exp2_approx(fmaf(rS[i], p.scale_log2, -shift));
+                rS[i] = exp2_mixed(i, fmaf(rS[i], p.scale_log2, -shift));
                 sum += rS[i];
             }
         st.sum[h] = st.sum[h] * corr[h] + sum;
@@ -273,29 +373,32 @@ __device__ __forceinline__ void zero(float* r, int n) {
     for (int i = 0; i < n; ++i) r[i] = 0.0f;
 }
 
-__device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, int c, int m0, int head, int batch,
-                                         int n_begin, int n_end, int free_lo, int free_hi) {
+// One tile: the key loop from ring position j (the key blocks this consumer saw before), then
+// the epilogue. Releases Q once its last Q·Kᵀ is done.
+__device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& sm, int c, const Tile& w, int j,
+                                              Ring qs) {
     const FwdParams& p = P.p;
-    const int t = threadIdx.x % WG_THREADS;
-    const int warp = t / 32, lane = t % 32;
-    const int row0 = m0 + 64 * c + 16 * warp + lane / 4;  // this thread's rows: row0 + 8·slot
+    const int tid = threadIdx.x % WG_THREADS;
+    const int warp = tid / 32, lane = tid % 32;
+    const int row0 = w.m0 + 64 * c + 16 * warp + lane / 4;  // this thread's rows: row0 + 8·slot
+    const int n_begin = w.n_begin, n_end = w.n_end;
 
     float rO[O_REGS];  // (64, HEAD_DIM) per warpgroup
     zero(rO, O_REGS);
     RowState st = {{NEG_INF, NEG_INF}, {0.0f, 0.0f}};
     float rS[S_REGS];  // (64, BLOCK_N) per warpgroup
     u32 rP[P_REGS];
-    float corr[2];
+    float corr[2] = {1.0f, 1.0f};
 
     // Q of this warpgroup: slab kk / 4 of its 64 rows (see issue_qk).
-    const u32 q_base = sm.q + 64 * c * SLAB_ROW_BYTES;
-    mbar_wait(sm.q_full, 0);
-    if (c == 1) sched_pass(1);  // warpgroup 0 issues first
+    const u32 q_base = sm.q_slot(qs.stage) + 64 * c * SLAB_ROW_BYTES;
+    const u32 q_empty = sm.q_empty + 8 * qs.stage;
+    mbar_wait(sm.q_full + 8 * qs.stage, qs.phase);
 
     if constexpr (INTRA_WG_OVERLAP) {
         if (n_begin < n_end) {
             // Prologue: block n_begin's S and P.
-            const Ring r = Ring::at(0);
+            const Ring r = Ring::at(j);
             zero(rS, S_REGS);
             mbar_wait(sm.k_full + 8 * r.stage, r.phase);
             sched_wait(c);
@@ -303,39 +406,49 @@ __device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, in
             issue_qk(rS, q_base, sm.k_stage(r.stage));
             sched_pass(c);
             wgmma_wait_all();
-            softmax_block(p, rS, st, n_begin, row0, lane, free_lo, free_hi, corr);
+            release(sm.k_empty + 8 * r.stage, lane);
+            softmax_block(p, rS, st, n_begin, row0, lane, w.free_lo, w.free_hi, corr);
             pack_p(rS, rP);
         }
         for (int n = n_begin + 1; n < n_end; ++n) {
-            const Ring r = Ring::at(n - n_begin), prev = Ring::at(n - n_begin - 1);
+            const Ring r = Ring::at(j + n - n_begin), prev = Ring::at(j + n - n_begin - 1);
             zero(rS, S_REGS);
             mbar_wait(sm.k_full + 8 * r.stage, r.phase);
             mbar_wait(sm.v_full + 8 * prev.stage, prev.phase);
             sched_wait(c);
             wgmma_fence();
             issue_qk(rS, q_base, sm.k_stage(r.stage));  // block n's S …
+            rescale_o(rO, corr);                        // (block n - 1's correction, while Q·Kᵀ runs)
+            wgmma_fence();
             issue_pv(rO, rP, sm.v_stage(prev.stage));   // … and block n - 1's P·V, in flight together
             sched_pass(c);
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // S is in
-            softmax_block(p, rS, st, n, row0, lane, free_lo, free_hi, corr);
-            wgmma_wait_all();  // P·V of block n - 1 is in: its stage is free, O and P may change
-            __syncwarp();
-            if (lane == 0) mbar_arrive(sm.kv_empty + 8 * prev.stage);
-            rescale_o(rO, corr);
+            release(sm.k_empty + 8 * r.stage, lane);
+            softmax_block(p, rS, st, n, row0, lane, w.free_lo, w.free_hi, corr);
+            // Wait for the next K here, before the P·V wait: this branch ends the basic block,
+            // which keeps ptxas from hoisting the wgmma wait above the softmax (it does so
+            // otherwise, and nothing would overlap).
+            if (n + 1 < n_end) {
+                const Ring next = Ring::at(j + n + 1 - n_begin);
+                mbar_wait(sm.k_full + 8 * next.stage, next.phase);
+            }
+            wgmma_wait_all();  // P·V of block n - 1 is in: its V is free, O and P may change
+            release(sm.v_empty + 8 * prev.stage, lane);
             pack_p(rS, rP);
         }
+        release(q_empty, lane);
         if (n_begin < n_end) {
-            const Ring last = Ring::at(n_end - 1 - n_begin);
+            const Ring last = Ring::at(j + n_end - 1 - n_begin);
             mbar_wait(sm.v_full + 8 * last.stage, last.phase);
+            rescale_o(rO, corr);
             wgmma_fence();
             issue_pv(rO, rP, sm.v_stage(last.stage));
             wgmma_wait_all();
-            __syncwarp();
-            if (lane == 0) mbar_arrive(sm.kv_empty + 8 * last.stage);
+            release(sm.v_empty + 8 * last.stage, lane);
         }
     } else {
         for (int n = n_begin; n < n_end; ++n) {
-            const Ring r = Ring::at(n - n_begin);
+            const Ring r = Ring::at(j + n - n_begin);
             zero(rS, S_REGS);
             mbar_wait(sm.k_full + 8 * r.stage, r.phase);
             sched_wait(c);
@@ -343,7 +456,8 @@ __device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, in
             issue_qk(rS, q_base, sm.k_stage(r.stage));
             sched_pass(c);
             wgmma_wait_all();
-            softmax_block(p, rS, st, n, row0, lane, free_lo, free_hi, corr);
+            release(sm.k_empty + 8 * r.stage, lane);
+            softmax_block(p, rS, st, n, row0, lane, w.free_lo, w.free_hi, corr);
             rescale_o(rO, corr);
             pack_p(rS, rP);
             mbar_wait(sm.v_full + 8 * r.stage, r.phase);
@@ -352,9 +466,9 @@ __device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, in
             issue_pv(rO, rP, sm.v_stage(r.stage));
             sched_pass(c);
             wgmma_wait_all();
-            __syncwarp();
-            if (lane == 0) mbar_arrive(sm.kv_empty + 8 * r.stage);  // this warp is done with the stage
+            release(sm.v_empty + 8 * r.stage, lane);
         }
+        release(q_empty, lane);
     }
 
     // Epilogue: O = acc / sum, 16-bit pairs straight from registers; LSE from one lane per row.
@@ -369,10 +483,10 @@ __device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, in
         if (p.lse != nullptr && lane % 4 == 0 && i < p.seqlen_q) {
             float lse = sum == 0.0f ? NEG_INF : st.max[h] * p.lse_scale + __logf(sum);
             if (sum != sum) lse = sum;  // NaN propagates
-            p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + i] = lse;
+            p.lse[w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + i] = lse;
         }
     }
-    u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + head * p.o_head_stride;
+    u16* gO = static_cast<u16*>(p.o) + w.batch * p.o_batch_stride + w.head * p.o_head_stride;
 #pragma unroll
     for (int i = 0; i < O_REGS; i += 2) {
         const int h = acc_slot(i), row = row0 + 8 * h, col = acc_col(i, lane);
@@ -383,41 +497,47 @@ __device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, in
     }
 }
 
+__device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, int c) {
+    const int total = num_tiles(P.p);
+    if (c == 1) sched_pass(1);  // warpgroup 0 issues first
+    int j = 0;                  // ring position: key blocks consumed so far
+    for (int k = 0;; ++k) {
+        const int t = tile_number(k, total);
+        if (t < 0) break;
+        const Tile w = tile_at(P.p, t);
+        consumer_tile(P, sm, c, w, j, Ring::q(k));
+        j += w.n_end - w.n_begin;
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Entry: shared-memory carve-out, barrier init, role dispatch.
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_fwd_sm90(const __grid_constant__ Sm90Params P) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    const FwdParams& p = P.p;
-    const int m_block = gridDim.x - 1 - blockIdx.x;  // longest first (causal)
-    const int head = blockIdx.y, batch = blockIdx.z;
-    const int m0 = m_block * BLOCK_M;
-    if (m0 >= p.seqlen_q) return;
-    const int valid_m = min(BLOCK_M, p.seqlen_q - m0);
 
     Smem sm;
     sm.q = (smem_u32(smem_raw) + TILE_ALIGN - 1) & ~static_cast<u32>(TILE_ALIGN - 1);
-    sm.k = sm.q + Q_BYTES;
+    sm.k = sm.q + Q_STAGES * Q_BYTES;
     sm.v = sm.k + STAGES * KV_BYTES;
     sm.q_full = sm.v + STAGES * KV_BYTES;
-    sm.k_full = sm.q_full + 8;
+    sm.q_empty = sm.q_full + 8 * Q_STAGES;
+    sm.k_full = sm.q_empty + 8 * Q_STAGES;
     sm.v_full = sm.k_full + 8 * STAGES;
-    sm.kv_empty = sm.v_full + 8 * STAGES;
-
-    // Key blocks this CTA visits (both roles compute the same range).
-    const int first_row = m0, last_row = m0 + valid_m - 1;
-    const int span_lo = key_lo(p, first_row), span_hi = key_hi(p, last_row);
-    const int n_begin = span_lo / BLOCK_N;
-    const int n_end = span_hi > span_lo ? (span_hi + BLOCK_N - 1) / BLOCK_N : n_begin;
-    const int free_lo = key_lo(p, last_row);
-    const int free_hi = key_hi(p, first_row);
+    sm.k_empty = sm.v_full + 8 * STAGES;
+    sm.v_empty = sm.k_empty + 8 * STAGES;
 
     if (threadIdx.x == 0) {
-        mbar_init(sm.q_full, 1);
+        constexpr u32 consumer_warps = 4 * CONSUMER_WGS;  // one release arrival per consumer warp
+        for (int t = 0; t < Q_STAGES; ++t) {
+            mbar_init(sm.q_full + 8 * t, 1);
+            mbar_init(sm.q_empty + 8 * t, consumer_warps);
+        }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(sm.k_full + 8 * s, 1);
             mbar_init(sm.v_full + 8 * s, 1);
-            mbar_init(sm.kv_empty + 8 * s, 4 * CONSUMER_WGS);  // one arrival per consumer warp
+            mbar_init(sm.k_empty + 8 * s, consumer_warps);
+            mbar_init(sm.v_empty + 8 * s, consumer_warps);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -427,9 +547,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_fwd_sm90(const 
     const int wg = threadIdx.x / WG_THREADS;
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
-        if (threadIdx.x == 0) producer(P, sm, m0, head, batch, n_begin, n_end);
+        if (threadIdx.x == 0) producer(P, sm);
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
-        consumer(P, sm, wg - 1, m0, head, batch, n_begin, n_end, free_lo, free_hi);
+        consumer(P, sm, wg - 1);
     }
 }

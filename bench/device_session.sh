@@ -41,18 +41,20 @@ grid() {
         2>&1 | tee "$out/grid-sm80.txt" | tail -20
 }
 
-# The Hopper kernel's planner switches, one at a time, on the grid (bf16, TFLOP/s per shape:
-# 1k, 1k causal, 4k, 4k causal, 16k, 16k causal). Each variant passes its matrix cases first.
+# The Hopper kernel's planner switches on the planner's tiles, one at a time and together, on
+# the grid (bf16, TFLOP/s per shape: 1k, 1k causal, 4k, 4k causal, 16k, 16k causal). Each
+# variant passes its matrix cases first. Switches: lazy_rescale,intra_wg_overlap,pingpong,
+# persistent,poly_exp2 (ping-pong needs two consumer warpgroups: d64 plans three).
 ablation() {
     for d in 64 128 256; do
-        bn=$([ $d = 256 ] && echo 64 || echo 128)
-        for f in 0,0,0 1,0,0 0,1,0 0,0,1; do   # lazy_rescale, intra_wg_overlap, pingpong
-            t=$bn,2,2,24,240,$f
+        base=$("$F" plan --arch sm90 --depth $d --json | python3 -c "import json,sys; t=json.load(sys.stdin)['tiles']; print(','.join(str(t[k]) for k in ('block_n','consumer_wgs','stages','producer_regs','consumer_regs')))")
+        for f in 0,0,0,0,0 0,1,0,0,0 0,0,0,1,0 0,1,0,1,0 0,1,1,1,0 1,1,0,1,0 0,1,0,1,1 0,1,0,1,2; do
+            t=$base,$f
             c=$(timeout 60 "$F" check --backend cuda --kernel sm90 --sm90-tiles $t --dtype bf16 --head-dim $d 2>&1 | tail -1)
             r=$(timeout 60 "$F" bench --backend cuda --kernel sm90 --sm90-tiles $t --json --reps 20 --dtype bf16 \
                 --grid $d,1024,0 $d,1024,1 $d,4096,0 $d,4096,1 $d,16384,0 $d,16384,1 2>&1 |
                 python3 -c "import json,sys; print(' '.join('%.0f' % r['tflops'] for r in json.load(sys.stdin)))" 2>&1)
-            echo "d$d lazy,overlap,pingpong=$f | $c | $r"
+            echo "d$d lazy,overlap,pingpong,persistent,poly=$f | $c | $r"
         done
     done | tee "$out/ablation.txt"
 }

@@ -204,13 +204,15 @@ fn two_mma_tiles_per_warp_match_the_oracle() {
 
 /// The Hopper kernel, forced, on every matrix case it covers (fixed-length batches, positive
 /// scale, head dims 64/128/256; `config::sm90::uncovered` names the rest, which are listed),
-/// with the planner's tiles. Runs on Hopper GPUs; elsewhere it says why it was skipped.
+/// with the planner's first-choice tiles per head dim (`config::sm90::tiles`; the tiles it picks
+/// per sequence length, `tiles_for`, run through the dispatcher in
+/// `cuda_backend_passes_the_matrix`). Runs on Hopper GPUs; elsewhere it says why it was skipped.
 #[test]
 fn hopper_kernel_matches_the_oracle() {
     let Some(cuda) = hopper("hopper_kernel_matches_the_oracle") else {
         return;
     };
-    hopper_matrix(&cuda, "planned tiles", |_| {});
+    hopper_matrix(&cuda, "first-choice tiles", |_| {});
 }
 
 /// Every planner switch of the Hopper kernel, alone and together, on the same cases: the
@@ -315,8 +317,10 @@ fn hopper_matrix(
 
 /// The persistent launch (one CTA per SM walking several tiles each) against one CTA per tile,
 /// on problems of hundreds of tiles: the same kernel computes each tile the same way wherever it
-/// runs, so output and LSE must agree bit for bit. Causal (uneven tiles), a window with GQA, and
-/// d256; with and without the overlap switches.
+/// runs, so output and LSE must agree bit for bit. Causal (uneven tiles), a window with GQA,
+/// d256, and causal with far more queries than keys (tiles with no allowed key at all); with
+/// no switches, with overlap and ping-pong, and with conditional rescaling and polynomial
+/// exponentials (whose inputs then reach +8).
 #[test]
 fn persistent_launch_equals_one_cta_per_tile() {
     let Some(cuda) = hopper("persistent_launch_equals_one_cta_per_tile") else {
@@ -326,22 +330,37 @@ fn persistent_launch_equals_one_cta_per_tile() {
         left: Some(300),
         right: Some(0),
     };
-    persistent_case::<bf16>(&cuda, DType::Bf16, 2, 2000, 16, 128, fa4::Mask::Causal);
-    persistent_case::<half::f16>(&cuda, DType::F16, 3, 1500, 12, 64, window);
-    persistent_case::<bf16>(&cuda, DType::Bf16, 3, 1100, 12, 256, fa4::Mask::None);
+    persistent_case::<bf16>(
+        &cuda,
+        DType::Bf16,
+        [2, 2000, 2000, 16, 128],
+        fa4::Mask::Causal,
+    );
+    persistent_case::<half::f16>(&cuda, DType::F16, [3, 1500, 1500, 12, 64], window);
+    persistent_case::<bf16>(
+        &cuda,
+        DType::Bf16,
+        [3, 1100, 1100, 12, 256],
+        fa4::Mask::None,
+    );
+    persistent_case::<half::f16>(
+        &cuda,
+        DType::F16,
+        [2, 3000, 500, 16, 128],
+        fa4::Mask::Causal,
+    );
 }
 
+/// `shape`: batch, seqlen_q, seqlen_k, heads_q (heads_kv = heads_q / 4), head dim.
 fn persistent_case<T: fa4::Element>(
     cuda: &CudaBackend,
     dtype: DType,
-    batch: usize,
-    seqlen: usize,
-    heads: usize,
-    d: usize,
+    shape: [usize; 5],
     mask: fa4::Mask,
 ) {
+    let [batch, seqlen, seqlen_k, heads, d] = shape;
     let arch = cuda.info().arch;
-    let what = format!("{dtype:?} b{batch} s{seqlen} h{heads} d{d} {mask:?}");
+    let what = format!("{dtype:?} b{batch} s{seqlen}/{seqlen_k} h{heads} d{d} {mask:?}");
     let block_m = fa4::config::sm90::tiles(&arch, d).unwrap().block_m();
     let tiles_total = seqlen.div_ceil(block_m) * heads * batch;
     assert!(
@@ -351,7 +370,7 @@ fn persistent_case<T: fa4::Element>(
     let mut rng = StdRng::seed_from_u64(77);
     let heads_kv = heads / 4;
     let n_q = batch * seqlen * heads * d;
-    let n_kv = batch * seqlen * heads_kv * d;
+    let n_kv = batch * seqlen_k * heads_kv * d;
     let fill = |rng: &mut StdRng, n: usize| {
         let mut x = vec![T::from_f32(0.0); n];
         random_fill(rng, &mut x, d, 2.0);
@@ -363,14 +382,17 @@ fn persistent_case<T: fa4::Element>(
         fill(&mut rng, n_kv),
     );
     let ql = fa4::tensor::Layout::new("q", &[batch, seqlen, heads, d], None).unwrap();
-    let kl = fa4::tensor::Layout::new("k", &[batch, seqlen, heads_kv, d], None).unwrap();
+    let kl = fa4::tensor::Layout::new("k", &[batch, seqlen_k, heads_kv, d], None).unwrap();
     let opts = Options::new().mask(mask);
     let p = fa4::Problem::new(dtype, &ql, &kl, &kl, &ql, None, None, &opts).unwrap();
-    let run = |persistent: bool, overlap: bool| {
+    // Switch sets: 0 none, 1 overlap + ping-pong, 2 overlap + conditional rescaling + poly 2/8.
+    let run = |persistent: bool, switches: u8| {
         let mut tiles = fa4::config::sm90::tiles(&arch, d).unwrap();
         tiles.persistent = persistent;
-        tiles.intra_wg_overlap = overlap;
-        tiles.pingpong = overlap && tiles.consumer_wgs == 2;
+        tiles.intra_wg_overlap = switches > 0;
+        tiles.pingpong = switches == 1 && tiles.consumer_wgs == 2;
+        tiles.lazy_rescale = switches == 2;
+        tiles.poly_exp2 = if switches == 2 { 2 } else { 0 };
         let b = cuda
             .with_kernel(fa4::cuda::KernelChoice::Sm90)
             .with_sm90_tiles(Some(tiles));
@@ -381,12 +403,12 @@ fn persistent_case<T: fa4::Element>(
             .unwrap();
         assert!(
             out.iter().all(|x| x.to_f32().is_finite()) && lse.iter().all(|x| !x.is_nan()),
-            "{what}: persistent={persistent} overlap={overlap} left outputs unwritten"
+            "{what}: persistent={persistent} switches {switches} left outputs unwritten"
         );
         (out, lse)
     };
-    for overlap in [false, true] {
-        let (a, b) = (run(false, overlap), run(true, overlap));
+    for switches in [0, 1, 2] {
+        let (a, b) = (run(false, switches), run(true, switches));
         let same_out =
             a.0.iter()
                 .zip(&b.0)
@@ -397,9 +419,9 @@ fn persistent_case<T: fa4::Element>(
                 .all(|(x, y)| x.to_bits() == y.to_bits());
         assert!(
             same_out && same_lse,
-            "{what} overlap={overlap}: the persistent launch differs (out equal {same_out}, lse equal {same_lse})"
+            "{what} switches {switches}: the persistent launch differs (out equal {same_out}, lse equal {same_lse})"
         );
-        if overlap {
+        if switches > 0 {
             // And once against the oracle.
             let r = fa4::check::check(&p, &q, &k, &v, &b.0, Some(&b.1));
             assert!(r.passed(), "{what} persistent: {r}");

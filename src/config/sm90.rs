@@ -69,9 +69,10 @@ pub struct Tiles {
     /// The consumer warpgroups take turns issuing their wgmma groups (named barriers), so one's
     /// softmax overlaps the other's matrix products. Needs two consumer warpgroups.
     pub pingpong: bool,
-    /// Persistent launch: one CTA per SM walks a list of tiles (longest first, in alternating
-    /// rounds), loading the next tile's Q and K/V while it finishes the last. Off: one CTA per
-    /// tile. The kernel is the same; only the grid differs.
+    /// Persistent launch: one CTA per SM walks a list of tiles (pairs of a head's last and
+    /// first query block, then second last and second, …: equal causal cost per pair), loading
+    /// the next tile's Q and K/V while it finishes the last. Off: one CTA per tile, the last
+    /// query block first. The kernel is the same; only the grid differs.
     pub persistent: bool,
     /// Exponentials on the FMA units (FlashAttention-4): this many of every 8 are computed by a
     /// polynomial instead of MUFU.EX2 (0..=8).
@@ -500,10 +501,11 @@ impl fmt::Display for KernelSpec {
 /// Every spec the planner can emit for `arch` (for compile tests and warm-up).
 pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
     let mut out = Vec::new();
-    for head_dim in HEAD_DIMS {
-        let Some(tiles) = tiles(arch, head_dim) else {
-            continue;
-        };
+    // Every fitting candidate: `tiles_for` may pick any of them for a sequence length.
+    for (head_dim, tiles) in HEAD_DIMS
+        .into_iter()
+        .flat_map(|d| fitting(arch, d).map(move |t| (d, t)))
+    {
         out.extend(
             super::feature_variants().map(|(bf16, window, softcap)| KernelSpec {
                 target,
@@ -855,8 +857,11 @@ pub struct Plan {
 /// The 1-D grid of a launch: one CTA per tile (query block × head × batch), or with
 /// [`Tiles::persistent`] one per SM at most, each walking the tiles (the kernel numbers them).
 fn launch_grid(p: &Problem, arch: &GpuArch, tiles: &Tiles) -> Result<(u32, u32, u32)> {
-    let (m_blocks, heads, batch) = super::grid(p, tiles.block_m())?;
-    let total = u64::from(m_blocks) * u64::from(heads) * u64::from(batch);
+    // Fixed-length batches only (the planner's coverage): every sequence has the first's length.
+    let q_len = p.sequences().first().map_or(0, |s| s.q_len);
+    let total = (q_len.div_ceil(tiles.block_m()) as u128)
+        * (p.heads_q() as u128)
+        * (p.sequences().len() as u128);
     // The kernel counts tiles in int32 (and rounds of the grid past the last one).
     let total = u32::try_from(total)
         .ok()

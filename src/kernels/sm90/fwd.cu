@@ -284,6 +284,8 @@ __device__ __forceinline__ void issue_pv(float (&rO)[O_REGS], const u32 (&rP)[P_
 // (fitted for this kernel: relative error 7.5e-5 at degree 3 for bf16, 2.7e-6 at degree 4 for
 // fp16, below the rounding of P to 16 bits), and 2^j added to the exponent bits. Below 2^−126
 // (masked scores are −inf) the result is 0, as ex2.approx.ftz gives; NaN stays NaN (x − x).
+// Inputs are scores less the running max in log2 units: at most 0, or RESCALE_THRESHOLD with
+// conditional rescaling (the bit trick holds up to 127).
 __device__ __forceinline__ float exp2_poly(float x) {
     const float shifter = 12582912.0f;  // 1.5 · 2^23
     const float xc = fmaxf(x, -126.0f);
@@ -296,8 +298,8 @@ __device__ __forceinline__ float exp2_poly(float x) {
         y = fmaf(fmaf(fmaf(fmaf(0.00957010128f, f, 0.0559178628f), f, 0.240247443f), f, 0.693121791f), f,
                  0.999999285f);
     }
-    const int j = __float_as_int(t) - __float_as_int(shifter);
-    const float r = __int_as_float(__float_as_int(y) + (j << 23));
+    const int j = __float_as_int(t) - __float_as_int(shifter);  // in [−126, 127]: x ≤ 127 is assumed
+    const float r = __int_as_float(__float_as_int(y) + j * (1 << 23));
     return x < -126.0f ? 0.0f : r + (x - x);
 }
 

@@ -146,6 +146,27 @@ fn sm90_plan_reports_roles_budgets_and_the_kernel_choice() {
         "{out}"
     );
 
+    // Per sequence length: d64 takes 128-row tiles and the persistent launch at 1k, 192-row
+    // tiles and one CTA per tile at 16k.
+    let tiles = |seqlen: &str| {
+        let (code, out, err) = fa4(&[
+            "plan", "--arch", "sm90", "--depth", "64", "--seqlen", seqlen, "--json",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        (
+            v["block_m"].as_u64().unwrap(),
+            v["tiles"]["persistent"].as_bool().unwrap(),
+        )
+    };
+    assert_eq!(tiles("1024"), (128, true));
+    assert_eq!(tiles("16384"), (192, false));
+    let (code, out, _) = fa4(&[
+        "plan", "--arch", "sm90", "--depth", "128", "--seqlen", "2048",
+    ]);
+    assert_eq!(code, 0);
+    assert!(out.contains("launch: persistent"), "{out}");
+
     let (code, out, _) = fa4(&["plan", "--arch", "sm90", "--depth", "512"]);
     assert_eq!(code, 0);
     assert!(out.contains("kernel for this problem: cpu"), "{out}");
@@ -157,6 +178,14 @@ fn sm90_plan_reports_roles_budgets_and_the_kernel_choice() {
             "--group",
         ),
         (&["plan", "--depth", "64", "--varlen"][..], "--varlen"),
+        (
+            &["plan", "--depth", "64", "--seqlen", "100"][..],
+            "--seqlen",
+        ),
+        (
+            &["plan", "--arch", "sm90", "--depth", "64", "--seqlen", "0"][..],
+            "--seqlen",
+        ),
     ] {
         let (code, out, err) = fa4(args);
         assert_eq!(code, 2, "{args:?}: {out}");

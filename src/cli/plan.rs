@@ -39,6 +39,10 @@ pub struct PlanArgs {
     /// Variable-length (packed) batches (`--arch sm90`: decides the kernel).
     #[arg(long)]
     varlen: bool,
+    /// Query rows per sequence (`--arch sm90`: the tiles and launch a problem of this length
+    /// gets; without it, the head dim's first-choice tiles).
+    #[arg(long)]
+    seqlen: Option<usize>,
     /// Print the machine-readable form (the seed's names) instead of the report.
     #[arg(long)]
     json: bool,
@@ -52,6 +56,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
         return Err(Error::invalid(
             "--varlen",
             "only `--arch sm90` plans a kernel dispatch",
+        ));
+    }
+    if args.seqlen.is_some() {
+        return Err(Error::invalid(
+            "--seqlen",
+            "only `--arch sm90` plans per sequence length",
         ));
     }
     let cfg = FA4Config::new(FA4Inputs {
@@ -100,7 +110,11 @@ fn run_sm90(args: &PlanArgs) -> Result<()> {
         },
     );
     // A problem the Hopper kernel does not cover still gets an answer: which kernel, and why.
-    let plan = Sm90Plan::new(&arch, depth, size).ok();
+    let plan = match args.seqlen {
+        Some(0) => return Err(Error::invalid("--seqlen", "must be at least 1")),
+        Some(sq) => Sm90Plan::for_seqlen(&arch, depth, size, sq).ok(),
+        None => Sm90Plan::new(&arch, depth, size).ok(),
+    };
     if args.json {
         let mut v = match &plan {
             Some(plan) => serde_json::to_value(plan).expect("plain data serializes"),

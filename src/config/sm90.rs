@@ -598,6 +598,19 @@ impl Sm90Plan {
         Ok(Self::with_tiles(arch, head_dim, padded, tiles))
     }
 
+    /// As [`Sm90Plan::new`], with the tiles a fixed-length problem of `seqlen_q` query rows per
+    /// sequence gets ([`tiles_for`]: the tile height and the persistent launch).
+    pub fn for_seqlen(
+        arch: &GpuArch,
+        head_dim: usize,
+        dtype_size: usize,
+        seqlen_q: usize,
+    ) -> Result<Sm90Plan> {
+        let generic = Self::new(arch, head_dim, dtype_size)?;
+        let tiles = tiles_for(arch, head_dim, seqlen_q).unwrap_or(generic.tiles);
+        Ok(Self::with_tiles(arch, head_dim, head_dim, tiles))
+    }
+
     fn with_tiles(arch: &GpuArch, head_dim: usize, padded: usize, tiles: Tiles) -> Sm90Plan {
         let mut roles = vec![Role {
             warpgroup: 0,

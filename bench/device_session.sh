@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# One device call that re-verifies the CUDA backend and measures it beside its peers, as the
-# H200 entries of docs/perf.md were produced. Run on the GPU machine from the repository root,
-# with the binaries built on the host and carried in a folder (default .device/):
+# Device calls that re-verify the CUDA backend and measure it beside its peers, as the H200
+# entries of docs/perf.md were produced. Run on the GPU machine from the repository root, with
+# the binaries built on the host and carried in a folder (default .device/):
 #   fa4            target/release/fa4 (stripped)
 #   cuda_matrix    the tests/cuda_matrix.rs binary (`cargo test --release --no-run` prints it)
-# Usage: bench/device_session.sh [BIN_DIR] [check|grid|ablation|all]   (default: .device all)
+# Usage: bench/device_session.sh [BIN_DIR] [check|grid|ablation|all|fa4-stage DIR_A|fa4-install DIR_B]
+# `check`, `grid` and `ablation` take up to about 6, 4 and 4 minutes: one or two per device call
+# (`all` needs a call without the 10-minute limit). FlashAttention-4 (CuTe) as a peer: its wheels
+# (../shared/tools/fa4cute-wheels.sh DIR_A DIR_B) travel in two calls, `fa4-stage DIR_A` then,
+# while the machine is still held (it is given back after 30 s idle), `fa4-install DIR_B` with
+# the grid after it in the same call, e.g. `... fa4-install .fa4cute-b && ... grid`: grid.py
+# finds FA4 through the PYTHONPATH this sets.
 # Writes logs under $OUT (or ./device-out); every step has a timeout so a hang cannot eat the
 # session.
 set -uo pipefail
@@ -16,7 +22,7 @@ here=$(dirname "$0")
 
 check() {
     nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
-    timeout 200 "$bin/cuda_matrix" --test-threads 1 > "$out/matrix.txt" 2>&1
+    timeout 330 "$bin/cuda_matrix" --test-threads 1 > "$out/matrix.txt" 2>&1
     echo "cuda_matrix rc=$?"; grep -E "^test |test result" "$out/matrix.txt"
     for k in sm80 auto; do
         timeout 120 "$F" check --backend cuda --kernel $k --dtype bf16,fp16 > "$out/check-$k.txt" 2>&1
@@ -35,10 +41,10 @@ check() {
     echo "synccheck rc=$?"; grep -E "ERROR SUMMARY" "$out/synccheck.txt"
 }
 
+# The default dispatch and the Ampere-class kernel beside FA2, cuDNN and (when installed) FA4.
 grid() {
-    PYTHONUNBUFFERED=1 timeout 300 python3 "$here/grid.py" --fa4 "$F" --reps 30 2>&1 | tee "$out/grid.txt" | tail -20
-    PYTHONUNBUFFERED=1 timeout 300 python3 "$here/grid.py" --fa4 "$F" --reps 30 --extra --kernel sm80 \
-        2>&1 | tee "$out/grid-sm80.txt" | tail -20
+    PYTHONUNBUFFERED=1 timeout 330 python3 "$here/grid.py" --fa4 "$F" --reps 30 --with-sm80 2>&1 |
+        tee "$out/grid.txt" | grep -v '^\$'
 }
 
 # The Hopper kernel's planner switches on the planner's tiles, one at a time and together, on
@@ -59,10 +65,25 @@ ablation() {
     done | tee "$out/ablation.txt"
 }
 
+stage=/root/stage
+fa4_stage() {
+    mkdir -p $stage && cp "$1"/part.aa $stage/ && echo "staged $(du -sh $stage | cut -f1)"
+}
+fa4_install() {
+    cat $stage/part.aa "$1"/part.ab > $stage/nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl &&
+        cp "$1"/*.whl $stage/ &&
+        python3 -m pip install -q --no-index --no-deps --target /tmp/site $stage/*.whl > "$out/pip.txt" 2>&1
+    echo "pip rc=$?"
+}
+# Where fa4-install put FlashAttention-4 (harmless when absent).
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+
 case $what in
     check) check ;;
     grid) grid ;;
     ablation) ablation ;;
     all) check; grid; ablation ;;
-    *) echo "usage: $0 [BIN_DIR] [check|grid|ablation|all]" >&2; exit 2 ;;
+    fa4-stage) fa4_stage "${3:?DIR_A}" ;;
+    fa4-install) fa4_install "${3:?DIR_B}" ;;
+    *) echo "usage: $0 [BIN_DIR] [check|grid|ablation|all|fa4-stage DIR_A|fa4-install DIR_B]" >&2; exit 2 ;;
 esac

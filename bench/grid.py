@@ -11,7 +11,8 @@ FLOPs = 4·b·h·s²·d, halved for causal; every number is the median of event-
 
 A --variant also runs the Hopper kernel as an extra column: NAME=flags takes the planner's tiles
 for each head dim (`fa4 plan --arch sm90 --json`) with these switches; NAME@D=tiles runs the
-given tiles at head dim D only. The peers are measured once for all columns.
+given tiles at head dim D only; --with-sm80 adds the Ampere-class kernel. The peers are measured
+once for all columns.
 
 fa4's numbers come from `fa4 bench --backend cuda --json` on the same shapes, run first; the
 table and a JSON file (under $OUT, or .) come last.
@@ -35,6 +36,7 @@ ap.add_argument("--s", type=int, nargs="*", default=[1024, 4096, 16384])
 ap.add_argument("--causal", type=int, nargs="*", default=[0, 1])
 ap.add_argument("--reps", type=int, default=30)
 ap.add_argument("--variant", action="append", default=[], help="NAME=lazy,overlap,pingpong,persistent,poly")
+ap.add_argument("--with-sm80", action="store_true", help="add a column for the Ampere-class kernel (--kernel sm80)")
 ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more fa4 bench flags")
 a = ap.parse_args()
 
@@ -53,6 +55,8 @@ def fa4_bench(shapes, extra):
 
 
 ours = {"fa4": fa4_bench(shapes, a.extra)}
+if a.with_sm80:
+    ours["sm80"] = fa4_bench(shapes, ["--kernel", "sm80"] + a.extra)
 def planned_tiles(d):
     plan = json.loads(subprocess.run([a.fa4, "plan", "--arch", "sm90", "--depth", str(d), "--json"],
                                      capture_output=True, text=True, check=True).stdout)["tiles"]

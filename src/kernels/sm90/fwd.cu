@@ -375,6 +375,18 @@ __device__ __forceinline__ void zero(float* r, int n) {
     for (int i = 0; i < n; ++i) r[i] = 0.0f;
 }
 
+// S = Q·Kᵀ of the key block in ring slot r, waited for; its K stage is released.
+__device__ __forceinline__ void qk_block(float (&rS)[S_REGS], const Smem& sm, Ring r, u32 q_base, int c, int lane) {
+    zero(rS, S_REGS);
+    mbar_wait(sm.k_full + 8 * r.stage, r.phase);
+    sched_wait(c);
+    wgmma_fence();
+    issue_qk(rS, q_base, sm.k_stage(r.stage));
+    sched_pass(c);
+    wgmma_wait_all();
+    release(sm.k_empty + 8 * r.stage, lane);
+}
+
 // One tile: the key loop from ring position j (the key blocks this consumer saw before), then
 // the epilogue. Releases Q once its last Q·Kᵀ is done.
 __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& sm, int c, const Tile& w, int j,
@@ -400,15 +412,7 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
     if constexpr (INTRA_WG_OVERLAP) {
         if (n_begin < n_end) {
             // Prologue: block n_begin's S and P.
-            const Ring r = Ring::at(j);
-            zero(rS, S_REGS);
-            mbar_wait(sm.k_full + 8 * r.stage, r.phase);
-            sched_wait(c);
-            wgmma_fence();
-            issue_qk(rS, q_base, sm.k_stage(r.stage));
-            sched_pass(c);
-            wgmma_wait_all();
-            release(sm.k_empty + 8 * r.stage, lane);
+            qk_block(rS, sm, Ring::at(j), q_base, c, lane);
             softmax_block(p, rS, st, n_begin, row0, lane, w.free_lo, w.free_hi, corr);
             pack_p(rS, rP);
         }
@@ -451,14 +455,7 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
     } else {
         for (int n = n_begin; n < n_end; ++n) {
             const Ring r = Ring::at(j + n - n_begin);
-            zero(rS, S_REGS);
-            mbar_wait(sm.k_full + 8 * r.stage, r.phase);
-            sched_wait(c);
-            wgmma_fence();
-            issue_qk(rS, q_base, sm.k_stage(r.stage));
-            sched_pass(c);
-            wgmma_wait_all();
-            release(sm.k_empty + 8 * r.stage, lane);
+            qk_block(rS, sm, r, q_base, c, lane);
             softmax_block(p, rS, st, n, row0, lane, w.free_lo, w.free_hi, corr);
             rescale_o(rO, corr);
             pack_p(rS, rP);

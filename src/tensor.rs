@@ -121,6 +121,9 @@ impl Layout {
                 let ss = h.checked_mul(d);
                 let sb = ss.and_then(|ss| ss.checked_mul(s));
                 match (ss, sb) {
+                    // A packed tensor's batch axis has extent 1: its stride is 0, as with
+                    // explicit strides, so kernels that index it by sequence stay in bounds.
+                    (Some(ss), Some(_)) if packed => [0, ss, sh],
                     (Some(ss), Some(sb)) => [sb, ss, sh],
                     _ => return Err(Error::invalid(name, format!("shape {shape:?} overflows"))),
                 }
@@ -279,5 +282,24 @@ impl<'a, T: Element> TensorMut<'a, T> {
     /// Splits into slice and layout (for backends).
     pub(crate) fn parts(&mut self) -> (&mut [T], Layout) {
         (self.data, self.layout)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_layouts_have_batch_stride_zero() {
+        // Kernels index the batch axis by sequence: a packed tensor's must not move.
+        let implicit = Layout::new("q", &[40, 2, 64], None).unwrap();
+        let explicit = Layout::new("q", &[40, 2, 64], Some(&[128, 64, 1])).unwrap();
+        assert!(implicit.packed);
+        assert_eq!(implicit.dims, [1, 40, 2, 64]);
+        assert_eq!(implicit.strides, [0, 128, 64]);
+        assert_eq!(implicit, explicit);
+        assert_eq!(implicit.extent(), Some(40 * 128));
+        let fixed = Layout::new("q", &[3, 40, 2, 64], None).unwrap();
+        assert_eq!(fixed.strides, [40 * 128, 128, 64]);
     }
 }

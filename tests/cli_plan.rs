@@ -142,7 +142,7 @@ fn sm90_plan_reports_roles_budgets_and_the_kernel_choice() {
     assert_eq!(code, 0);
     assert!(out.contains("wg2 consumer"), "{out}");
     assert!(
-        out.contains("kernel for this problem: sm80 (variable-length"),
+        out.contains("kernel for this problem: sm90 (") && out.contains("variable-length batch"),
         "{out}"
     );
 

@@ -66,14 +66,15 @@ fn every_sm90_variant_compiles_without_spills_or_wgmma_serialization() {
     let specs = fa4::config::sm90::all_specs(&H200, "sm_90a");
     assert_eq!(
         specs.len(),
-        4 * 8,
-        "every planned tile shape (d64 has two) × dtype × mask × softcap"
+        5 * 16,
+        "every planned tile shape (d64 and d128 have two) × dtype × mask × softcap × varlen"
     );
-    // Each also with every kernel switch on (the persistent launch changes only the grid).
+    // Each also with every kernel switch on that its tiles take (the persistent launch changes
+    // only the grid; the overlap and ping-pong need two consumer warpgroups).
     let switched = specs.iter().map(|s| {
         let mut s = *s;
-        s.tiles.intra_wg_overlap = true;
-        s.tiles.pingpong = true;
+        s.tiles.intra_wg_overlap = s.tiles.consumer_wgs == 2;
+        s.tiles.pingpong = s.tiles.consumer_wgs == 2;
         s.tiles.lazy_rescale = true;
         s.tiles.poly_exp2 = 2;
         s

@@ -118,8 +118,8 @@ pub struct SmemBudget {
     pub k: usize,
     /// V ring, stages × (block_n, head_dim).
     pub v: usize,
-    /// mbarriers: Q full and empty, and per stage K full, V full, K empty and V empty (8 bytes
-    /// each).
+    /// mbarriers: Q full and empty, and per stage K full, V full, K empty, V empty and V tail
+    /// (varlen) (8 bytes each).
     pub barriers: usize,
     /// Slack to align the dynamic shared-memory base to [`TILE_ALIGN`].
     pub align_slack: usize,
@@ -154,7 +154,7 @@ impl Tiles {
             q: q_stages * tile(self.block_m()),
             k: self.stages * tile(self.block_n),
             v: self.stages * tile(self.block_n),
-            barriers: 8 * (2 * q_stages + 4 * self.stages),
+            barriers: 8 * (2 * q_stages + 5 * self.stages),
             align_slack: TILE_ALIGN,
         }
     }
@@ -217,6 +217,12 @@ impl Tiles {
         }
         if self.pingpong && self.consumer_wgs != 2 {
             return bad("ping-pong alternates exactly two consumer warpgroups".into());
+        }
+        if self.intra_wg_overlap && self.consumer_wgs > 2 {
+            return bad(
+                "the intra-warpgroup overlap keeps the next block's S live beside P and O: three consumer warpgroups (160 registers each) spill with it"
+                    .into(),
+            );
         }
         if self.poly_exp2 > 8 {
             return bad(format!(
@@ -307,18 +313,33 @@ const fn t(
 /// take 232 each and leave the producer 40 (its tile loop spills at 24). At d64 three consumers
 /// (192 rows, 512 threads launched with 128) take 160 each and leave the producer 32, as
 /// FlashAttention-3 does. The key-block widths
-/// follow the register budget (S, O and packed P plus the margin). Measured on an H200 (bf16,
-/// 16k tokens; `docs/perf.md`): 128-key blocks beat 64 (d64 483 vs 369, d128 629 vs 576 TFLOP/s),
-/// two stages beat three; the intra-warpgroup overlap gains 2–7% at d128 and d256 and loses at
-/// d64; ping-pong is within ±3%, conditional rescaling and the polynomial exponentials lose 2–5%
-/// (the softmax is off the critical path once it overlaps), so those are off.
-const CANDIDATES: [(usize, &[Tiles]); 3] = [
+/// follow the register budget (S, O and packed P plus the margin) and shared memory (d256: Q and
+/// two stages of 80-key K and V fill 224 of the 227 KiB). Measured on an H200 (bf16, 16k tokens;
+/// `docs/perf.md`): 128-key blocks beat 64 (d64 483 vs 369, d128 629 vs 576 TFLOP/s), 80 beat 64
+/// at d256 (+2 to +10% on every shape of the grid), and 176 beat 128 at d128 from 4k keys on
+/// (+2 to +6%) but not at 1k (−2%, causal −13%: a 1k sequence is 5.8 blocks of 176, and the
+/// diagonal blocks waste more); two stages beat three; the intra-warpgroup overlap gains 2–7% at
+/// d128 and d256 and loses at d64; ping-pong is within ±3%, conditional rescaling and the
+/// polynomial exponentials lose 2–5% at d128/d256 and 8–28% at d64 (the softmax is off the
+/// critical path once it overlaps), so those are off.
+///
+/// Each candidate is taken only for at least its `min_keys` keys per sequence.
+const CANDIDATES: [(usize, &[(Tiles, usize)]); 3] = [
     (
         64,
-        &[t(128, 3, 2, 32, 160, false), t(128, 2, 2, 40, 232, false)],
+        &[
+            (t(128, 3, 2, 32, 160, false), 0),
+            (t(128, 2, 2, 40, 232, false), 0),
+        ],
     ),
-    (128, &[t(128, 2, 2, 40, 232, true)]),
-    (256, &[t(64, 2, 2, 40, 232, true)]),
+    (
+        128,
+        &[
+            (t(176, 2, 2, 40, 232, true), 4096),
+            (t(128, 2, 2, 40, 232, true), 0),
+        ],
+    ),
+    (256, &[(t(80, 2, 2, 40, 232, true), 0)]),
 ];
 
 /// Tiles for one padded head dim on one GPU: the first candidate that fits, or `None`.
@@ -326,24 +347,43 @@ pub fn tiles(arch: &GpuArch, head_dim: usize) -> Option<Tiles> {
     fitting(arch, head_dim).next()
 }
 
-fn fitting(arch: &GpuArch, head_dim: usize) -> impl Iterator<Item = Tiles> + '_ {
+/// The fitting candidates of a head dim, in order, with their `min_keys`.
+fn fitting_with_min_keys(
+    arch: &GpuArch,
+    head_dim: usize,
+) -> impl Iterator<Item = (Tiles, usize)> + '_ {
     CANDIDATES
         .iter()
         .filter(move |(d, _)| *d == head_dim)
         .flat_map(|(_, c)| c.iter().copied())
-        .filter(move |t| t.check(head_dim, arch).is_ok())
+        .filter(move |(t, _)| t.check(head_dim, arch).is_ok())
 }
 
-/// Tiles for a problem with `seqlen_q` query rows per sequence: the first fitting candidate
-/// whose padding (rows computed past the end of the last query block) is within 5% of the
-/// sequence of the least padding any candidate has, with the persistent launch for at most
+fn fitting(arch: &GpuArch, head_dim: usize) -> impl Iterator<Item = Tiles> + '_ {
+    fitting_with_min_keys(arch, head_dim).map(|(t, _)| t)
+}
+
+/// Tiles for a problem with `seqlen_q` query rows and `seqlen_k` keys per sequence (the longest,
+/// in a varlen batch): among the fitting candidates taken for `seqlen_k` keys, the first whose
+/// padding (rows computed past the end of the last query block) is within 5% of the sequence of
+/// the least padding any of them has, with the persistent launch for at most
 /// [`PERSISTENT_MAX_M_BLOCKS`] query blocks. At d64 this keeps 192-row tiles for 4k and 16k
 /// tokens but takes 128 rows at 1k, where a 192-row tile would be a third full: measured on an
-/// H200 (docs/perf.md), 1k causal 273 against 233 TFLOP/s.
-pub fn tiles_for(arch: &GpuArch, head_dim: usize, seqlen_q: usize) -> Option<Tiles> {
+/// H200 (docs/perf.md), 1k causal 273 against 233 TFLOP/s. At d128, 176-key blocks from 4k keys.
+pub fn tiles_for(
+    arch: &GpuArch,
+    head_dim: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+) -> Option<Tiles> {
+    let taken = || {
+        fitting_with_min_keys(arch, head_dim)
+            .filter(|&(_, min_keys)| seqlen_k >= min_keys)
+            .map(|(t, _)| t)
+    };
     let pad = |t: &Tiles| seqlen_q.div_ceil(t.block_m()) * t.block_m() - seqlen_q;
-    let least = fitting(arch, head_dim).map(|t| pad(&t)).min()?;
-    let mut t = fitting(arch, head_dim).find(|t| pad(t) <= least + seqlen_q / 20)?;
+    let least = taken().map(|t| pad(&t)).min()?;
+    let mut t = taken().find(|t| pad(t) <= least + seqlen_q / 20)?;
     t.persistent = seqlen_q.div_ceil(t.block_m()) <= PERSISTENT_MAX_M_BLOCKS;
     Some(t)
 }
@@ -362,6 +402,9 @@ pub struct KernelSpec {
     pub window: bool,
     /// Softcap applied to the scores.
     pub softcap: bool,
+    /// Packed variable-length batch (`cu_seqlens`): TMA maps over the whole packed tensors, and
+    /// the V rows of the next sequence in a block zeroed before P·V.
+    pub varlen: bool,
     /// The tiles.
     pub tiles: Tiles,
 }
@@ -401,6 +444,7 @@ impl KernelSpec {
              constexpr bool IS_BF16 = {};\n\
              constexpr bool HAS_WINDOW = {};\n\
              constexpr bool HAS_SOFTCAP = {};\n\
+             constexpr bool VARLEN = {};\n\
              #define FA4_SMEM_BYTES {}\n",
             self.head_dim,
             t.block_n,
@@ -416,6 +460,7 @@ impl KernelSpec {
             self.bf16,
             self.window,
             self.softcap,
+            self.varlen,
             self.smem_bytes()
         )
     }
@@ -473,7 +518,7 @@ impl fmt::Display for KernelSpec {
         let t = &self.tiles;
         write!(
             f,
-            "sm90-fwd {} {} d{} {}x{} c{} s{} r{}/{}{}{}{}{}{}{}{}",
+            "sm90-fwd {} {} d{} {}x{} c{} s{} r{}/{}{}{}{}{}{}{}{}{}",
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
             self.head_dim,
@@ -493,7 +538,8 @@ impl fmt::Display for KernelSpec {
                 String::new()
             },
             if self.window { " window" } else { "" },
-            if self.softcap { " softcap" } else { "" }
+            if self.softcap { " softcap" } else { "" },
+            if self.varlen { " varlen" } else { "" }
         )
     }
 }
@@ -507,13 +553,16 @@ pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
         .flat_map(|d| fitting(arch, d).map(move |t| (d, t)))
     {
         out.extend(
-            super::feature_variants().map(|(bf16, window, softcap)| KernelSpec {
-                target,
-                bf16,
-                head_dim,
-                window,
-                softcap,
-                tiles,
+            super::feature_variants().flat_map(|(bf16, window, softcap)| {
+                [false, true].map(|varlen| KernelSpec {
+                    target,
+                    bf16,
+                    head_dim,
+                    window,
+                    softcap,
+                    varlen,
+                    tiles,
+                })
             }),
         );
     }
@@ -607,7 +656,7 @@ impl Sm90Plan {
         seqlen_q: usize,
     ) -> Result<Sm90Plan> {
         let generic = Self::new(arch, head_dim, dtype_size)?;
-        let tiles = tiles_for(arch, head_dim, seqlen_q).unwrap_or(generic.tiles);
+        let tiles = tiles_for(arch, head_dim, seqlen_q, seqlen_q).unwrap_or(generic.tiles);
         Ok(Self::with_tiles(arch, head_dim, head_dim, tiles))
     }
 
@@ -751,11 +800,12 @@ pub struct Features {
     pub head_dim: usize,
     /// Element size in bytes.
     pub dtype_size: usize,
-    /// Variable-length (packed) sequences.
+    /// Variable-length (packed) sequences (covered; named in the dispatch reason).
     pub varlen: bool,
     /// A softmax scale ≤ 0 (the kernel's running max assumes scale > 0).
     pub nonpositive_scale: bool,
-    /// A batch whose sequences have no keys (its TMA maps would have an empty dimension).
+    /// A batch without a single key (its TMA maps would have an empty dimension). Varlen
+    /// batches with some empty sequences are covered.
     pub no_keys: bool,
 }
 
@@ -783,13 +833,6 @@ pub fn uncovered_arg(arch: &GpuArch, f: Features) -> Option<(&'static str, Strin
             ),
         ));
     }
-    if f.varlen {
-        return Some((
-            "cu_seqlens_q",
-            "variable-length batches: the Hopper kernel's TMA maps cover fixed-length batches"
-                .into(),
-        ));
-    }
     if f.nonpositive_scale {
         return Some((
             "scale",
@@ -799,7 +842,7 @@ pub fn uncovered_arg(arch: &GpuArch, f: Features) -> Option<(&'static str, Strin
     if f.no_keys {
         return Some((
             "k",
-            "no keys (seqlen_k = 0): nothing for the Hopper kernel's TMA maps to describe".into(),
+            "no keys in the batch (seqlen_k = 0): nothing for the Hopper kernel's TMA maps to describe".into(),
         ));
     }
     if tiles(arch, f.head_dim).is_none() {
@@ -842,7 +885,14 @@ pub fn dispatch(arch: &GpuArch, f: Features) -> Dispatch {
         },
         None => Dispatch {
             kernel: "sm90",
-            reason: "a Hopper GPU, fp16/bf16, head dim 64/128/256, fixed-length batch".into(),
+            reason: format!(
+                "a Hopper GPU, fp16/bf16, head dim 64/128/256, positive scale, {} batch",
+                if f.varlen {
+                    "variable-length"
+                } else {
+                    "fixed-length"
+                }
+            ),
         },
     }
 }
@@ -854,7 +904,7 @@ pub fn features(p: &Problem) -> Features {
         dtype_size: p.dtype().size_bytes() as usize,
         varlen: p.is_varlen(),
         nonpositive_scale: p.scale() <= 0.0,
-        no_keys: p.sequences().iter().any(|s| s.k_len == 0),
+        no_keys: p.sequences().iter().all(|s| s.k_len == 0),
     }
 }
 
@@ -867,11 +917,17 @@ pub struct Plan {
     pub grid: (u32, u32, u32),
 }
 
-/// The 1-D grid of a launch: one CTA per tile (query block × head × batch), or with
+/// The longest sequence's query rows (every sequence's, in a fixed-length batch).
+fn max_q_len(p: &Problem) -> usize {
+    p.sequences().iter().map(|s| s.q_len).max().unwrap_or(0)
+}
+
+/// The 1-D grid of a launch: one CTA per tile (query block × head × sequence), or with
 /// [`Tiles::persistent`] one per SM at most, each walking the tiles (the kernel numbers them).
+/// A varlen batch gets the longest sequence's query blocks for every sequence; the kernel skips
+/// the tiles past a shorter sequence's end.
 fn launch_grid(p: &Problem, arch: &GpuArch, tiles: &Tiles) -> Result<(u32, u32, u32)> {
-    // Fixed-length batches only (the planner's coverage): every sequence has the first's length.
-    let q_len = p.sequences().first().map_or(0, |s| s.q_len);
+    let q_len = max_q_len(p);
     let total = (q_len.div_ceil(tiles.block_m()) as u128)
         * (p.heads_q() as u128)
         * (p.sequences().len() as u128);
@@ -933,16 +989,16 @@ pub fn plan(
             t
         }
         None => {
-            let sq = p.sequences().first().map_or(0, |s| s.q_len);
-            tiles_for(arch, head_dim, sq).expect("covered problems have tiles")
+            let max_k_len = p.sequences().iter().map(|s| s.k_len).max().unwrap_or(0);
+            tiles_for(arch, head_dim, max_q_len(p), max_k_len).expect("covered problems have tiles")
         }
     };
-    let seq = p.sequences().first().copied();
-    let (sq, sk) = seq.map_or((0, 0), |s| (s.q_len, s.k_len));
-    if sq > i32::MAX as usize || sk > i32::MAX as usize {
+    // TMA coordinates and the kernel's row arithmetic are int32: rows of the (packed) tensors.
+    let (rows_q, rows_k) = (p.q_layout().dims[1], p.k_layout().dims[1]);
+    if rows_q > i32::MAX as usize / 2 || rows_k > i32::MAX as usize / 2 {
         return Err(Error::invalid(
             "q",
-            format!("seqlens {sq}/{sk} exceed the TMA coordinate range"),
+            format!("{rows_q} query / {rows_k} key rows exceed the TMA coordinate range (2^30)"),
         ));
     }
     Ok(Plan {
@@ -952,6 +1008,7 @@ pub fn plan(
             head_dim,
             window: p.mask().is_restrictive(),
             softcap: p.softcap().is_some(),
+            varlen: p.is_varlen(),
             tiles,
         },
         grid: launch_grid(p, arch, &tiles)?,
@@ -984,14 +1041,20 @@ mod tests {
                 assert_eq!(p.smem.q % TILE_ALIGN, 0);
             }
         }
-        // d128: two Q slots of 32 KiB, K and V 2 × 32 KiB each.
-        let p = Sm90Plan::new(&H200, 128, 2).unwrap();
+        // d128 at 1k: two Q slots of 32 KiB, K and V 2 × 32 KiB each.
+        let p = Sm90Plan::for_seqlen(&H200, 128, 2, 1024).unwrap();
         assert_eq!(p.tiles.q_stages(128), 2);
         assert_eq!((p.smem.q, p.smem.k, p.smem.v), (65536, 65536, 65536));
-        // d256: a second 64 KiB Q slot would not fit beside 128 KiB of K/V.
+        // d128 first choice: 176-key blocks (2 × 44 KiB each of K and V) leave room for one Q.
+        let p = Sm90Plan::new(&H200, 128, 2).unwrap();
+        assert_eq!((p.tiles.block_n, p.tiles.q_stages(128)), (176, 1));
+        assert_eq!((p.smem.q, p.smem.k, p.smem.v), (32768, 90112, 90112));
+        assert_eq!(p.accumulator_regs, 196);
+        // d256: one 64 KiB Q slot beside 2 × 40 KiB each of K and V.
         let p = Sm90Plan::new(&H200, 256, 2).unwrap();
         assert_eq!((p.tiles.q_stages(256), p.smem.q), (1, 65536));
-        assert_eq!(p.accumulator_regs, 176);
+        assert_eq!((p.smem.k, p.smem.v), (81920, 81920));
+        assert_eq!(p.accumulator_regs, 188);
     }
 
     #[test]
@@ -1071,15 +1134,21 @@ mod tests {
     fn problem_tiles_follow_the_sequence_length() {
         // d64: 192-row tiles unless a 192-row tile would be mostly padding; persistent up to
         // 32 query blocks.
-        let d64 = |sq| tiles_for(&H200, 64, sq).unwrap();
+        let d64 = |sq| tiles_for(&H200, 64, sq, sq).unwrap();
         assert_eq!((d64(1024).block_m(), d64(1024).persistent), (128, true));
         assert_eq!((d64(4096).block_m(), d64(4096).persistent), (192, true));
         assert_eq!((d64(16384).block_m(), d64(16384).persistent), (192, false));
-        let d128 = |sq| tiles_for(&H200, 128, sq).unwrap();
-        assert!(d128(4096).persistent && !d128(4097).persistent);
-        assert!(d128(100).persistent && d128(100).intra_wg_overlap);
-        assert_eq!(tiles_for(&H200, 96, 1024), None);
-        assert_eq!(tiles_for(&A100, 128, 1024), None);
+        // d128: 176-key blocks from 4k keys, 128 below.
+        let d128 = |sq, sk| tiles_for(&H200, 128, sq, sk).unwrap();
+        assert!(d128(4096, 4096).persistent && !d128(4097, 4097).persistent);
+        assert!(d128(100, 100).persistent && d128(100, 100).intra_wg_overlap);
+        assert_eq!(d128(1024, 1024).block_n, 128);
+        assert_eq!(d128(1024, 4096).block_n, 176);
+        assert_eq!(d128(16384, 4095).block_n, 128);
+        assert_eq!(tiles(&H200, 128).unwrap().block_n, 176);
+        assert_eq!(tiles_for(&H200, 256, 1024, 1024).unwrap().block_n, 80);
+        assert_eq!(tiles_for(&H200, 96, 1024, 1024), None);
+        assert_eq!(tiles_for(&A100, 128, 1024, 1024), None);
     }
 
     #[test]
@@ -1093,9 +1162,9 @@ mod tests {
         };
         assert_eq!(dispatch(&A100, f).kernel, "sm80");
         let why = |g: Features| dispatch(&H200, g);
-        assert!(why(Features { varlen: true, ..f })
-            .reason
-            .contains("variable-length"));
+        let varlen = why(Features { varlen: true, ..f });
+        assert_eq!(varlen.kernel, if ENABLED { "sm90" } else { "sm80" });
+        assert!(varlen.reason.contains("variable-length"), "{varlen:?}");
         assert_eq!(why(Features { dtype_size: 4, ..f }).kernel, "cpu");
         assert_eq!(why(Features { head_dim: 512, ..f }).kernel, "cpu");
         assert!(why(Features { head_dim: 96, ..f })

@@ -454,25 +454,24 @@ impl CudaBackend {
                 let func = self.kernel(&plan.spec)?;
                 let t = &plan.spec.tiles;
                 let bf16 = plan.spec.bf16;
-                let seq = *p.sequences().first().ok_or_else(|| {
-                    Error::invalid("q", "an empty batch reached the Hopper launch")
-                })?;
-                let map = |name: &str, ptr: u64, l: &Layout, rows: usize, box_rows: usize| {
+                // A map per tensor over its whole layout: per batch entry for fixed-length
+                // batches, the packed rows of every sequence for varlen ones.
+                let map = |name: &str, ptr: u64, l: &Layout, box_rows: usize| {
                     tma::encode(
                         name,
                         &tma::MapSpec {
                             ptr,
                             bf16,
-                            dims: [l.dims[0], rows, l.dims[2], l.dims[3]],
+                            dims: l.dims,
                             strides: l.strides,
                             box_rows,
                         },
                     )
                 };
                 let sp = params::Sm90Params {
-                    tq: map("q", q_ptr, p.q_layout(), seq.q_len, t.block_m())?,
-                    tk: map("k", k_ptr, p.k_layout(), seq.k_len, t.block_n)?,
-                    tv: map("v", v_ptr, p.v_layout(), seq.k_len, t.block_n)?,
+                    tq: map("q", q_ptr, p.q_layout(), t.block_m())?,
+                    tk: map("k", k_ptr, p.k_layout(), t.block_n)?,
+                    tv: map("v", v_ptr, p.v_layout(), t.block_n)?,
                     p: params,
                 };
                 let cfg = LaunchConfig {
@@ -483,16 +482,17 @@ impl CudaBackend {
                 let mut launch = stream.launch_builder(&func);
                 launch.arg(&sp);
                 // SAFETY: as for the sm80 launch (validated problem, buffers checked for extent
-                // and 16-byte alignment). The Hopper planner accepted only fixed-length batches
-                // with head_dim 64/128/256 and 16-byte strides below 2^40; the TMA maps describe
-                // exactly the layouts' extents (reads past a sequence's end are zero-filled by
-                // the hardware, not performed), and the output is written only at rows below
-                // seqlen_q and columns below head_dim. The grid is one CTA per tile or, persistent,
-                // at most one per SM; the kernel numbers the tiles from the params (the planner
-                // checked that they fit in int32) and visits each exactly once. The kernel
-                // static_asserts the planner's shared-memory count and params size, and the
-                // planner's register split fits the CTA's launch allocation, so `setmaxnreg`
-                // cannot wait forever.
+                // and 16-byte alignment; cu_seqlens from 0 non-decreasing to the totals). The
+                // Hopper planner accepted only head_dim 64/128/256 and 16-byte strides below
+                // 2^40; the TMA maps describe exactly the layouts' extents (reads past the end
+                // are zero-filled by the hardware, not performed), and the output is written
+                // only at rows below each sequence's length and columns below head_dim (a varlen
+                // batch's foreign rows are read, masked and their V zeroed, never written). The
+                // grid is one CTA per tile or, persistent, at most one per SM; the kernel numbers
+                // the tiles from the params (the planner checked that they fit in int32) and
+                // visits each exactly once. The kernel static_asserts the planner's shared-memory
+                // count and params size, and the planner's register split fits the CTA's launch
+                // allocation, so `setmaxnreg` cannot wait forever.
                 unsafe { launch.launch(cfg) }
                     .map_err(|e| Error::cuda(format!("launch {}", plan.spec), e))?;
             }
@@ -585,7 +585,11 @@ fn make_params(p: &Problem, ptrs: [u64; 7]) -> FwdParams {
         Some(c) => (std::f32::consts::LOG2_E, scale.abs() / c, c),
         None => (scale.abs() * std::f32::consts::LOG2_E, 0.0, 0.0),
     };
-    let first = p.sequences().first();
+    // Fixed-length batches: every sequence's lengths. Varlen: the longest (the Hopper kernel
+    // sizes its tile walk by them; each sequence's come from cu_seqlens).
+    let longest = |f: fn(&crate::problem::Sequence) -> usize| {
+        p.sequences().iter().map(f).max().unwrap_or(0) as i32
+    };
     let (lse_batch_stride, lse_head_stride) = p.lse_strides();
     FwdParams {
         q: ptrs[0],
@@ -612,8 +616,8 @@ fn make_params(p: &Problem, ptrs: [u64; 7]) -> FwdParams {
         batch: p.sequences().len() as i32,
         heads_q: p.heads_q() as i32,
         group: p.group() as i32,
-        seqlen_q: first.map_or(0, |s| s.q_len) as i32,
-        seqlen_k: first.map_or(0, |s| s.k_len) as i32,
+        seqlen_q: longest(|s| s.q_len),
+        seqlen_k: longest(|s| s.k_len),
         head_dim: p.head_dim() as i32,
         window_left: side(left),
         window_right: side(right),

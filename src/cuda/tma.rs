@@ -4,7 +4,8 @@
 //! five dimensions, innermost first: 64 columns of a slab, rows, `head_dim / 64` slabs, heads,
 //! batch, with byte strides (row, 128, head, batch). One box of `(64, box_rows, slabs, 1, 1)`
 //! then lands in shared memory as `slabs` tiles of `(box_rows, 64)` with the 128-byte swizzle:
-//! the layout `wgmma` reads. Rows past the end of the tensor are zero-filled.
+//! the layout `wgmma` reads. Rows past the end of the tensor are zero-filled. A packed varlen
+//! tensor is one batch entry of all sequences' rows.
 
 use cudarc::driver::sys::{
     self, CUresult, CUtensorMapDataType, CUtensorMapFloatOOBfill, CUtensorMapInterleave,
@@ -41,11 +42,18 @@ pub(crate) fn encode(name: &str, m: &MapSpec) -> Result<TmaMap> {
         batch as u64,
     ];
     let el = 2u64;
+    // A batch axis of extent 1 (packed varlen tensors: stride 0) is never stepped along; the
+    // driver still wants a non-zero multiple of 16 bytes there.
+    let batch_stride = if batch == 1 {
+        (m.strides[1] as u64 * el).max(16)
+    } else {
+        m.strides[0] as u64 * el
+    };
     let global_strides: [u64; 4] = [
         m.strides[1] as u64 * el,
         SWIZZLE_ELEMS as u64 * el,
         m.strides[2] as u64 * el,
-        m.strides[0] as u64 * el,
+        batch_stride,
     ];
     let box_dim: [u32; 5] = [SWIZZLE_ELEMS as u32, m.box_rows as u32, slabs as u32, 1, 1];
     let element_strides: [u32; 5] = [1; 5];

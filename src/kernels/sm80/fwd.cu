@@ -368,8 +368,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
             // 2^RESCALE_THRESHOLD larger (from −inf it always moves; −inf to −inf is NaN: stays).
             const bool move = !LAZY_RESCALE || (mx - row_max[r]) * p.scale_log2 > RESCALE_THRESHOLD;
             const float m_new = move ? mx : row_max[r];
-            // A row with no allowed key so far keeps max −inf; shift by 0 so exp2(−inf) = 0.
-            const float shift = m_new == NEG_INF ? 0.0f : m_new * p.scale_log2;
+            // An infinite max shifts by 0, as the spec's formula: a row with no allowed key so far
+            // (−inf) gets exp2(−inf) = 0; an infinite score (+inf) makes the sum and LSE +inf, O NaN.
+            const float shift = fabsf(m_new) == -NEG_INF ? 0.0f : m_new * p.scale_log2;
             corr[r] = move ? exp2_approx(row_max[r] * p.scale_log2 - shift) : 1.0f;
             row_max[r] = m_new;
             float sum = 0.0f;

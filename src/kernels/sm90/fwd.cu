@@ -4,17 +4,19 @@
 //
 // Self-contained (NVRTC may have no headers). The planner (`config::sm90`) prepends a prelude
 // defining HEAD_DIM, BLOCK_N, CONSUMER_WGS, STAGES, PRODUCER_REGS, CONSUMER_REGS,
-// Q_STAGES, LAZY_RESCALE, INTRA_WG_OVERLAP, PINGPONG, POLY_EXP2, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, FA4_SMEM_BYTES, and
+// Q_STAGES, LAZY_RESCALE, INTRA_WG_OVERLAP, PINGPONG, POLY_EXP2, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, VARLEN,
+// FA4_SMEM_BYTES, and
 // generates the wgmma wrappers
 // `wgmma_ss` (N = BLOCK_N) and `wgmma_rs` (N = HEAD_DIM); then `../common.cuh`,
 // `../sm80/params.cuh` and `params.cuh`; then the generated wgmma wrappers; then this file.
 //
-// Work: a tile is BLOCK_M query rows of one (batch, head). The launch has one CTA per tile, or
+// Work: a tile is BLOCK_M query rows of one (sequence, head). The launch has one CTA per tile, or
 // (persistent) fewer CTAs that each walk a list of tiles (`tile_number`): the producer then
 // loads the next tile's Q (into the other of Q_STAGES slots) and first K/V while the consumers
 // finish the last one.
 // Warp roles:
-//   warpgroup 0      producer   PRODUCER_REGS   thread 0 issues every TMA load
+//   warpgroup 0      producer   PRODUCER_REGS   thread 0 issues every TMA load;
+//                                               warp 1 zeroes V rows past a sequence (VARLEN)
 //   warpgroup 1 + c  consumer c CONSUMER_REGS   rows [64c, 64c + 64): S, softmax, O
 // Pipelines (mbarriers, one phase bit each, flipped on every reuse):
 //   load_q[t]    producer → consumers  q_full[t]       1 arrival + Q bytes   (t: Q slot)
@@ -23,8 +25,17 @@
 //   load_v[s]    producer → consumers  v_full[s]       1 arrival + V bytes
 //   release_k[s] consumers → producer  k_empty[s]      one arrival per consumer warp
 //   release_v[s] consumers → producer  v_empty[s]      one arrival per consumer warp
+//   load_v_tail[s] producer → warp 1   v_tail[s]       1 arrival + V bytes (VARLEN, below)
 // K and V of a stage are released separately: with the intra-warpgroup overlap a consumer is
 // done with K of block n one step before V of block n.
+//
+// Variable-length batches (VARLEN): Q, K and V are packed [total, heads, head_dim] and each map
+// spans the whole packed tensor, so a block that crosses the end of its sequence holds the next
+// sequence's rows (past the total, zeros). Their query rows are computed and not stored, their
+// scores are masked (replaced by −inf), but P·V would still multiply their V rows by P = 0, and
+// 0 · inf or NaN is NaN. So such a V block is loaded onto v_tail[s]; warp 1 of the producer
+// warpgroup waits for it there, zeroes the foreign rows and then completes v_full[s] with a plain
+// arrival. Fixed-length batches have a map per batch entry, whose reads past the end are zeros.
 //
 // Shared-memory tiles are TMA boxes with the 128-byte swizzle: a (rows, HEAD_DIM) tile is
 // stored as HEAD_DIM / 64 slabs of (rows, 64), each row 128 bytes, each slab 1024-aligned.
@@ -37,7 +48,7 @@ constexpr int SLAB_ROW_BYTES = 128;
 constexpr int SLABS = HEAD_DIM / SLAB_ELEMS;
 constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2;     // (BLOCK_M, HEAD_DIM)
 constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2;    // (BLOCK_N, HEAD_DIM)
-constexpr int NUM_BARRIERS = 2 * Q_STAGES + 4 * STAGES;
+constexpr int NUM_BARRIERS = 2 * Q_STAGES + 5 * STAGES;  // v_tail is allocated whether used or not
 constexpr int TILE_ALIGN = 1024;
 constexpr int SMEM_BYTES = Q_STAGES * Q_BYTES + 2 * STAGES * KV_BYTES + 8 * NUM_BARRIERS + TILE_ALIGN;
 constexpr int S_REGS = BLOCK_N / 2;                 // f32 S accumulator per thread, (64, BLOCK_N) per warpgroup
@@ -110,14 +121,29 @@ __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_grou
 __device__ __forceinline__ int acc_slot(int i) { return (i >> 1) & 1; }
 __device__ __forceinline__ int acc_col(int i, int lane) { return 8 * (i >> 2) + 2 * (lane % 4) + (i & 1); }
 
-// Allowed keys of query row i: [key_lo(i), key_hi(i)) (spec/attention.md, bottom-right aligned).
-__device__ __forceinline__ int key_lo(const FwdParams& p, int i) {
-    if (!HAS_WINDOW || p.window_left < 0) return 0;
-    return max(0, i + p.seqlen_k - p.seqlen_q - p.window_left);
+// One sequence of the batch: its first query and key rows in the (packed) tensors and its
+// lengths. Fixed-length batches index the batch axis instead and start at row 0.
+struct Seq {
+    int q_start, q_len, k_start, k_len;
+};
+
+__device__ __forceinline__ Seq sequence(const FwdParams& p, int b) {
+    if constexpr (VARLEN) {
+        const int q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
+        return Seq{q0, p.cu_seqlens_q[b + 1] - q0, k0, p.cu_seqlens_k[b + 1] - k0};
+    } else {
+        return Seq{0, p.seqlen_q, 0, p.seqlen_k};
+    }
 }
-__device__ __forceinline__ int key_hi(const FwdParams& p, int i) {
-    if (!HAS_WINDOW || p.window_right < 0) return p.seqlen_k;
-    return max(0, min(p.seqlen_k, i + p.seqlen_k - p.seqlen_q + p.window_right + 1));
+
+// Allowed keys of query row i: [key_lo(i), key_hi(i)) (spec/attention.md, bottom-right aligned).
+__device__ __forceinline__ int key_lo(const FwdParams& p, const Seq& s, int i) {
+    if (!HAS_WINDOW || p.window_left < 0) return 0;
+    return max(0, i + s.k_len - s.q_len - p.window_left);
+}
+__device__ __forceinline__ int key_hi(const FwdParams& p, const Seq& s, int i) {
+    if (!HAS_WINDOW || p.window_right < 0) return s.k_len;
+    return max(0, min(s.k_len, i + s.k_len - s.q_len + p.window_right + 1));
 }
 
 // The barriers, and the per-stage tile addresses.
@@ -126,6 +152,7 @@ struct Smem {
     u32 q_full, q_empty;  // load_q[t], release_q[t]: + 8·t
     u32 k_full, v_full;   // load_k[s], load_v[s]: + 8·s
     u32 k_empty, v_empty; // release_k[s], release_v[s]: + 8·s
+    u32 v_tail;           // load_v_tail[s]: + 8·s (VARLEN)
     __device__ u32 q_slot(int t) const { return q + t * Q_BYTES; }
     __device__ u32 k_stage(int s) const { return k + s * KV_BYTES; }
     __device__ u32 v_stage(int s) const { return v + s * KV_BYTES; }
@@ -145,10 +172,14 @@ struct Ring {
 
 struct Tile {
     int m0, head, batch;
+    int bi;                // index into the tensors' batch axis (0 when packed)
+    Seq s;                 // the sequence
+    bool empty;            // past the sequence's queries (VARLEN: shorter than the longest)
     int n_begin, n_end;    // key blocks [n_begin, n_end) hold every allowed key of the tile
     int free_lo, free_hi;  // a block inside [free_lo, free_hi) needs no mask
 };
 
+// Query blocks per (sequence, head): of the longest sequence (VARLEN: `seqlen_q` is the longest).
 __device__ __forceinline__ int m_blocks(const FwdParams& p) { return (p.seqlen_q + BLOCK_M - 1) / BLOCK_M; }
 __device__ __forceinline__ int num_tiles(const FwdParams& p) { return m_blocks(p) * p.heads_q * p.batch; }
 
@@ -162,8 +193,9 @@ __device__ __forceinline__ int num_tiles(const FwdParams& p) { return m_blocks(p
 __device__ __forceinline__ int tile_number(int k, int total) {
     const int g = gridDim.x, b = blockIdx.x;
     if (g >= total) return k == 0 ? b : -1;
-    const long long t = 2 * (static_cast<long long>(k / 2) * g + b) + (k & 1);
-    return t < total ? static_cast<int>(t) : -1;
+    // No overflow: the planner keeps total ≤ 2^30, and t stops at the first value ≥ total.
+    const int t = 2 * ((k / 2) * g + b) + (k & 1);
+    return t < total ? t : -1;
 }
 
 __device__ __forceinline__ Tile tile_at(const FwdParams& p, int t) {
@@ -173,12 +205,15 @@ __device__ __forceinline__ Tile tile_at(const FwdParams& p, int t) {
     w.m0 = (paired && (r & 1) ? r / 2 : mb - 1 - (paired ? r / 2 : r)) * BLOCK_M;
     w.head = hb % p.heads_q;
     w.batch = hb / p.heads_q;
-    const int last_row = min(w.m0 + BLOCK_M, p.seqlen_q) - 1;
-    const int span_lo = key_lo(p, w.m0), span_hi = key_hi(p, last_row);
+    w.bi = VARLEN ? 0 : w.batch;
+    w.s = sequence(p, w.batch);
+    w.empty = VARLEN && w.m0 >= w.s.q_len;
+    const int last_row = min(w.m0 + BLOCK_M, w.s.q_len) - 1;
+    const int span_lo = key_lo(p, w.s, w.m0), span_hi = key_hi(p, w.s, last_row);
     w.n_begin = span_lo / BLOCK_N;
-    w.n_end = span_hi > span_lo ? (span_hi + BLOCK_N - 1) / BLOCK_N : w.n_begin;
-    w.free_lo = key_lo(p, last_row);
-    w.free_hi = key_hi(p, w.m0);
+    w.n_end = span_hi > span_lo && !w.empty ? (span_hi + BLOCK_N - 1) / BLOCK_N : w.n_begin;
+    w.free_lo = key_lo(p, w.s, last_row);
+    w.free_hi = key_hi(p, w.s, w.m0);
     return w;
 }
 
@@ -186,30 +221,70 @@ __device__ __forceinline__ Tile tile_at(const FwdParams& p, int t) {
 // Producer: one thread loads, tile after tile, Q and then K and V of every key block into the
 // ring (whose position runs on across tiles).
 
+// Whether key block n of sequence s holds rows of the next sequence (VARLEN only: see the top).
+__device__ __forceinline__ bool foreign_rows(const Seq& s, int n) { return VARLEN && (n + 1) * BLOCK_N > s.k_len; }
+
 __device__ __forceinline__ void producer(const Sm90Params& P, const Smem& sm) {
     const FwdParams& p = P.p;
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&P.tq)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&P.tk)) : "memory");
     asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<u64>(&P.tv)) : "memory");
     const int total = num_tiles(p);
-    int j = 0;  // key blocks loaded so far
+    int j = 0;   // key blocks loaded so far
+    int kq = 0;  // tiles loaded so far (VARLEN skips empty ones)
     for (int k = 0;; ++k) {
         const int t = tile_number(k, total);
         if (t < 0) break;
         const Tile w = tile_at(p, t);
+        if (w.empty) continue;
         const int kv_head = w.head / p.group;
-        const Ring qs = Ring::q(k);
+        const Ring qs = Ring::q(VARLEN ? kq++ : k);
         mbar_wait(sm.q_empty + 8 * qs.stage, qs.phase ^ 1);  // the slot's last Q is consumed (a fresh barrier passes phase "-1")
         mbar_expect_tx(sm.q_full + 8 * qs.stage, Q_BYTES);
-        tma_load_5d(sm.q_slot(qs.stage), &P.tq, sm.q_full + 8 * qs.stage, 0, w.m0, 0, w.head, w.batch);
+        tma_load_5d(sm.q_slot(qs.stage), &P.tq, sm.q_full + 8 * qs.stage, 0, w.s.q_start + w.m0, 0, w.head, w.bi);
         for (int n = w.n_begin; n < w.n_end; ++n, ++j) {
             const Ring r = Ring::at(j);
+            const int row = w.s.k_start + n * BLOCK_N;
             mbar_wait(sm.k_empty + 8 * r.stage, r.phase ^ 1);
             mbar_expect_tx(sm.k_full + 8 * r.stage, KV_BYTES);
-            tma_load_5d(sm.k_stage(r.stage), &P.tk, sm.k_full + 8 * r.stage, 0, n * BLOCK_N, 0, kv_head, w.batch);
+            tma_load_5d(sm.k_stage(r.stage), &P.tk, sm.k_full + 8 * r.stage, 0, row, 0, kv_head, w.bi);
             mbar_wait(sm.v_empty + 8 * r.stage, r.phase ^ 1);
-            mbar_expect_tx(sm.v_full + 8 * r.stage, KV_BYTES);
-            tma_load_5d(sm.v_stage(r.stage), &P.tv, sm.v_full + 8 * r.stage, 0, n * BLOCK_N, 0, kv_head, w.batch);
+            const u32 v_bar = (foreign_rows(w.s, n) ? sm.v_tail : sm.v_full) + 8 * r.stage;
+            mbar_expect_tx(v_bar, KV_BYTES);
+            tma_load_5d(sm.v_stage(r.stage), &P.tv, v_bar, 0, row, 0, kv_head, w.bi);
+        }
+    }
+}
+
+// VARLEN, producer warp 1: walks the same tiles and key blocks as the producer; for each block
+// with rows of the next sequence, waits for its V (v_tail), zeroes those rows (whole 128-byte
+// swizzle rows of every slab, so the swizzle does not matter), makes the writes visible to
+// wgmma (the async proxy) and completes the block's v_full.
+__device__ __forceinline__ void zero_foreign_v_rows(const Sm90Params& P, const Smem& sm, int lane) {
+    const FwdParams& p = P.p;
+    const int total = num_tiles(p);
+    int j = 0;
+    u32 tail_phase = 0;  // bit s: phase of v_tail[s]
+    for (int k = 0;; ++k) {
+        const int t = tile_number(k, total);
+        if (t < 0) break;
+        const Tile w = tile_at(p, t);
+        if (w.empty) continue;
+        for (int n = w.n_begin; n < w.n_end; ++n, ++j) {
+            if (!foreign_rows(w.s, n)) continue;
+            const Ring r = Ring::at(j);
+            mbar_wait(sm.v_tail + 8 * r.stage, (tail_phase >> r.stage) & 1);
+            tail_phase ^= 1u << r.stage;
+            const int valid = w.s.k_len - n * BLOCK_N;  // ≥ 1: the block holds an allowed key
+            const int chunks = (BLOCK_N - valid) * (SLAB_ROW_BYTES / 16);
+            for (int slab = 0; slab < SLABS; ++slab) {
+                const u32 base = sm.v_stage(r.stage) + slab * (BLOCK_N * SLAB_ROW_BYTES) + valid * SLAB_ROW_BYTES;
+                for (int c = lane; c < chunks; c += 32)
+                    asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(base + 16 * c), "r"(0) : "memory");
+            }
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+            __syncwarp();
+            if (lane == 0) mbar_arrive(sm.v_full + 8 * r.stage);
         }
     }
 }
@@ -283,9 +358,9 @@ __device__ __forceinline__ void issue_pv(float (&rO)[O_REGS], const u32 (&rP)[P_
 // mantissa bits of x + 1.5·2^23) and f = x − j in [−0.5, 0.5], 2^f by a minimax polynomial
 // (fitted for this kernel: relative error 7.5e-5 at degree 3 for bf16, 2.7e-6 at degree 4 for
 // fp16, below the rounding of P to 16 bits), and 2^j added to the exponent bits. Below 2^−126
-// (masked scores are −inf) the result is 0, as ex2.approx.ftz gives; NaN stays NaN (x − x).
-// Inputs are scores less the running max in log2 units: at most 0, or RESCALE_THRESHOLD with
-// conditional rescaling (the bit trick holds up to 127).
+// (masked scores are −inf) the result is 0, as ex2.approx.ftz gives; NaN stays NaN and +inf
+// (an infinite score) +inf. Finite inputs are scores less the running max in log2 units: at
+// most 0, or RESCALE_THRESHOLD with conditional rescaling (the bit trick holds up to 127).
 __device__ __forceinline__ float exp2_poly(float x) {
     const float shifter = 12582912.0f;  // 1.5 · 2^23
     const float xc = fmaxf(x, -126.0f);
@@ -300,7 +375,7 @@ __device__ __forceinline__ float exp2_poly(float x) {
     }
     const int j = __float_as_int(t) - __float_as_int(shifter);  // in [−126, 127]: x ≤ 127 is assumed
     const float r = __int_as_float(__float_as_int(y) + j * (1 << 23));
-    return x < -126.0f ? 0.0f : r + (x - x);
+    return x < -126.0f ? 0.0f : x <= 127.0f ? r : x * -NEG_INF;  // NaN stays NaN, +inf is +inf
 }
 
 // Exponential of accumulator register i: POLY_EXP2 of every 8 on the FMA units, the rest on MUFU.
@@ -311,8 +386,8 @@ __device__ __forceinline__ float exp2_mixed(int i, float x) {
 
 // Softcap, masks and the online softmax of key block n on S (in place: S becomes P in f32).
 // Returns each row's O correction factor.
-__device__ __forceinline__ void softmax_block(const FwdParams& p, float (&rS)[S_REGS], RowState& st, int n, int row0,
-                                              int lane, int free_lo, int free_hi, float (&corr)[2]) {
+__device__ __forceinline__ void softmax_block(const FwdParams& p, const Seq& s, float (&rS)[S_REGS], RowState& st, int n,
+                                              int row0, int lane, int free_lo, int free_hi, float (&corr)[2]) {
     if constexpr (HAS_SOFTCAP) {
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) rS[i] = p.softcap * tanh_accurate(rS[i] * p.softcap_scale);
@@ -323,8 +398,8 @@ __device__ __forceinline__ void softmax_block(const FwdParams& p, float (&rS)[S_
         int lo[2], hi[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            lo[h] = key_lo(p, row0 + 8 * h);
-            hi[h] = key_hi(p, row0 + 8 * h);
+            lo[h] = key_lo(p, s, row0 + 8 * h);
+            hi[h] = key_hi(p, s, row0 + 8 * h);
         }
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) {
@@ -344,8 +419,9 @@ __device__ __forceinline__ void softmax_block(const FwdParams& p, float (&rS)[S_
         // Conditional rescaling keeps the stale max unless the new one is 2^8 larger.
         const bool move = !LAZY_RESCALE || (mx - st.max[h]) * p.scale_log2 > RESCALE_THRESHOLD;
         const float m_new = move ? mx : st.max[h];
-        // A row with no allowed key so far keeps max −inf; shift by 0 so exp2(−inf) = 0.
-        const float shift = m_new == NEG_INF ? 0.0f : m_new * p.scale_log2;
+        // An infinite max shifts by 0, as the spec's formula: a row with no allowed key so far
+        // (−inf) gets exp2(−inf) = 0; an infinite score (+inf) makes the sum and LSE +inf, O NaN.
+        const float shift = fabsf(m_new) == -NEG_INF ? 0.0f : m_new * p.scale_log2;
         corr[h] = move ? exp2_approx(st.max[h] * p.scale_log2 - shift) : 1.0f;
         st.max[h] = m_new;
         float sum = 0.0f;
@@ -394,7 +470,7 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
     const FwdParams& p = P.p;
     const int tid = threadIdx.x % WG_THREADS;
     const int warp = tid / 32, lane = tid % 32;
-    const int row0 = w.m0 + 64 * c + 16 * warp + lane / 4;  // this thread's rows: row0 + 8·slot
+    const int row0 = w.m0 + 64 * c + 16 * warp + lane / 4;  // this thread's rows: row0 + 8·slot (in the sequence)
     const int n_begin = w.n_begin, n_end = w.n_end;
 
     float rO[O_REGS];  // (64, HEAD_DIM) per warpgroup
@@ -413,7 +489,7 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
         if (n_begin < n_end) {
             // Prologue: block n_begin's S and P.
             qk_block(rS, sm, Ring::at(j), q_base, c, lane);
-            softmax_block(p, rS, st, n_begin, row0, lane, w.free_lo, w.free_hi, corr);
+            softmax_block(p, w.s, rS, st, n_begin, row0, lane, w.free_lo, w.free_hi, corr);
             pack_p(rS, rP);
         }
         for (int n = n_begin + 1; n < n_end; ++n) {
@@ -430,7 +506,7 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
             sched_pass(c);
             asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory");  // S is in
             release(sm.k_empty + 8 * r.stage, lane);
-            softmax_block(p, rS, st, n, row0, lane, w.free_lo, w.free_hi, corr);
+            softmax_block(p, w.s, rS, st, n, row0, lane, w.free_lo, w.free_hi, corr);
             // Wait for the next K here, before the P·V wait: this branch ends the basic block,
             // which keeps ptxas from hoisting the wgmma wait above the softmax (it does so
             // otherwise, and nothing would overlap).
@@ -456,7 +532,7 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
         for (int n = n_begin; n < n_end; ++n) {
             const Ring r = Ring::at(j + n - n_begin);
             qk_block(rS, sm, r, q_base, c, lane);
-            softmax_block(p, rS, st, n, row0, lane, w.free_lo, w.free_hi, corr);
+            softmax_block(p, w.s, rS, st, n, row0, lane, w.free_lo, w.free_hi, corr);
             rescale_o(rO, corr);
             pack_p(rS, rP);
             mbar_wait(sm.v_full + 8 * r.stage, r.phase);
@@ -471,6 +547,8 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
     }
 
     // Epilogue: O = acc / sum, 16-bit pairs straight from registers; LSE from one lane per row.
+    // The sequence's offsets are read again here rather than kept in registers through the loop.
+    const Seq s = sequence(p, w.batch);
     float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -479,17 +557,18 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
         sum += __shfl_xor_sync(0xffffffffu, sum, 2);
         inv[h] = sum == 0.0f ? 0.0f : 1.0f / sum;  // no allowed key: O = 0
         const int i = row0 + 8 * h;
-        if (p.lse != nullptr && lane % 4 == 0 && i < p.seqlen_q) {
+        if (p.lse != nullptr && lane % 4 == 0 && i < s.q_len) {
             float lse = sum == 0.0f ? NEG_INF : st.max[h] * p.lse_scale + __logf(sum);
             if (sum != sum) lse = sum;  // NaN propagates
-            p.lse[w.batch * p.lse_batch_stride + w.head * p.lse_head_stride + i] = lse;
+            p.lse[w.bi * p.lse_batch_stride + w.head * p.lse_head_stride + s.q_start + i] = lse;
         }
     }
-    u16* gO = static_cast<u16*>(p.o) + w.batch * p.o_batch_stride + w.head * p.o_head_stride;
+    u16* gO = static_cast<u16*>(p.o) + w.bi * p.o_batch_stride + s.q_start * p.o_row_stride +
+              w.head * p.o_head_stride;
 #pragma unroll
     for (int i = 0; i < O_REGS; i += 2) {
         const int h = acc_slot(i), row = row0 + 8 * h, col = acc_col(i, lane);
-        if (row < p.seqlen_q) {
+        if (row < s.q_len) {
             const u32 v = pack2(rO[i] * inv[h], rO[i + 1] * inv[h]);
             asm volatile("st.global.b32 [%0], %1;\n" ::"l"(gO + row * p.o_row_stride + col), "r"(v) : "memory");
         }
@@ -500,11 +579,13 @@ __device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, in
     const int total = num_tiles(P.p);
     if (c == 1) sched_pass(1);  // warpgroup 0 issues first
     int j = 0;                  // ring position: key blocks consumed so far
+    int kq = 0;                 // tiles consumed so far (VARLEN skips empty ones)
     for (int k = 0;; ++k) {
         const int t = tile_number(k, total);
         if (t < 0) break;
         const Tile w = tile_at(P.p, t);
-        consumer_tile(P, sm, c, w, j, Ring::q(k));
+        if (w.empty) continue;
+        consumer_tile(P, sm, c, w, j, Ring::q(VARLEN ? kq++ : k));
         j += w.n_end - w.n_begin;
     }
 }
@@ -525,6 +606,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_fwd_sm90(const 
     sm.v_full = sm.k_full + 8 * STAGES;
     sm.k_empty = sm.v_full + 8 * STAGES;
     sm.v_empty = sm.k_empty + 8 * STAGES;
+    sm.v_tail = sm.v_empty + 8 * STAGES;
 
     if (threadIdx.x == 0) {
         constexpr u32 consumer_warps = 4 * CONSUMER_WGS;  // one release arrival per consumer warp
@@ -537,6 +619,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_fwd_sm90(const 
             mbar_init(sm.v_full + 8 * s, 1);
             mbar_init(sm.k_empty + 8 * s, consumer_warps);
             mbar_init(sm.v_empty + 8 * s, consumer_warps);
+            if constexpr (VARLEN) mbar_init(sm.v_tail + 8 * s, 1);
         }
         asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
@@ -547,6 +630,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_fwd_sm90(const 
     if (wg == 0) {
         asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(PRODUCER_REGS));
         if (threadIdx.x == 0) producer(P, sm);
+        if constexpr (VARLEN) {
+            if (threadIdx.x / 32 == 1) zero_foreign_v_rows(P, sm, threadIdx.x % 32);
+        }
     } else {
         asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(CONSUMER_REGS));
         consumer(P, sm, wg - 1);

@@ -50,7 +50,8 @@ grid() {
 # The Hopper kernel's planner switches on the planner's tiles, one at a time and together, on
 # the grid (bf16, TFLOP/s per shape: 1k, 1k causal, 4k, 4k causal, 16k, 16k causal). Each
 # variant passes its matrix cases first. Switches: lazy_rescale,intra_wg_overlap,pingpong,
-# persistent,poly_exp2 (ping-pong needs two consumer warpgroups: d64 plans three).
+# persistent,poly_exp2 (ping-pong and the overlap need two consumer warpgroups: d64 plans three,
+# so its lines with them report the planner's error). bench/sweep.py compares whole tile variants.
 ablation() {
     for d in 64 128 256; do
         base=$("$F" plan --arch sm90 --depth $d --json | python3 -c "import json,sys; t=json.load(sys.stdin)['tiles']; print(','.join(str(t[k]) for k in ('block_n','consumer_wgs','stages','producer_regs','consumer_regs')))")

@@ -2,13 +2,14 @@
 # Nsight Compute profiles that say where the Hopper kernel's time goes, beside cuDNN's: one launch
 # of `fa4_fwd_sm90` (through `fa4 bench --backend cuda --kernel sm90`) on each of seven shapes of
 # the FlashAttention grid (bf16, 16k tokens, hidden 2048: heads = 2048 / d, batch = 16384 / seqlen),
-# and one launch of cuDNN's attention kernel through PyTorch SDPA on d128 1k, causal and not.
+# and one launch of cuDNN's attention kernel through PyTorch SDPA on d128 1k, causal and not (and
+# of FlashAttention-4 (CuTe) on FA4CUTE_SHAPES, where it is installed).
 # Sections: speed of light, compute and memory workload (tensor / XU / FMA pipes, shared memory,
 # L2, DRAM), scheduler and warp-state statistics (issue slots, stall reasons), occupancy, launch
 # and instruction statistics, plus a few sm90 pipe metrics named outright.
 # Run on the GPU machine from the repository root, with the fa4 binary built on the host and
 # carried in BIN_DIR (default .device/, as for bench/device_session.sh):
-#   bench/profile.sh [BIN_DIR]
+#   bench/profile.sh [BIN_DIR]          (FA4_SHAPES="d,seqlen,causal ..." CUDNN_SHAPES=... pick others)
 # About 2 minutes: a few seconds per fa4 launch (process start, ~30 replay passes), 20-30 s per
 # PyTorch one. Every ncu step has a timeout and all of them a deadline (PROFILE_BUDGET_S, default
 # 200 s); what would run past it is skipped and said so. Clocks are left alone (--clock-control
@@ -51,8 +52,9 @@ echo "ncu: $ncu ($(timeout 30 "$ncu" --version 2>&1 | tail -1))"
 timeout 30 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 
 # fa4 shapes d,seqlen,causal; cuDNN on the first two.
-shapes=("128,1024,0" "128,1024,1" "64,1024,1" "256,1024,0" "128,4096,0" "256,16384,0" "64,16384,0")
-cudnn_shapes=("128,1024,0" "128,1024,1")
+# d,seqlen,causal; FA4_SHAPES / CUDNN_SHAPES (space-separated) replace the defaults.
+read -r -a shapes <<< "${FA4_SHAPES:-128,1024,0 128,1024,1 64,1024,1 256,1024,0 128,4096,0 256,16384,0 64,16384,0}"
+read -r -a cudnn_shapes <<< "${CUDNN_SHAPES:-128,1024,0 128,1024,1}"
 
 # Sections this ncu has (an older or newer one may name them otherwise: those are left out).
 want=(SpeedOfLight ComputeWorkloadAnalysis MemoryWorkloadAnalysis MemoryWorkloadAnalysis_Tables
@@ -191,6 +193,32 @@ for shape in "${cudnn_shapes[@]}"; do
         echo "cudnn-d$d-s$s-c$c: again, the window's first launches whatever their names"
         run_ncu "cudnn-d$d-s$s-c$c" 90 --profile-from-start off --launch-count 3 -- python3 -c "$sdpa_py" "$d" "$s" "$c"
     fi
+done
+
+# FlashAttention-4 (CuTe) where bench/device_session.sh fa4-install put it (FA4CUTE_SHAPES, none by
+# default), layout (batch, seq, heads, d): warm-ups (JIT compile) before the profiling window, and
+# the window's first three launches, whatever they are named.
+fa4cute_py='
+import sys, torch
+from flash_attn.cute.interface import flash_attn_func
+d, s, causal = (int(x) for x in sys.argv[1:4])
+heads, batch = 2048 // d, 16384 // s
+q, k, v = (torch.randn(batch, s, heads, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+for _ in range(3):
+    flash_attn_func(q, k, v, causal=bool(causal))
+torch.cuda.synchronize()
+torch.cuda.cudart().cudaProfilerStart()
+flash_attn_func(q, k, v, causal=bool(causal))
+torch.cuda.synchronize()
+torch.cuda.cudart().cudaProfilerStop()
+'
+read -r -a fa4cute_shapes <<< "${FA4CUTE_SHAPES:-}"
+[ ${#fa4cute_shapes[@]} -gt 0 ] &&
+    export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
+for shape in "${fa4cute_shapes[@]}"; do
+    IFS=, read -r d s c <<< "$shape"
+    run_ncu "fa4cute-d$d-s$s-c$c" 150 --profile-from-start off --kernel-name-base function \
+        --launch-count 3 -- python3 -c "$fa4cute_py" "$d" "$s" "$c"
 done
 
 timeout 60 python3 "$here/profile_summary.py" --bench "$work/bench.json" --merged "$out/profile-metrics.csv" \

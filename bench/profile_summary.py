@@ -232,7 +232,7 @@ def main():
           f"{'DRAM%':>5} {'gmma%':>5} {'tma%':>5} {'CPI':>5}  grid × block  kernel")
     for l in launches:
         shape = l.shape()
-        ev = events.get(shape) if shape and l.label.startswith("fa4") else None
+        ev = events.get(shape) if shape and l.label.startswith("fa4-") else None
         kernel = l.text("Kernel Name")
         kernel = kernel if len(kernel) <= 48 else kernel[:45] + "..."
         print(f"{l.label:<{w}} {fmt(ev):>8} {fmt(l.get(REGS), '.0f'):>4} {fmt(l.get(OCCUPANCY)):>5} "

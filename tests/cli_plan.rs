@@ -145,6 +145,12 @@ fn sm90_plan_reports_roles_budgets_and_the_kernel_choice() {
         out.contains("kernel for this problem: sm90 (") && out.contains("variable-length batch"),
         "{out}"
     );
+    // Varlen batches take one CTA per tile, also where a fixed-length one would be persistent.
+    let (code, out, _) = fa4(&[
+        "plan", "--arch", "sm90", "--depth", "128", "--varlen", "--seqlen", "1024",
+    ]);
+    assert_eq!(code, 0);
+    assert!(out.contains("launch: one CTA per tile (varlen"), "{out}");
 
     // Per sequence length: d64 takes 128-row tiles and the persistent launch at 1k, 192-row
     // tiles and one CTA per tile at 16k.

@@ -107,6 +107,7 @@ fn run_sm90(args: &PlanArgs) -> Result<()> {
             varlen: args.varlen,
             nonpositive_scale: false,
             no_keys: false,
+            tiles: 0,
         },
     );
     // A problem the Hopper kernel does not cover still gets an answer: which kernel, and why.
@@ -115,6 +116,7 @@ fn run_sm90(args: &PlanArgs) -> Result<()> {
         Some(sq) => Sm90Plan::for_seqlen(&arch, depth, size, sq).ok(),
         None => Sm90Plan::new(&arch, depth, size).ok(),
     };
+    let plan = plan.map(|p| if args.varlen { p.for_varlen() } else { p });
     if args.json {
         let mut v = match &plan {
             Some(plan) => serde_json::to_value(plan).expect("plain data serializes"),

@@ -48,6 +48,10 @@ pub const CONSUMER_REG_MARGIN: u32 = 32;
 /// persistent +7–16% at 1k tokens, ±2% at 4k, −1–3% at 16k.
 pub const PERSISTENT_MAX_M_BLOCKS: usize = 32;
 
+/// Most tiles a launch may have: the kernel numbers them in int32, with room for a grid's worth
+/// past the last.
+pub const MAX_TILES: u128 = 1 << 30;
+
 /// The tile shape and warpgroup roles of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 pub struct Tiles {
@@ -611,6 +615,8 @@ pub struct Sm90Plan {
     pub launch_regs: u32,
     /// TMA boxes per tile: (64-element head-dim slabs, rows).
     pub tma_box: (usize, usize),
+    /// Planned for a varlen batch (one CTA per tile).
+    pub varlen: bool,
 }
 
 impl Sm90Plan {
@@ -699,7 +705,15 @@ impl Sm90Plan {
             accumulator_regs: tiles.accumulator_regs(padded),
             launch_regs: tiles.launch_regs(arch),
             tma_box: (padded / SWIZZLE_ELEMS, tiles.block_n),
+            varlen: false,
         }
+    }
+
+    /// The plan for a varlen batch: the same tiles, one CTA per tile ([`plan`] does the same).
+    pub fn for_varlen(mut self) -> Sm90Plan {
+        self.tiles.persistent = false;
+        self.varlen = true;
+        self
     }
 
     /// The machine-readable form (`fa4 plan --arch sm90 --json`).
@@ -769,6 +783,9 @@ impl fmt::Display for Sm90Plan {
             if t.persistent {
                 "persistent (one CTA per SM walks the tiles in pairs of equal causal cost)"
                     .to_string()
+            } else if self.varlen {
+                "one CTA per tile (varlen batches: the persistent launch is not verified on them yet)"
+                    .to_string()
             } else {
                 format!(
                     "one CTA per tile; persistent (one CTA per SM walks the tiles) for sequences of at most {} query rows",
@@ -807,6 +824,10 @@ pub struct Features {
     /// A batch without a single key (its TMA maps would have an empty dimension). Varlen
     /// batches with some empty sequences are covered.
     pub no_keys: bool,
+    /// Tiles of the launch with the smallest tile (128 query rows): the longest sequence's query
+    /// blocks × query heads × sequences (a varlen batch walks the longest one's blocks for
+    /// every sequence). 0 where unknown (`fa4 plan` without a problem).
+    pub tiles: u128,
 }
 
 /// Why the Hopper kernel does not cover a problem with these features on `arch` (the argument
@@ -843,6 +864,15 @@ pub fn uncovered_arg(arch: &GpuArch, f: Features) -> Option<(&'static str, Strin
         return Some((
             "k",
             "no keys in the batch (seqlen_k = 0): nothing for the Hopper kernel's TMA maps to describe".into(),
+        ));
+    }
+    if f.tiles > MAX_TILES {
+        return Some((
+            if f.varlen { "cu_seqlens_q" } else { "q" },
+            format!(
+                "{} tiles (the longest sequence's 128-row query blocks × heads × sequences) exceed the Hopper kernel's 2^30",
+                f.tiles
+            ),
         ));
     }
     if tiles(arch, f.head_dim).is_none() {
@@ -905,6 +935,9 @@ pub fn features(p: &Problem) -> Features {
         varlen: p.is_varlen(),
         nonpositive_scale: p.scale() <= 0.0,
         no_keys: p.sequences().iter().all(|s| s.k_len == 0),
+        tiles: (max_q_len(p).div_ceil(ROWS_PER_CONSUMER * 2) as u128)
+            * (p.heads_q() as u128)
+            * (p.sequences().len() as u128),
     }
 }
 
@@ -951,6 +984,11 @@ fn launch_grid(p: &Problem, arch: &GpuArch, tiles: &Tiles) -> Result<(u32, u32, 
     Ok((ctas, 1, 1))
 }
 
+/// Why varlen batches get one CTA per tile: the kernel's persistent walk over varlen tiles (empty
+/// tiles skipped, the Q ring counting loaded tiles only, several foreign V blocks per CTA) is
+/// written but has not run on a GPU with more than one tile per CTA.
+const VARLEN_NOT_PERSISTENT: &str = "the persistent launch is not verified on varlen batches yet (a CTA walking several varlen tiles has not run on a GPU): varlen batches take one CTA per tile";
+
 /// Largest byte stride a TMA map takes (2^40).
 const TMA_MAX_STRIDE_BYTES: usize = 1 << 40;
 
@@ -986,11 +1024,17 @@ pub fn plan(
     let tiles = match tiles {
         Some(t) => {
             t.check(head_dim, arch)?;
+            if t.persistent && p.is_varlen() {
+                return Err(Error::invalid("tiles", VARLEN_NOT_PERSISTENT));
+            }
             t
         }
         None => {
             let max_k_len = p.sequences().iter().map(|s| s.k_len).max().unwrap_or(0);
-            tiles_for(arch, head_dim, max_q_len(p), max_k_len).expect("covered problems have tiles")
+            let mut t = tiles_for(arch, head_dim, max_q_len(p), max_k_len)
+                .expect("covered problems have tiles");
+            t.persistent &= !p.is_varlen();
+            t
         }
     };
     // TMA coordinates and the kernel's row arithmetic are int32: rows of the (packed) tensors.
@@ -1159,6 +1203,7 @@ mod tests {
             varlen: false,
             nonpositive_scale: false,
             no_keys: false,
+            tiles: 1000,
         };
         assert_eq!(dispatch(&A100, f).kernel, "sm80");
         let why = |g: Features| dispatch(&H200, g);
@@ -1177,6 +1222,24 @@ mod tests {
         assert!(scale.kernel == "sm80" && scale.reason.contains("scale"));
         let keys = why(Features { no_keys: true, ..f });
         assert!(keys.kernel == "sm80" && keys.reason.contains("seqlen_k = 0"));
+        // Past 2^30 tiles (a varlen batch walks its longest sequence's blocks for every one).
+        let many = why(Features {
+            tiles: MAX_TILES + 1,
+            varlen: true,
+            ..f
+        });
+        assert!(
+            many.kernel == "sm80" && many.reason.contains("2^30"),
+            "{many:?}"
+        );
+        assert_eq!(
+            why(Features {
+                tiles: MAX_TILES,
+                ..f
+            })
+            .kernel,
+            "sm90"
+        );
         assert_eq!(why(f).kernel, if ENABLED { "sm90" } else { "sm80" });
     }
 
@@ -1246,6 +1309,32 @@ mod tests {
             "scale"
         );
         assert_eq!(name(plan(&p0, &A100, "sm_80", None).unwrap_err()), "device");
+        // Varlen: one CTA per tile, the longest sequence's query blocks for every sequence, and
+        // the persistent launch refused (not verified on varlen batches yet).
+        let (tq, tk) = (3 + 300 + 1, 5 + 300);
+        let ql = crate::tensor::Layout::new("q", &[tq, 4, 128], None).unwrap();
+        let kl = crate::tensor::Layout::new("k", &[tk, 4, 128], None).unwrap();
+        let (cq, ck) = ([0, 3, 303, 304], [0, 5, 5, 305]);
+        let v = Problem::new(
+            DType::Bf16,
+            &ql,
+            &kl,
+            &kl,
+            &ql,
+            Some(&cq),
+            Some(&ck),
+            &Options::new(),
+        )
+        .unwrap();
+        let vp = plan(&v, &H200, "sm_90a", None).unwrap();
+        assert!(vp.spec.varlen && !vp.spec.tiles.persistent);
+        assert_eq!(vp.grid, (3 * 4 * 3, 1, 1));
+        assert!(!tiles.persistent && plan(&v, &H200, "sm_90a", Some(tiles)).is_ok());
+        tiles.persistent = true;
+        assert_eq!(
+            name(plan(&v, &H200, "sm_90a", Some(tiles)).unwrap_err()),
+            "tiles"
+        );
         // A row stride of 516 elements is not a 16-byte multiple.
         let p = problem(64, &Options::new(), Some(4 * 128 + 4)).unwrap();
         assert_eq!(name(plan(&p, &H200, "sm_90a", None).unwrap_err()), "k");

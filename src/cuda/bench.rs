@@ -53,7 +53,7 @@ pub fn time_forward<T: Element>(
         None
     };
     let run = |o: &mut _, lse: &mut _| {
-        cuda.forward_device(
+        cuda.forward_device_trusted(
             p,
             &q,
             &k,

@@ -350,10 +350,47 @@ impl CudaBackend {
     }
 
     /// Runs a validated problem on device buffers laid out as it says. `cu_seqlens` (varlen
-    /// problems only) are the problem's offsets as int32 device buffers. Asynchronous on
-    /// [`CudaBackend::stream`].
+    /// problems only) are the problem's offsets as int32 device buffers: the kernels place every
+    /// row by them, so they are read back and compared with the problem's first (a varlen call
+    /// waits for the stream once for that). Otherwise asynchronous on [`CudaBackend::stream`].
     #[allow(clippy::too_many_arguments)]
     pub fn forward_device<T: Element>(
+        &self,
+        p: &Problem,
+        q: &CudaSlice<T>,
+        k: &CudaSlice<T>,
+        v: &CudaSlice<T>,
+        cu_seqlens: Option<(&CudaSlice<i32>, &CudaSlice<i32>)>,
+        out: &mut CudaSlice<T>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<()> {
+        if let (true, Some((cq, ck))) = (p.is_varlen(), cu_seqlens) {
+            let (want_q, want_k) = offsets(p);
+            for (name, dev, want) in [("cu_seqlens_q", cq, want_q), ("cu_seqlens_k", ck, want_k)] {
+                if dev.len() != want.len() {
+                    continue; // the length check below names it
+                }
+                let mut got = vec![0i32; want.len()];
+                self.dev
+                    .stream
+                    .memcpy_dtoh(dev, &mut got)
+                    .map_err(|e| Error::cuda(format!("reading {name} back"), e))?;
+                self.synchronize()?;
+                if got != want {
+                    return Err(Error::invalid(
+                        name,
+                        format!("the device buffer holds {got:?}, the problem was validated with {want:?}"),
+                    ));
+                }
+            }
+        }
+        self.forward_device_trusted(p, q, k, v, cu_seqlens, out, lse)
+    }
+
+    /// [`CudaBackend::forward_device`] with `cu_seqlens` the caller uploaded itself from the
+    /// problem's offsets ([`offsets`]), so not read back.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn forward_device_trusted<T: Element>(
         &self,
         p: &Problem,
         q: &CudaSlice<T>,
@@ -441,7 +478,9 @@ impl CudaBackend {
                 let mut launch = stream.launch_builder(&func);
                 launch.arg(&params);
                 // SAFETY: the problem was validated (shapes, strides, non-overlapping output,
-                // cu_seqlens from 0 non-decreasing to the totals); every buffer was checked above
+                // cu_seqlens equal to the problem's offsets, which run from 0 non-decreasing to
+                // the totals: read back by forward_device, uploaded from them by the crate's own
+                // callers); every buffer was checked above
                 // to hold the layout's extent and to be 16-byte aligned; the planner checked the
                 // head dim and every stride against the kernel's 16-byte copies and sized the
                 // grid, block and shared memory of this spec (the kernel static_asserts the same
@@ -482,7 +521,7 @@ impl CudaBackend {
                 let mut launch = stream.launch_builder(&func);
                 launch.arg(&sp);
                 // SAFETY: as for the sm80 launch (validated problem, buffers checked for extent
-                // and 16-byte alignment; cu_seqlens from 0 non-decreasing to the totals). The
+                // and 16-byte alignment; cu_seqlens equal to the problem's offsets). The
                 // Hopper planner accepted only head_dim 64/128/256 and 16-byte strides below
                 // 2^40; the TMA maps describe exactly the layouts' extents (reads past the end
                 // are zero-filled by the hardware, not performed), and the output is written
@@ -529,7 +568,7 @@ impl CudaBackend {
         } else {
             None
         };
-        self.forward_device(
+        self.forward_device_trusted(
             p,
             &dq,
             &dk,

@@ -22,7 +22,8 @@
 //   load_q[t]    producer → consumers  q_full[t]       1 arrival + Q bytes   (t: Q slot)
 //   release_q[t] consumers → producer  q_empty[t]      one arrival per consumer warp
 //   load_k[s]    producer → consumers  k_full[s]       1 arrival + K bytes
-//   load_v[s]    producer → consumers  v_full[s]       1 arrival + V bytes
+//   load_v[s]    producer → consumers  v_full[s]       1 arrival + V bytes (a VARLEN block with
+//                                                      foreign rows: warp 1's plain arrival)
 //   release_k[s] consumers → producer  k_empty[s]      one arrival per consumer warp
 //   release_v[s] consumers → producer  v_empty[s]      one arrival per consumer warp
 //   load_v_tail[s] producer → warp 1   v_tail[s]       1 arrival + V bytes (VARLEN, below)

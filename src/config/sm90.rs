@@ -50,7 +50,7 @@ pub const PERSISTENT_MAX_M_BLOCKS: usize = 32;
 
 /// Most tiles a launch may have: the kernel numbers them in int32, with room for a grid's worth
 /// past the last.
-pub const MAX_TILES: u128 = 1 << 30;
+pub const MAX_TILES: u128 = i32::MAX as u128 / 2;
 
 /// The tile shape and warpgroup roles of one launch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -964,10 +964,9 @@ fn launch_grid(p: &Problem, arch: &GpuArch, tiles: &Tiles) -> Result<(u32, u32, 
     let total = (q_len.div_ceil(tiles.block_m()) as u128)
         * (p.heads_q() as u128)
         * (p.sequences().len() as u128);
-    // The kernel counts tiles in int32 (and rounds of the grid past the last one).
     let total = u32::try_from(total)
         .ok()
-        .filter(|&t| t <= i32::MAX as u32 / 2)
+        .filter(|&t| t as u128 <= MAX_TILES)
         .ok_or_else(|| {
             Error::invalid(
                 "q",

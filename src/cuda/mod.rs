@@ -366,21 +366,24 @@ impl CudaBackend {
     ) -> Result<()> {
         if let (true, Some((cq, ck))) = (p.is_varlen(), cu_seqlens) {
             let (want_q, want_k) = offsets(p);
-            for (name, dev, want) in [("cu_seqlens_q", cq, want_q), ("cu_seqlens_k", ck, want_k)] {
-                if dev.len() != want.len() {
-                    continue; // the length check below names it
+            let checks = [("cu_seqlens_q", cq, want_q), ("cu_seqlens_k", ck, want_k)];
+            // Wrong lengths are named by the trusted path's check.
+            if checks.iter().all(|(_, dev, want)| dev.len() == want.len()) {
+                let mut got = [vec![0i32; cq.len()], vec![0i32; ck.len()]];
+                for ((name, dev, _), host) in checks.iter().zip(&mut got) {
+                    self.dev
+                        .stream
+                        .memcpy_dtoh(*dev, host)
+                        .map_err(|e| Error::cuda(format!("reading {name} back"), e))?;
                 }
-                let mut got = vec![0i32; want.len()];
-                self.dev
-                    .stream
-                    .memcpy_dtoh(dev, &mut got)
-                    .map_err(|e| Error::cuda(format!("reading {name} back"), e))?;
                 self.synchronize()?;
-                if got != want {
-                    return Err(Error::invalid(
-                        name,
-                        format!("the device buffer holds {got:?}, the problem was validated with {want:?}"),
-                    ));
+                for ((name, _, want), got) in checks.iter().zip(&got) {
+                    if got != want {
+                        return Err(Error::invalid(
+                            *name,
+                            format!("the device buffer holds {got:?}, the problem was validated with {want:?}"),
+                        ));
+                    }
                 }
             }
         }
@@ -480,11 +483,10 @@ impl CudaBackend {
                 // SAFETY: the problem was validated (shapes, strides, non-overlapping output,
                 // cu_seqlens equal to the problem's offsets, which run from 0 non-decreasing to
                 // the totals: read back by forward_device, uploaded from them by the crate's own
-                // callers); every buffer was checked above
-                // to hold the layout's extent and to be 16-byte aligned; the planner checked the
-                // head dim and every stride against the kernel's 16-byte copies and sized the
-                // grid, block and shared memory of this spec (the kernel static_asserts the same
-                // shared-memory count). The pointers stay valid while their sync guards (held to
+                // callers); every buffer was checked above to hold the layout's extent and to be
+                // 16-byte aligned; the planner checked the head dim and every stride against the
+                // kernel's 16-byte copies and sized the grid, block and shared memory of this spec
+                // (the kernel static_asserts the same shared-memory count). The pointers stay valid while their sync guards (held to
                 // the end of this function) order later uses.
                 unsafe { launch.launch(cfg) }
                     .map_err(|e| Error::cuda(format!("launch {}", plan.spec), e))?;

@@ -157,36 +157,6 @@ __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, long long ro
 // ---------------------------------------------------------------------------------------------
 // The kernel
 
-struct Seq {
-    int q_start, q_len, k_start, k_len;
-};
-
-__device__ __forceinline__ Seq sequence(const FwdParams& p, int b) {
-    Seq s;
-    if (p.cu_seqlens_q != nullptr) {
-        s.q_start = p.cu_seqlens_q[b];
-        s.q_len = p.cu_seqlens_q[b + 1] - s.q_start;
-        s.k_start = p.cu_seqlens_k[b];
-        s.k_len = p.cu_seqlens_k[b + 1] - s.k_start;
-    } else {
-        s.q_start = 0;
-        s.q_len = p.seqlen_q;
-        s.k_start = 0;
-        s.k_len = p.seqlen_k;
-    }
-    return s;
-}
-
-// Allowed keys of query row i: [key_lo(i), key_hi(i)) (spec/attention.md, bottom-right aligned).
-__device__ __forceinline__ int key_lo(const FwdParams& p, const Seq& s, int i) {
-    if (!HAS_WINDOW || p.window_left < 0) return 0;
-    return max(0, i + s.k_len - s.q_len - p.window_left);
-}
-__device__ __forceinline__ int key_hi(const FwdParams& p, const Seq& s, int i) {
-    if (!HAS_WINDOW || p.window_right < 0) return s.k_len;
-    return max(0, min(s.k_len, i + s.k_len - s.q_len + p.window_right + 1));
-}
-
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4_fwd_sm80(const __grid_constant__ FwdParams p) {
     extern __shared__ __align__(128) unsigned char smem[];
     const int tid = threadIdx.x;
@@ -196,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
     // Longest first: with causal masks the last query blocks see the most keys.
     const int m_block = gridDim.x - 1 - blockIdx.x;
     const int head = blockIdx.y, batch = blockIdx.z;
-    const Seq s = sequence(p, batch);
+    const Seq s = sequence(p, batch, p.cu_seqlens_q != nullptr);
     const int m0 = m_block * BLOCK_M;
     if (m0 >= s.q_len) return;
     const int kv_head = head / p.group;

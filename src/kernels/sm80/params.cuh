@@ -1,4 +1,5 @@
-// Launch parameters of the Ampere-class forward kernel: one struct passed by value.
+// Launch parameters of the forward kernels (the Hopper one wraps them): one struct passed by
+// value, and the sequence and key bounds every kernel reads from it.
 // Mirrored field for field by `cuda::params::FwdParams` (Rust, #[repr(C)]): both sides assert the
 // size; the Rust side also asserts the offsets of each group (NVRTC has no offsetof).
 // Strides are in elements; every tensor's last dimension is contiguous.
@@ -37,3 +38,37 @@ struct FwdParams {
 #define FA4_PARAMS_SIZE 224
 static_assert(sizeof(FwdParams) == FA4_PARAMS_SIZE, "FwdParams layout must match the Rust mirror");
 
+// One sequence of the batch: its first query and key rows in the (packed) tensors and its
+// lengths. Fixed-length batches index the batch axis instead and start at row 0. `packed`:
+// the batch is varlen (cu_seqlens given); a kernel that knows it at compile time passes a
+// constant and keeps one branch.
+struct Seq {
+    int q_start, q_len, k_start, k_len;
+};
+
+__device__ __forceinline__ Seq sequence(const FwdParams& p, int b, bool packed) {
+    Seq s;
+    if (packed) {
+        s.q_start = p.cu_seqlens_q[b];
+        s.k_start = p.cu_seqlens_k[b];
+        s.q_len = p.cu_seqlens_q[b + 1] - s.q_start;
+        s.k_len = p.cu_seqlens_k[b + 1] - s.k_start;
+    } else {
+        s.q_start = 0;
+        s.q_len = p.seqlen_q;
+        s.k_start = 0;
+        s.k_len = p.seqlen_k;
+    }
+    return s;
+}
+
+// Allowed keys of query row i: [key_lo(i), key_hi(i)) (spec/attention.md, bottom-right aligned).
+// Needs the prelude's HAS_WINDOW.
+__device__ __forceinline__ int key_lo(const FwdParams& p, const Seq& s, int i) {
+    if (!HAS_WINDOW || p.window_left < 0) return 0;
+    return max(0, i + s.k_len - s.q_len - p.window_left);
+}
+__device__ __forceinline__ int key_hi(const FwdParams& p, const Seq& s, int i) {
+    if (!HAS_WINDOW || p.window_right < 0) return s.k_len;
+    return max(0, min(s.k_len, i + s.k_len - s.q_len + p.window_right + 1));
+}

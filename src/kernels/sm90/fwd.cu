@@ -122,31 +122,6 @@ __device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_grou
 __device__ __forceinline__ int acc_slot(int i) { return (i >> 1) & 1; }
 __device__ __forceinline__ int acc_col(int i, int lane) { return 8 * (i >> 2) + 2 * (lane % 4) + (i & 1); }
 
-// One sequence of the batch: its first query and key rows in the (packed) tensors and its
-// lengths. Fixed-length batches index the batch axis instead and start at row 0.
-struct Seq {
-    int q_start, q_len, k_start, k_len;
-};
-
-__device__ __forceinline__ Seq sequence(const FwdParams& p, int b) {
-    if constexpr (VARLEN) {
-        const int q0 = p.cu_seqlens_q[b], k0 = p.cu_seqlens_k[b];
-        return Seq{q0, p.cu_seqlens_q[b + 1] - q0, k0, p.cu_seqlens_k[b + 1] - k0};
-    } else {
-        return Seq{0, p.seqlen_q, 0, p.seqlen_k};
-    }
-}
-
-// Allowed keys of query row i: [key_lo(i), key_hi(i)) (spec/attention.md, bottom-right aligned).
-__device__ __forceinline__ int key_lo(const FwdParams& p, const Seq& s, int i) {
-    if (!HAS_WINDOW || p.window_left < 0) return 0;
-    return max(0, i + s.k_len - s.q_len - p.window_left);
-}
-__device__ __forceinline__ int key_hi(const FwdParams& p, const Seq& s, int i) {
-    if (!HAS_WINDOW || p.window_right < 0) return s.k_len;
-    return max(0, min(s.k_len, i + s.k_len - s.q_len + p.window_right + 1));
-}
-
 // The barriers, and the per-stage tile addresses.
 struct Smem {
     u32 q, k, v;          // tiles: Q_STAGES × (BLOCK_M, HEAD_DIM), STAGES × (BLOCK_N, HEAD_DIM) each
@@ -207,7 +182,7 @@ __device__ __forceinline__ Tile tile_at(const FwdParams& p, int t) {
     w.head = hb % p.heads_q;
     w.batch = hb / p.heads_q;
     w.bi = VARLEN ? 0 : w.batch;
-    w.s = sequence(p, w.batch);
+    w.s = sequence(p, w.batch, VARLEN);
     w.empty = VARLEN && w.m0 >= w.s.q_len;
     const int last_row = min(w.m0 + BLOCK_M, w.s.q_len) - 1;
     const int span_lo = key_lo(p, w.s, w.m0), span_hi = key_hi(p, w.s, last_row);
@@ -549,7 +524,7 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
 
     // Epilogue: O = acc / sum, 16-bit pairs straight from registers; LSE from one lane per row.
     // The sequence's offsets are read again here rather than kept in registers through the loop.
-    const Seq s = sequence(p, w.batch);
+    const Seq s = sequence(p, w.batch, VARLEN);
     float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {

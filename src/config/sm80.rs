@@ -309,7 +309,8 @@ pub fn tiles(arch: &GpuArch, head_dim: usize) -> Option<Tiles> {
 pub struct Plan {
     /// The kernel to compile.
     pub spec: KernelSpec,
-    /// Grid: (query blocks, heads_q, batch).
+    /// Grid: (group, query blocks, groups), one CTA per tile (query block × head × sequence) in
+    /// groups of (sequence, head) pairs (`config::tile_order`).
     pub grid: (u32, u32, u32),
 }
 
@@ -409,6 +410,13 @@ pub fn plan(
             )
         })?,
     };
+    // CTAs resident at once: the launch bound's count, or more where shared memory and threads
+    // allow (registers permitting: an estimate, for the launch order only).
+    let smem = tiles.smem_bytes(head_dim) + arch.smem_reserved_per_block as usize;
+    let per_sm = (arch.smem_per_sm as usize / smem)
+        .min(arch.max_threads_per_sm as usize / (32 * tiles.num_warps))
+        .max(tiles.min_blocks_per_sm);
+    let grid = super::tile_order(p, tiles.block_m, head_dim, arch.sm_count as usize * per_sm)?;
     Ok(Plan {
         spec: KernelSpec {
             target,
@@ -418,7 +426,7 @@ pub fn plan(
             softcap: p.softcap().is_some(),
             tiles,
         },
-        grid: super::grid(p, tiles.block_m)?,
+        grid,
     })
 }
 

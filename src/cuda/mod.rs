@@ -436,7 +436,7 @@ impl CudaBackend {
             Planned::Sm80(pl) => pl.grid,
             Planned::Sm90(pl) => pl.grid,
         };
-        if grid.0 == 0 || batch == 0 {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 || batch == 0 {
             return Ok(());
         }
         let stream = &self.dev.stream;

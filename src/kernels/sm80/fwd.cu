@@ -163,9 +163,15 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
     const int warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;
 
-    // Longest first: with causal masks the last query blocks see the most keys.
-    const int m_block = gridDim.x - 1 - blockIdx.x;
-    const int head = blockIdx.y, batch = blockIdx.z;
+    // Launch order (config::tile_order): grid (group, query blocks, groups); the hardware starts
+    // CTAs x fastest, so in each group of gridDim.x (sequence, head) pairs the query blocks go
+    // last first across the group: under a causal mask every group starts its longest tiles
+    // first, and the tiles that start last are short. (No division on the query block: it stays
+    // in uniform registers, as does the key loop derived from it.)
+    const int m_block = gridDim.y - 1 - blockIdx.y;
+    const int pair = blockIdx.z * gridDim.x + blockIdx.x;
+    if (pair >= p.heads_q * p.batch) return;  // the last group's spare places
+    const int head = pair % p.heads_q, batch = pair / p.heads_q;
     const Seq s = sequence(p, batch, p.cu_seqlens_q != nullptr);
     const int m0 = m_block * BLOCK_M;
     if (m0 >= s.q_len) return;
@@ -325,7 +331,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
         }
 
         // Online softmax: row slot r is row g + 8r; the 4 lanes of a quad share a row.
-        float corr[ROW_SLOTS];
+        // Every row's max first, then the exponentials: the rows' shuffles overlap.
+        float corr[ROW_SLOTS], row_mx[ROW_SLOTS];
 #pragma unroll
         for (int r = 0; r < ROW_SLOTS; ++r) {
             const int mt = r / 2, h = r % 2;
@@ -333,7 +340,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
 #pragma unroll
             for (int i = 0; i < NTILES_N; ++i) mx = fmaxf(mx, fmaxf(rS[mt][i][2 * h], rS[mt][i][2 * h + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            row_mx[r] = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        }
+#pragma unroll
+        for (int r = 0; r < ROW_SLOTS; ++r) {
+            const int mt = r / 2, h = r % 2;
+            const float mx = row_mx[r];
             // With LAZY_RESCALE a row keeps its stale max unless the new one is more than
             // 2^RESCALE_THRESHOLD larger (from −inf it always moves; −inf to −inf is NaN: stays).
             const bool move = !LAZY_RESCALE || (mx - row_max[r]) * p.scale_log2 > RESCALE_THRESHOLD;

@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""Hopper-kernel tile variants against the planner, interleaved, on the FlashAttention grid.
+"""Kernel variants against the planner, interleaved, on the FlashAttention grid.
 
 Run on the GPU machine from the repository root with the fa4 binary built on the host:
     python3 bench/sweep.py --fa4 .device/fa4 --rounds 2 NAME@D=TILES ...
 TILES is `plan` (the planner's choice per shape, as `fa4 bench --kernel sm90` makes it) or the ten
-fields of `--sm90-tiles` (block_n,wgs,stages,preg,creg,lazy,overlap,pingpong,persistent,poly).
+fields of `--sm90-tiles` (block_n,wgs,stages,preg,creg,lazy,overlap,pingpong,persistent,poly);
+with `--kernel sm80`, the eight fields of `--tiles`. `--bin NAME=PATH` runs variant NAME with
+another fa4 binary (an A/B of two builds: `--bin new=.device/fa4-new plan@256=plan new@256=plan`).
 Every variant runs the six shapes of its head dim (seqlen 1k/4k/16k × causal 0/1, bf16, 16k
 tokens, hidden 2048); the list runs `--rounds` times in turn (A B C A B C), so a variant and its
 baseline are measured at nearby moments, and the table gives each variant's median over rounds
@@ -23,6 +25,8 @@ ap.add_argument("--fa4", default=".device/fa4")
 ap.add_argument("--rounds", type=int, default=2)
 ap.add_argument("--reps", type=int, default=20)
 ap.add_argument("--seqlens", default="1024,4096,16384")
+ap.add_argument("--kernel", default="sm90", choices=["sm80", "sm90"])
+ap.add_argument("--bin", action="append", default=[], help="NAME=PATH: fa4 binary of variant NAME")
 ap.add_argument("variants", nargs="+", help="NAME@D=TILES (TILES: plan or ten fields)")
 a = ap.parse_args()
 
@@ -32,13 +36,15 @@ for v in a.variants:
     name, d = head.split("@")
     variants.append((name, int(d), tiles))
 seqlens = [int(s) for s in a.seqlens.split(",")]
+bins = dict(b.split("=", 1) for b in a.bin)
+tiles_flag = "--sm90-tiles" if a.kernel == "sm90" else "--tiles"
 results = {}  # (name, d) -> {(seqlen, causal): [tflops per round]}
 for rnd in range(a.rounds):
     for name, d, tiles in variants:
-        cmd = [a.fa4, "bench", "--backend", "cuda", "--kernel", "sm90", "--dtype", "bf16", "--json",
+        cmd = [bins.get(name, a.fa4), "bench", "--backend", "cuda", "--kernel", a.kernel, "--dtype", "bf16", "--json",
                "--reps", str(a.reps), "--grid"] + [f"{d},{s},{c}" for s in seqlens for c in (0, 1)]
         if tiles != "plan":
-            cmd += ["--sm90-tiles", tiles]
+            cmd += [tiles_flag, tiles]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             print(f"{name}@{d} round {rnd}: rc {res.returncode}: {res.stderr.strip()[-300:]}", flush=True)

@@ -9,6 +9,7 @@
 //! - [`sm80`]: the Ampere-class `mma.sync` kernel, which runs on every GPU from sm_80 on.
 
 pub mod sm100;
+pub mod sm100_protocol;
 pub mod sm80;
 pub mod sm90;
 

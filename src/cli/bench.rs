@@ -71,7 +71,8 @@ pub struct BenchArgs {
     /// Heads (query and KV) [default: max(1, 8192 / seqlen): the same query rows per shape].
     #[arg(long)]
     heads: Option<usize>,
-    /// Timed runs per shape and implementation; the median is reported.
+    /// Timed runs per shape and implementation; the median is reported (CUDA: rounds of
+    /// `--calls` back-to-back calls).
     #[arg(long, default_value_t = 7)]
     reps: usize,
     /// Untimed warm-up runs before the timed ones.

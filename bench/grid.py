@@ -64,6 +64,16 @@ def parse_shape(text):
     return full(f)
 
 
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
 def stats(xs):
     """median, min, max, q1, q3 (linear interpolation, as fa4's Spread)."""
     s = sorted(xs)
@@ -330,13 +340,15 @@ def ncu_peers(a, shapes):
             except Exception as ex:
                 print(f"ncu-peers: {name} refuses {shape}: {type(ex).__name__}: {str(ex)[:120]}", flush=True)
         del q, k, v
-    json.dump(labels, open(a.ncu_peers, "w"))
+    write(a.ncu_peers, json.dumps(labels))
 
 
 def read_ncu_csv(path):
     """(kernel name, duration ns) in launch order from `ncu --csv --page raw --print-units base`."""
     rows, hdr = [], None
-    for rec in csv.reader(l for l in open(path, errors="replace") if not l.startswith("==")):
+    with open(path, errors="replace") as f:
+        lines = [l for l in f if not l.startswith("==")]
+    for rec in csv.reader(lines):
         if hdr is None:
             if "Kernel Name" in rec and "gpu__time_duration.sum" in rec:
                 hdr = rec
@@ -363,7 +375,7 @@ def ncu_table(a):
         if ts:
             out.setdefault(tuple(shape), {})["fa4"] = stats([t / 1e3 for t in ts])["median"]
     # Peers: kernels between spin_kernel markers, summed per call.
-    labels = json.load(open(labels_path))
+    labels = read_json(labels_path)
     groups, cur = [], []
     for n, t in read_ncu_csv(peers_csv):
         if "spin_kernel" in n:
@@ -392,8 +404,8 @@ def ncu_table(a):
     for shape, v in out.items():
         print(shape, json.dumps(v.get("names", {})))
     od = os.environ.get("OUT", ".")
-    open(os.path.join(od, "ncu.md"), "w").write(text + "\n")
-    json.dump({",".join(map(str, s)): v for s, v in out.items()}, open(os.path.join(od, "ncu.json"), "w"), indent=1)
+    write(os.path.join(od, "ncu.md"), text + "\n")
+    write(os.path.join(od, "ncu.json"), json.dumps({",".join(map(str, s)): v for s, v in out.items()}, indent=1))
 
 
 def main():
@@ -422,7 +434,7 @@ def main():
         a.ncu_shapes = shapes
         return ncu_table(a)
     if a.from_json:
-        rows = json.load(open(a.from_json))
+        rows = read_json(a.from_json)
         for r in rows:
             summarise(r)
             print_row(r)
@@ -436,9 +448,9 @@ def main():
           + f"  {'best':>7} {'ratio':>5} {'spread':>6} verdict (TFLOP/s ±spread)", flush=True)
     rows = timed_grid(a, shapes)
     od = os.environ.get("OUT", ".")
-    json.dump(rows, open(os.path.join(od, "grid.json"), "w"), indent=1)
+    write(os.path.join(od, "grid.json"), json.dumps(rows, indent=1))
     md = markdown(rows)
-    open(os.path.join(od, "grid.md"), "w").write(md + "\n")
+    write(os.path.join(od, "grid.md"), md + "\n")
     print(md)
 
 

@@ -9,9 +9,12 @@
 //! which `--json` prints so that `bench/grid.py` uses the same count for every library.
 //!
 //! `--rounds-from-stdin` hands the rounds to a driver: per shape it prints one JSON line when
-//! the inputs are on the device and warmed up, then answers each line it reads: `round CALLS`
-//! (one round: `{"ms": GPU ms per call, "host_ms": host ms to enqueue one}`), `call` (one synchronised call, host clock), `next` (the
-//! next shape). `bench/grid.py` uses it to interleave fa4's rounds with the peers'.
+//! the inputs are on the device and warmed up, then answers each line it reads:
+//! - `round CALLS`: one round, `{"ms": GPU ms per call, "host_ms": host ms to enqueue one}`;
+//! - `call`: one synchronised call after an untimed one, host clock, `{"ms": …}`;
+//! - `next`: on to the next shape.
+//!
+//! `bench/grid.py` uses it to interleave fa4's rounds with the peers'.
 
 use std::io::BufRead;
 

@@ -207,10 +207,10 @@ pub fn read(path: &Path, name: &str) -> Result<Array> {
 /// Reads a `.npy` file whose element type must be one of `allowed` (an error says which were
 /// expected and what the file holds).
 pub fn read_as(path: &Path, name: &str, allowed: &[NpyDType]) -> Result<Array> {
+    let shown = one_line(&path.display().to_string());
     let bytes = std::fs::read(path)
-        .map_err(|e| Error::invalid(name, format!("cannot read `{}`: {e}", path.display())))?;
-    parse(&bytes, allowed)
-        .map_err(|why| Error::invalid(name, format!("`{}` {why}", path.display())))
+        .map_err(|e| Error::invalid(name, format!("cannot read `{shown}`: {e}")))?;
+    parse(&bytes, allowed).map_err(|why| Error::invalid(name, format!("`{shown}` {why}")))
 }
 
 /// Parses the bytes of a `.npy` file of any supported type; errors name the argument `name`.
@@ -220,10 +220,99 @@ pub fn decode(bytes: &[u8], name: &str) -> Result<Array> {
 
 /// Writes `data` of `shape` (C order) as a version 1.0 `.npy` file (2.0 if the header needs it).
 /// `name` is the argument the path came from; errors name it and the file.
+///
+/// The bytes go to a temporary file beside `path`, renamed over it once complete, so an
+/// interrupted write never leaves a half-written `.npy` at `path` (a symbolic link at `path` is
+/// replaced, not followed).
 pub fn write<T: NpyElement>(path: &Path, name: &str, shape: &[usize], data: &[T]) -> Result<()> {
+    stage(path, name, shape, data)?.commit()
+}
+
+/// A complete `.npy` file written beside its destination under a temporary name, not yet in
+/// place: [`Staged::commit`] renames it over the destination; dropping it removes it. Staging
+/// every output before committing any lets a caller write several files all or nothing.
+#[derive(Debug)]
+pub struct Staged {
+    tmp: std::path::PathBuf,
+    path: std::path::PathBuf,
+    name: String,
+    committed: bool,
+}
+
+/// Writes `data` of `shape` to a temporary file beside `path` (see [`Staged`]).
+pub fn stage<T: NpyElement>(
+    path: &Path,
+    name: &str,
+    shape: &[usize],
+    data: &[T],
+) -> Result<Staged> {
     let bytes = encode(shape, data).map_err(|e| rename(e, name))?;
-    std::fs::write(path, bytes)
-        .map_err(|e| Error::invalid(name, format!("cannot write `{}`: {e}", path.display())))
+    let shown = one_line(&path.display().to_string());
+    let file = path
+        .file_name()
+        .ok_or_else(|| Error::invalid(name, format!("`{shown}` does not name a file")))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(file);
+    tmp_name.push(format!(".fa4-{}.tmp", std::process::id()));
+    let staged = Staged {
+        tmp: path.with_file_name(tmp_name),
+        path: path.to_path_buf(),
+        name: name.to_string(),
+        committed: false,
+    };
+    std::fs::write(&staged.tmp, bytes)
+        .map_err(|e| Error::invalid(name, format!("cannot write `{shown}`: {e}")))?;
+    Ok(staged)
+}
+
+impl Staged {
+    /// Renames the temporary file over the destination.
+    pub fn commit(mut self) -> Result<()> {
+        std::fs::rename(&self.tmp, &self.path).map_err(|e| {
+            Error::invalid(
+                &self.name,
+                format!(
+                    "cannot write `{}`: {e}",
+                    one_line(&self.path.display().to_string())
+                ),
+            )
+        })?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.committed {
+            // Best effort: the error that made the caller drop it is the one worth reporting.
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// `s` on one line and of bounded length: control characters (a header's newline, raw bytes
+/// of a malformed file) are escaped, and text past `max` characters is cut with `…`.
+fn one_line_max(s: &str, max: usize) -> String {
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i == max {
+            out.push('…');
+            break;
+        }
+        // Line and paragraph separators end a line in some terminals too.
+        if c.is_control() || matches!(c, '\u{2028}' | '\u{2029}') {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// [`one_line_max`] with room for a path or a whole error.
+fn one_line(s: &str) -> String {
+    one_line_max(s, 400)
 }
 
 /// The bytes of a `.npy` file holding `data` of `shape` in C order. Errors (naming `shape`) if
@@ -295,6 +384,10 @@ fn rename(e: Error, name: &str) -> Error {
 
 /// Parses a whole file; the error is a phrase that follows the file's name ("is truncated …").
 fn parse(bytes: &[u8], allowed: &[NpyDType]) -> std::result::Result<Array, String> {
+    parse_raw(bytes, allowed).map_err(|why| one_line(&why))
+}
+
+fn parse_raw(bytes: &[u8], allowed: &[NpyDType]) -> std::result::Result<Array, String> {
     if bytes.len() < MAGIC.len() + 2 || &bytes[..MAGIC.len()] != MAGIC {
         return Err("is not a .npy file (it does not start with \\x93NUMPY)".into());
     }
@@ -510,7 +603,13 @@ impl<'a> Lexer<'a> {
 impl Header {
     fn parse(text: &str, allowed: &[NpyDType]) -> std::result::Result<Header, String> {
         let mut lx = Lexer { s: text };
-        let bad = |why: String| format!("has a malformed header ({why}): {}", text.trim_end());
+        let bad = |why: String| {
+            format!(
+                "has a malformed header ({}): {}",
+                one_line_max(&why, 120),
+                one_line_max(text.trim_end(), 120)
+            )
+        };
         let (mut descr, mut fortran, mut shape) = (None, None, None);
         lx.expect('{').map_err(bad)?;
         loop {

@@ -380,6 +380,24 @@ fn a_malformed_header_is_one_escaped_line() {
     one_line_error(&args, &["`--q`", "malformed header", "\\n"]);
     let (_, _, err) = fa4(&args);
     assert!(!err.contains('\u{1b}'), "{err:?}");
+    // An endless device is read only as far as a preamble, not into memory without bound.
+    #[cfg(unix)]
+    one_line_error(
+        &[
+            "run",
+            "--backend",
+            "cpu",
+            "--q",
+            "/dev/zero",
+            "--k",
+            &k,
+            "--v",
+            &k,
+            "--out",
+            &o,
+        ],
+        &["`--q`", "not a .npy file"],
+    );
 }
 
 #[test]

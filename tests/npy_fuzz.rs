@@ -2,8 +2,9 @@
 //! flipped, cut, inserted; headers rewritten from the format's own tokens). Loading never panics;
 //! a rejection is an error on one line; an accepted file holds exactly what its shape says.
 //!
-//! Bounded for CI: 10,000 mutated files (well under a second in release), with the seed fixed by
-//! proptest's default configuration unless `PROPTEST_CASES`/`PROPTEST_RNG_SEED` say otherwise.
+//! Bounded for CI: 10,000 mutated files per run, each decoded and read back from a file (a few
+//! seconds in release). Inputs are fresh each run, as proptest draws them; a failing input is
+//! shrunk, printed and saved beside this file to be replayed first by later runs.
 
 use fa4::npy::{self, Array, Data};
 use half::f16;
@@ -153,7 +154,18 @@ proptest! {
         muts in prop::collection::vec(mutation(), 1..4),
     ) {
         let bytes = muts.iter().fold(file, apply);
-        match npy::decode(&bytes, "--q") {
+        let decoded = npy::decode(&bytes, "--q");
+        // Reading the same bytes from a file (bounded by what the header declares) agrees.
+        let path = std::env::temp_dir().join(format!("fa4-npy-fuzz-{}.npy", std::process::id()));
+        std::fs::write(&path, &bytes).unwrap();
+        let read = npy::read(&path, "--q");
+        // Compared as text: NaN ≠ NaN.
+        prop_assert_eq!(
+            format!("{:?}", read.as_ref().ok()),
+            format!("{:?}", decoded.as_ref().ok())
+        );
+        prop_assert_eq!(read.is_err(), decoded.is_err());
+        match decoded {
             Ok(a) => {
                 let n = a.shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d));
                 prop_assert_eq!(n, Some(len_of(&a)), "shape {:?}", a.shape);
@@ -181,4 +193,33 @@ fn malformed_header_messages_are_one_escaped_line() {
     assert!(msg.contains("malformed"), "{msg}");
     assert!(!msg.contains('\n') && !msg.contains('\u{1b}'), "{msg:?}");
     assert!(msg.contains("\\n") && msg.contains("\\u{1b}"), "{msg}");
+}
+
+/// Reading is bounded by what the header declares: an endless device or a file whose header
+/// declares more than memory holds is an error, never an unbounded read.
+#[cfg(unix)]
+#[test]
+fn reads_stop_where_the_header_says() {
+    let e = npy::read(std::path::Path::new("/dev/zero"), "--q").unwrap_err();
+    assert!(e.to_string().contains("not a .npy file"), "{e}");
+    let dir = std::env::temp_dir().join(format!("fa4-npy-fuzz-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    // A header declaring 2⁶⁰ float32 elements over 4 bytes of data.
+    let header = "{'descr': '<f4', 'fortran_order': False, 'shape': (1152921504606846976,), }\n";
+    let mut b = b"\x93NUMPY\x01\x00".to_vec();
+    b.extend_from_slice(&(header.len() as u16).to_le_bytes());
+    b.extend_from_slice(header.as_bytes());
+    b.extend_from_slice(&[0; 4]);
+    let p = dir.join("huge.npy");
+    std::fs::write(&p, &b).unwrap();
+    let e = npy::read(&p, "--q").unwrap_err().to_string();
+    assert!(e.contains("holds 4 bytes of data"), "{e}");
+    // A good file still reads, and one byte too many is noticed.
+    let good = npy::encode(&[3], &[1.0f32, 2.0, 3.0]).unwrap();
+    std::fs::write(&p, &good).unwrap();
+    assert_eq!(npy::read(&p, "--q").unwrap().len(), 3);
+    std::fs::write(&p, [good.as_slice(), &[0]].concat()).unwrap();
+    let e = npy::read(&p, "--q").unwrap_err().to_string();
+    assert!(e.contains("holds 13 bytes of data"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
 }

@@ -120,13 +120,22 @@ fn bar_line(
     } else {
         " (time estimate)".to_string()
     };
+    // A busy or slower machine outruns the estimate: say so rather than sit at "99%, 10 s of
+    // ~3 s" as if nothing were wrong.
+    let time = if !counted && elapsed > estimate {
+        format!(
+            "{}, past the ~{} estimate",
+            seconds(elapsed),
+            seconds(estimate)
+        )
+    } else {
+        format!("{} of ~{}", seconds(elapsed), seconds(estimate))
+    };
     format!(
-        "{what} [{}{}] {:>3.0}%{count} {} of ~{}",
+        "{what} [{}{}] {:>3.0}%{count} {time}",
         "#".repeat(filled),
         ".".repeat(BAR - filled),
         100.0 * f,
-        seconds(elapsed),
-        seconds(estimate)
     )
 }
 
@@ -180,6 +189,9 @@ mod tests {
         );
         assert!(l.contains(" 50% 2/4 1.0 s of ~2.0 s"), "{l}");
         assert!(bar_line("x", 0.2, false, 0, 0, 1.0, 5.0).contains("(time estimate)"));
+        assert!(
+            bar_line("x", 0.99, false, 0, 0, 9.0, 3.0).ends_with("9.0 s, past the ~3.0 s estimate")
+        );
         assert_eq!(seconds(125.0), "2 min 05 s");
     }
 }

@@ -485,8 +485,9 @@ fn from_files(
     // for writing (the files' own arrays are already held).
     let (ql, kl, vl, ol) = (p.q_layout(), p.k_layout(), p.v_layout(), p.o_layout());
     let elem = dtype.size_bytes() as f64;
-    let bytes = elem * (ql.numel() + kl.numel() + vl.numel() + ol.numel()) as f64
-        + 8.0 * (ol.numel() + p.lse_len()) as f64;
+    let n = |x: usize| x as f64;
+    let bytes = elem * (n(ql.numel()) + n(kl.numel()) + n(vl.numel()) + n(ol.numel()))
+        + 8.0 * (n(ol.numel()) + n(p.lse_len()));
     memory::ensure("--q", "the run", bytes)?;
     let outputs = Outputs {
         out: &out,

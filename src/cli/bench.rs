@@ -341,7 +341,7 @@ fn time(warmup: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result
 impl Shape {
     fn run<T: Element>(&self, args: &BenchArgs, peak: f64) -> Result<Row> {
         let (b, s, h, d) = (self.batch, self.seqlen, self.heads, self.d);
-        let l = Layout::new("q", &[b, s, h, d], None)?;
+        let l = Layout::new("--seqlens", &[b, s, h, d], None)?;
         let opts = if self.causal {
             Options::new().causal()
         } else {
@@ -349,6 +349,13 @@ impl Shape {
         };
         let p = Problem::new(T::DTYPE, &l, &l, &l, &l, None, None, &opts)?;
         let n = l.numel();
+        // Q, K, V, O and the peer's O, and two LSEs, before any of it is allocated.
+        let bytes = 5.0 * n as f64 * std::mem::size_of::<T>() as f64 + 8.0 * p.lse_len() as f64;
+        super::memory::ensure(
+            "--seqlens",
+            &format!("seqlen {s}, d {d}, b×h {b}×{h}"),
+            bytes,
+        )?;
         let mut rng = StdRng::seed_from_u64(0x5eed ^ (s * 131 + d) as u64);
         let mut q = vec![T::from_f32(0.0); n];
         let mut k = q.clone();

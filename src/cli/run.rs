@@ -586,7 +586,14 @@ impl<T: Element> Job<T> {
             return ExitCode::SUCCESS;
         }
         let t0 = Instant::now();
-        let report = check::check(&self.p, &self.q, &self.k, &self.v, &done.o, Some(&done.lse));
+        let report =
+            match check::check(&self.p, &self.q, &self.k, &self.v, &done.o, Some(&done.lse)) {
+                Ok(r) => r,
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
         println!(
             "check    {report} (float64 oracle, {:.2} s)",
             t0.elapsed().as_secs_f64()

@@ -753,7 +753,7 @@ mod tests {
         let mut o = vec![T::NAN; ql.numel()];
         let mut lse = vec![f32::NAN; p.lse_len()];
         forward_on(isa, &p, tiles, &q, &k, &v, &mut o, Some(&mut lse));
-        check(&p, &q, &k, &v, &o, Some(&lse))
+        check(&p, &q, &k, &v, &o, Some(&lse)).unwrap()
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The attention problem: shapes, strides, dtype, mask, scale, softcap and sequence lengths,
 //! validated once and then trusted by every backend.
 //!
-//! The function itself is defined in `spec/attention.md`; [`Problem::new`] checks everything a
+//! The function itself is defined in `docs/attention.md`; [`Problem::new`] checks everything a
 //! backend relies on and names the offending argument in its error.
 
 use crate::dtype::DType;

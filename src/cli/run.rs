@@ -824,7 +824,15 @@ impl<T: Element> Job<T> {
             check_cost(&self.p) / (ORACLE_MACS_PER_THREAD_S * rayon::current_num_threads() as f64);
         let progress = Progress::start("checking against the float64 oracle", estimate, 0);
         let t0 = Instant::now();
-        let report = check::check(&self.p, &self.q, &self.k, &self.v, &done.o, Some(&done.lse));
+        let report =
+            match check::check(&self.p, &self.q, &self.k, &self.v, &done.o, Some(&done.lse)) {
+                Ok(r) => r,
+                Err(e) => {
+                    progress.finish();
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
         progress.finish();
         println!(
             "check    {report} (float64 oracle, {:.2} s)",

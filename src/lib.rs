@@ -71,6 +71,7 @@
 pub mod arch;
 pub mod backend;
 pub mod check;
+pub mod combine;
 pub mod config;
 pub mod cpu;
 pub mod cuda;

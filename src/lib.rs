@@ -79,6 +79,7 @@ pub mod dtype;
 pub mod error;
 pub mod mask;
 pub mod npy;
+pub mod paged;
 pub mod problem;
 pub mod tensor;
 

@@ -20,6 +20,9 @@ use fa4::{check, Backend, DType, Element, Error, Mask, Options, Problem, Result}
 
 use super::BackendArg;
 
+#[path = "decode.rs"]
+mod decode;
+
 /// The check runs unless told otherwise when the oracle costs at most this many multiply-adds
 /// (the float64 pass, plus the storage-precision pass for 16-bit dtypes). Measured on a 2-core
 /// machine: about 1e9 multiply-adds per second per core, so the limit is under 3 s there (the
@@ -107,6 +110,9 @@ pub struct RunArgs {
     /// Skip the check against the float64 oracle.
     #[arg(long)]
     no_check: bool,
+    /// Decode over a paged KV cache (`src/cli/decode.rs`).
+    #[command(flatten)]
+    paged: decode::PagedRunArgs,
 }
 
 /// Parses `LEFT,RIGHT`, each ≥ 0 or -1 (unbounded).
@@ -189,6 +195,9 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
         (_, true) => CheckPolicy::Never,
         _ => CheckPolicy::Affordable,
     };
+    if args.paged.wanted() {
+        return decode::run(&args, &backend, &opts, policy);
+    }
     if args.q.is_some() || args.k.is_some() || args.v.is_some() {
         from_files(&args, &backend, &opts, policy)
     } else {

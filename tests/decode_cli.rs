@@ -227,3 +227,95 @@ fn bad_tables_lengths_and_flags_name_the_flag() {
     assert_eq!(code, 2);
     one_error_line(&err, "--q");
 }
+
+#[test]
+fn plan_and_bench_decode_explain_and_validate() {
+    let (code, out, err) = fa4(&[
+        "plan",
+        "--decode",
+        "--batch",
+        "1",
+        "--seqlen-k",
+        "32768",
+        "--heads-q",
+        "32",
+        "--heads-kv",
+        "8",
+        "--depth",
+        "128",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("wave efficiency") && out.contains("num_splits 14"),
+        "{out}"
+    );
+    let (code, out, _) = fa4(&[
+        "plan",
+        "--decode",
+        "--batch",
+        "32",
+        "--seqlen-k",
+        "4096",
+        "--depth",
+        "128",
+    ]);
+    assert_eq!(code, 0);
+    assert!(out.contains("num_splits 1:"), "{out}");
+    for (args, flag) in [
+        (&["plan", "--decode", "--depth", "128"][..], "--seqlen-k"),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--seqlen-k",
+                "9",
+                "--depth",
+                "64",
+                "--num-splits",
+                "0",
+            ],
+            "--num-splits",
+        ),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--seqlen-k",
+                "9",
+                "--depth",
+                "64",
+                "--heads-kv",
+                "5",
+            ],
+            "--heads-kv",
+        ),
+        (&["plan", "--depth", "64", "--batch", "2"], "--batch"),
+        (&["bench", "--page-size", "4"], "--page-size"),
+        (
+            &["bench", "--decode", "--decode-shapes", "8"],
+            "--decode-shapes",
+        ),
+    ] {
+        let (code, _, err) = fa4(args);
+        assert_eq!(code, 2, "{args:?}");
+        one_error_line(&err, flag);
+    }
+    let (code, out, err) = fa4(&[
+        "bench",
+        "--decode",
+        "--decode-shapes",
+        "2:300",
+        "--page-size",
+        "7",
+        "--reps",
+        "1",
+        "--head-dim",
+        "32",
+        "--json",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let rows: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let diff = rows[0]["max_abs_diff"].as_f64().unwrap();
+    assert!(diff < 1e-4, "paged and contiguous disagree by {diff}");
+    assert!(rows[0]["fa4_gbps"].as_f64().unwrap() > 0.0);
+}

@@ -59,6 +59,16 @@ impl Options {
     pub fn get_mask(&self) -> Mask {
         self.mask
     }
+
+    /// The scale as given (`None`: `1/sqrt(head_dim)`, resolved by the problem).
+    pub fn get_scale(&self) -> Option<f32> {
+        self.scale
+    }
+
+    /// The softcap as given.
+    pub fn get_softcap(&self) -> Option<f32> {
+        self.softcap
+    }
 }
 
 /// One sequence of the batch, as backends iterate it.

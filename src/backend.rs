@@ -27,13 +27,32 @@ impl Backend {
     /// The best backend this machine has: a working GPU (device 0, with NVRTC to compile its
     /// kernels), else the CPU.
     pub fn auto() -> Backend {
+        Backend::auto_explained().0
+    }
+
+    /// [`Backend::auto`] and one line saying what it chose and, when it fell back to the CPU,
+    /// why: the driver or NVRTC missing (with every name and place tried), or the device's
+    /// error.
+    pub fn auto_explained() -> (Backend, String) {
         let gpu = CudaBackend::new(0).and_then(|cuda| {
             crate::cuda::compile::nvrtc_version()?;
             Ok(cuda)
         });
         match gpu {
-            Ok(cuda) => Backend::Cuda(cuda),
-            Err(_) => Backend::Cpu,
+            Ok(cuda) => {
+                let b = Backend::Cuda(cuda);
+                let why = format!("chose {} (a CUDA GPU and NVRTC were found)", b.name());
+                (b, why)
+            }
+            Err(e) => {
+                // Errors such as a compile log may span lines; the account stays on one.
+                let e = e
+                    .to_string()
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" ");
+                (Backend::Cpu, format!("chose cpu: no usable GPU ({e})"))
+            }
         }
     }
 

@@ -206,11 +206,51 @@ pub fn read(path: &Path, name: &str) -> Result<Array> {
 
 /// Reads a `.npy` file whose element type must be one of `allowed` (an error says which were
 /// expected and what the file holds).
+///
+/// At most the bytes the header declares (and one more, to notice a longer file) are read, so
+/// `/dev/zero`, an endless pipe or a huge file is an error, not an unbounded allocation.
 pub fn read_as(path: &Path, name: &str, allowed: &[NpyDType]) -> Result<Array> {
-    let bytes = std::fs::read(path)
-        .map_err(|e| Error::invalid(name, format!("cannot read `{}`: {e}", path.display())))?;
-    parse(&bytes, allowed)
-        .map_err(|why| Error::invalid(name, format!("`{}` {why}", path.display())))
+    use std::io::Read;
+    let shown = one_line(&path.display().to_string());
+    let fail = |why: String| Error::invalid(name, format!("`{shown}` {why}"));
+    let cannot = |e: std::io::Error| Error::invalid(name, format!("cannot read `{shown}`: {e}"));
+    let file = std::fs::File::open(path).map_err(cannot)?;
+    let file_len = file
+        .metadata()
+        .ok()
+        .filter(std::fs::Metadata::is_file)
+        .and_then(|m| usize::try_from(m.len()).ok());
+    let mut r = std::io::BufReader::new(file);
+    let mut bytes = Vec::new();
+    let mut read_upto = |bytes: &mut Vec<u8>, end: usize| -> Result<()> {
+        let more = end.saturating_sub(bytes.len()) as u64;
+        (&mut r).take(more).read_to_end(bytes).map_err(cannot)?;
+        Ok(())
+    };
+    read_upto(&mut bytes, 12)?;
+    if let Some(end) = header_end(&bytes) {
+        read_upto(&mut bytes, end)?;
+    }
+    let f = frame(&bytes, allowed).map_err(|why| fail(one_line(&why)))?;
+    let too_big = || {
+        fail(format!(
+            "declares {} bytes of data, more than can be allocated",
+            f.nbytes
+        ))
+    };
+    let end = f.data_start.checked_add(f.nbytes).ok_or_else(too_big)?;
+    if let Some(len) = file_len {
+        if len != end {
+            return Err(fail(f.wrong_size(len.saturating_sub(f.data_start))));
+        }
+    }
+    // One byte past the declared end: a longer stream is reported, not truncated silently.
+    let past = end.checked_add(1).ok_or_else(too_big)?;
+    if bytes.try_reserve_exact(past - bytes.len()).is_err() {
+        return Err(too_big());
+    }
+    read_upto(&mut bytes, past)?;
+    parse(&bytes, allowed).map_err(fail)
 }
 
 /// Parses the bytes of a `.npy` file of any supported type; errors name the argument `name`.
@@ -220,10 +260,99 @@ pub fn decode(bytes: &[u8], name: &str) -> Result<Array> {
 
 /// Writes `data` of `shape` (C order) as a version 1.0 `.npy` file (2.0 if the header needs it).
 /// `name` is the argument the path came from; errors name it and the file.
+///
+/// The bytes go to a temporary file beside `path`, renamed over it once complete, so an
+/// interrupted write never leaves a half-written `.npy` at `path` (a symbolic link at `path` is
+/// replaced, not followed).
 pub fn write<T: NpyElement>(path: &Path, name: &str, shape: &[usize], data: &[T]) -> Result<()> {
+    stage(path, name, shape, data)?.commit()
+}
+
+/// A complete `.npy` file written beside its destination under a temporary name, not yet in
+/// place: [`Staged::commit`] renames it over the destination; dropping it removes it. Staging
+/// every output before committing any lets a caller write several files all or nothing.
+#[derive(Debug)]
+pub struct Staged {
+    tmp: std::path::PathBuf,
+    path: std::path::PathBuf,
+    name: String,
+    committed: bool,
+}
+
+/// Writes `data` of `shape` to a temporary file beside `path` (see [`Staged`]).
+pub fn stage<T: NpyElement>(
+    path: &Path,
+    name: &str,
+    shape: &[usize],
+    data: &[T],
+) -> Result<Staged> {
     let bytes = encode(shape, data).map_err(|e| rename(e, name))?;
-    std::fs::write(path, bytes)
-        .map_err(|e| Error::invalid(name, format!("cannot write `{}`: {e}", path.display())))
+    let shown = one_line(&path.display().to_string());
+    let file = path
+        .file_name()
+        .ok_or_else(|| Error::invalid(name, format!("`{shown}` does not name a file")))?;
+    let mut tmp_name = std::ffi::OsString::from(".");
+    tmp_name.push(file);
+    tmp_name.push(format!(".fa4-{}.tmp", std::process::id()));
+    let staged = Staged {
+        tmp: path.with_file_name(tmp_name),
+        path: path.to_path_buf(),
+        name: name.to_string(),
+        committed: false,
+    };
+    std::fs::write(&staged.tmp, bytes)
+        .map_err(|e| Error::invalid(name, format!("cannot write `{shown}`: {e}")))?;
+    Ok(staged)
+}
+
+impl Staged {
+    /// Renames the temporary file over the destination.
+    pub fn commit(mut self) -> Result<()> {
+        std::fs::rename(&self.tmp, &self.path).map_err(|e| {
+            Error::invalid(
+                &self.name,
+                format!(
+                    "cannot write `{}`: {e}",
+                    one_line(&self.path.display().to_string())
+                ),
+            )
+        })?;
+        self.committed = true;
+        Ok(())
+    }
+}
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        if !self.committed {
+            // Best effort: the error that made the caller drop it is the one worth reporting.
+            let _ = std::fs::remove_file(&self.tmp);
+        }
+    }
+}
+
+/// `s` on one line and of bounded length: control characters (a header's newline, raw bytes
+/// of a malformed file) are escaped, and text past `max` characters is cut with `…`.
+fn one_line_max(s: &str, max: usize) -> String {
+    let mut out = String::new();
+    for (i, c) in s.chars().enumerate() {
+        if i == max {
+            out.push('…');
+            break;
+        }
+        // Line and paragraph separators end a line in some terminals too.
+        if c.is_control() || matches!(c, '\u{2028}' | '\u{2029}') {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// [`one_line_max`] with room for a path or a whole error.
+fn one_line(s: &str) -> String {
+    one_line_max(s, 400)
 }
 
 /// The bytes of a `.npy` file holding `data` of `shape` in C order. Errors (naming `shape`) if
@@ -295,6 +424,82 @@ fn rename(e: Error, name: &str) -> Error {
 
 /// Parses a whole file; the error is a phrase that follows the file's name ("is truncated …").
 fn parse(bytes: &[u8], allowed: &[NpyDType]) -> std::result::Result<Array, String> {
+    parse_raw(bytes, allowed).map_err(|why| one_line(&why))
+}
+
+/// Where the header ends (`preamble + header_len`), read from the preamble; `None` when the
+/// bytes do not start with a supported preamble (then [`parse`] says what is wrong).
+fn header_end(bytes: &[u8]) -> Option<usize> {
+    if bytes.len() < MAGIC.len() + 2 || &bytes[..MAGIC.len()] != MAGIC {
+        return None;
+    }
+    match bytes[6] {
+        1 if bytes.len() >= 10 => Some(10 + usize::from(u16::from_le_bytes([bytes[8], bytes[9]]))),
+        2 | 3 if bytes.len() >= 12 => {
+            let len = u32::from_le_bytes([bytes[8], bytes[9], bytes[10], bytes[11]]);
+            usize::try_from(len).ok()?.checked_add(12)
+        }
+        _ => None,
+    }
+}
+
+/// A parsed header: where the data starts and how many bytes it must hold.
+struct Framed {
+    header: Header,
+    data_start: usize,
+    nbytes: usize,
+    numel: usize,
+}
+
+impl Framed {
+    fn wrong_size(&self, got: usize) -> String {
+        format!(
+            "holds {got} bytes of data, but shape {:?} of {} needs {}",
+            self.header.shape, self.header.dtype, self.nbytes
+        )
+    }
+}
+
+fn parse_raw(bytes: &[u8], allowed: &[NpyDType]) -> std::result::Result<Array, String> {
+    let f = frame(bytes, allowed)?;
+    let body = &bytes[f.data_start..];
+    if body.len() != f.nbytes {
+        return Err(f.wrong_size(body.len()));
+    }
+    let (header, numel) = (f.header, f.numel);
+    let data = match header.dtype {
+        NpyDType::F32 => Data::F32(
+            body.chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ),
+        NpyDType::F16 => Data::F16(
+            body.chunks_exact(2)
+                .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
+                .collect(),
+        ),
+        NpyDType::I32 => Data::I32(
+            body.chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+        ),
+    };
+    debug_assert_eq!(
+        match &data {
+            Data::F32(x) => x.len(),
+            Data::F16(x) => x.len(),
+            Data::I32(x) => x.len(),
+        },
+        numel
+    );
+    Ok(Array {
+        shape: header.shape,
+        data,
+    })
+}
+
+/// Parses the preamble and header (the data need not be there yet).
+fn frame(bytes: &[u8], allowed: &[NpyDType]) -> std::result::Result<Framed, String> {
     if bytes.len() < MAGIC.len() + 2 || &bytes[..MAGIC.len()] != MAGIC {
         return Err("is not a .npy file (it does not start with \\x93NUMPY)".into());
     }
@@ -350,43 +555,11 @@ fn parse(bytes: &[u8], allowed: &[NpyDType]) -> std::result::Result<Array, Strin
             header.shape
         ));
     }
-    let body = &bytes[data_start..];
-    if body.len() != nbytes {
-        return Err(format!(
-            "holds {} bytes of data, but shape {:?} of {} needs {nbytes}",
-            body.len(),
-            header.shape,
-            header.dtype
-        ));
-    }
-    let data = match header.dtype {
-        NpyDType::F32 => Data::F32(
-            body.chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-        ),
-        NpyDType::F16 => Data::F16(
-            body.chunks_exact(2)
-                .map(|c| f16::from_bits(u16::from_le_bytes([c[0], c[1]])))
-                .collect(),
-        ),
-        NpyDType::I32 => Data::I32(
-            body.chunks_exact(4)
-                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-        ),
-    };
-    debug_assert_eq!(
-        match &data {
-            Data::F32(x) => x.len(),
-            Data::F16(x) => x.len(),
-            Data::I32(x) => x.len(),
-        },
-        numel
-    );
-    Ok(Array {
-        shape: header.shape,
-        data,
+    Ok(Framed {
+        header,
+        data_start,
+        nbytes,
+        numel,
     })
 }
 
@@ -510,7 +683,13 @@ impl<'a> Lexer<'a> {
 impl Header {
     fn parse(text: &str, allowed: &[NpyDType]) -> std::result::Result<Header, String> {
         let mut lx = Lexer { s: text };
-        let bad = |why: String| format!("has a malformed header ({why}): {}", text.trim_end());
+        let bad = |why: String| {
+            format!(
+                "has a malformed header ({}): {}",
+                one_line_max(&why, 120),
+                one_line_max(text.trim_end(), 120)
+            )
+        };
         let (mut descr, mut fortran, mut shape) = (None, None, None);
         lx.expect('{').map_err(bad)?;
         loop {

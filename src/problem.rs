@@ -1,7 +1,7 @@
 //! The attention problem: shapes, strides, dtype, mask, scale, softcap and sequence lengths,
 //! validated once and then trusted by every backend.
 //!
-//! The function itself is defined in `spec/attention.md`; [`Problem::new`] checks everything a
+//! The function itself is defined in `docs/attention.md`; [`Problem::new`] checks everything a
 //! backend relies on and names the offending argument in its error.
 
 use crate::dtype::DType;
@@ -58,6 +58,16 @@ impl Options {
     /// The mask.
     pub fn get_mask(&self) -> Mask {
         self.mask
+    }
+
+    /// The scale as given (`None`: `1/sqrt(head_dim)`, resolved by the problem).
+    pub fn get_scale(&self) -> Option<f32> {
+        self.scale
+    }
+
+    /// The softcap as given.
+    pub fn get_softcap(&self) -> Option<f32> {
+        self.softcap
     }
 }
 
@@ -143,8 +153,12 @@ fn cu_seqlens(name: &str, cu: &[i32], total: usize) -> Result<Vec<usize>> {
     Ok(out)
 }
 
-/// True when no two distinct elements of the layout share an offset.
+/// True when no two distinct elements of the layout share an offset (an empty layout has no
+/// elements, so none overlap whatever its strides).
 fn non_overlapping(l: &Layout) -> bool {
+    if l.dims.contains(&0) {
+        return true;
+    }
     let mut axes: Vec<(usize, usize)> = (0..3)
         .map(|a| (l.strides[a], l.dims[a]))
         .chain(std::iter::once((1, l.dims[3])))
@@ -162,6 +176,22 @@ fn non_overlapping(l: &Layout) -> bool {
         };
     }
     true
+}
+
+/// An empty list with room for `n` sequences, or an error naming `name` with the bytes asked:
+/// a batch of 10⁹ would otherwise abort the process inside the allocator.
+fn sequence_list(name: &str, n: usize) -> Result<Vec<Sequence>> {
+    let mut seqs = Vec::new();
+    if seqs.try_reserve_exact(n).is_err() {
+        let bytes = n
+            .checked_mul(std::mem::size_of::<Sequence>())
+            .map_or_else(|| "more than usize::MAX".to_string(), |b| b.to_string());
+        return Err(Error::invalid(
+            name,
+            format!("a batch of {n} sequences cannot be allocated ({bytes} bytes of per-sequence records)"),
+        ));
+    }
+    Ok(seqs)
 }
 
 impl Problem {
@@ -282,15 +312,14 @@ impl Problem {
                     ),
                 ));
             }
-            let seqs = (0..cq.len() - 1)
-                .map(|i| Sequence {
-                    batch_index: 0,
-                    q_start: cq[i],
-                    q_len: cq[i + 1] - cq[i],
-                    k_start: ck[i],
-                    k_len: ck[i + 1] - ck[i],
-                })
-                .collect();
+            let mut seqs = sequence_list("cu_seqlens_q", cq.len() - 1)?;
+            seqs.extend((0..cq.len() - 1).map(|i| Sequence {
+                batch_index: 0,
+                q_start: cq[i],
+                q_len: cq[i + 1] - cq[i],
+                k_start: ck[i],
+                k_len: ck[i + 1] - ck[i],
+            }));
             (seqs, sq, 0, sq)
         } else {
             for (name, cu) in [
@@ -304,21 +333,20 @@ impl Problem {
                     ));
                 }
             }
-            let seqs = (0..b)
-                .map(|bi| Sequence {
-                    batch_index: bi,
-                    q_start: 0,
-                    q_len: sq,
-                    k_start: 0,
-                    k_len: sk,
-                })
-                .collect();
             let hs = hq.checked_mul(sq);
             let total = hs.and_then(|x| x.checked_mul(b));
-            match (hs, total) {
-                (Some(hs), Some(total)) => (seqs, total / hq.max(1), hs, sq),
-                _ => return Err(Error::invalid("q", "shape overflows")),
-            }
+            let (Some(hs), Some(total)) = (hs, total) else {
+                return Err(Error::invalid("q", "shape overflows"));
+            };
+            let mut seqs = sequence_list("q", b)?;
+            seqs.extend((0..b).map(|bi| Sequence {
+                batch_index: bi,
+                q_start: 0,
+                q_len: sq,
+                k_start: 0,
+                k_len: sk,
+            }));
+            (seqs, total / hq, hs, sq)
         };
 
         let scale = match opts.scale {
@@ -489,8 +517,9 @@ impl Problem {
             .seqs
             .iter()
             .map(|s| match self.mask {
-                Mask::None => (s.q_len * s.k_len) as f64,
-                Mask::Causal => (s.q_len * s.k_len) as f64 / 2.0,
+                // In f64: `q_len · k_len` can overflow usize when both are huge.
+                Mask::None => s.q_len as f64 * s.k_len as f64,
+                Mask::Causal => s.q_len as f64 * s.k_len as f64 / 2.0,
                 Mask::Window { .. } => {
                     let m = self.seq_mask(s);
                     (0..s.q_len).map(|i| m.key_range(i).len() as f64).sum()

@@ -114,6 +114,17 @@ impl Layout {
                 ))
             }
         };
+        // Every later size product (`numel`, buffer lengths) is bounded by this one.
+        if dims
+            .iter()
+            .try_fold(1usize, |acc, &n| acc.checked_mul(n))
+            .is_none()
+        {
+            return Err(Error::invalid(
+                name,
+                format!("shape {shape:?} overflows: more elements than usize holds"),
+            ));
+        }
         let [_, s, h, d] = dims;
         let strides = match strides {
             None => {
@@ -169,9 +180,13 @@ impl Layout {
         last.checked_add(1)
     }
 
-    /// Elements a contiguous tensor of this shape holds.
+    /// Elements a contiguous tensor of this shape holds (checked not to overflow when the
+    /// layout was built; saturates for a layout whose public fields were edited since).
     pub fn numel(&self) -> usize {
-        self.dims.iter().product()
+        self.dims
+            .iter()
+            .try_fold(1usize, |acc, &n| acc.checked_mul(n))
+            .unwrap_or(usize::MAX)
     }
 
     /// Element offset of `(batch, row, head, 0)`.

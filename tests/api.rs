@@ -212,7 +212,7 @@ fn strided_views_compute_the_same_function() {
         &opts,
     )
     .unwrap();
-    let report = check(&p, &qkv, &qkv[h * d..], &qkv[2 * h * d..], &o, None);
+    let report = check(&p, &qkv, &qkv[h * d..], &qkv[2 * h * d..], &o, None).unwrap();
     assert!(report.passed(), "{report}");
 }
 
@@ -239,11 +239,13 @@ fn the_tolerance_rule_catches_wrong_and_unwritten_outputs() {
         &Options::new(),
     )
     .unwrap();
-    assert!(check(&p, &x.q, &x.k, &x.v, &o, Some(&lse)).passed());
+    assert!(check(&p, &x.q, &x.k, &x.v, &o, Some(&lse))
+        .unwrap()
+        .passed());
 
     let mut wrong = o.clone();
     wrong[100] += 1e-3;
-    let r = check(&p, &x.q, &x.k, &x.v, &wrong, Some(&lse));
+    let r = check(&p, &x.q, &x.k, &x.v, &wrong, Some(&lse)).unwrap();
     assert!(!r.passed());
     let (pos, _, _) = r.first_bad.unwrap();
     assert_eq!(
@@ -254,10 +256,109 @@ fn the_tolerance_rule_catches_wrong_and_unwritten_outputs() {
 
     let mut unwritten = o.clone();
     unwritten[7] = f32::NAN;
-    let r = check(&p, &x.q, &x.k, &x.v, &unwritten, Some(&lse));
+    let r = check(&p, &x.q, &x.k, &x.v, &unwritten, Some(&lse)).unwrap();
     assert!(!r.passed() && r.finiteness_mismatches == 1, "{r}");
 
     let mut bad_lse = lse.clone();
     bad_lse[3] += 1e-3;
-    assert!(!check(&p, &x.q, &x.k, &x.v, &o, Some(&bad_lse)).passed());
+    assert!(!check(&p, &x.q, &x.k, &x.v, &o, Some(&bad_lse))
+        .unwrap()
+        .passed());
+}
+
+/// Sizes no machine holds are errors from `Problem::new`, not an abort in the allocator
+/// (`[1 << 40, 1, 1, 1]`: the per-sequence list) or a `capacity overflow` panic (`1 << 62`).
+#[test]
+fn huge_batches_are_errors_not_aborts() {
+    use fa4::tensor::Layout;
+    use fa4::{DType, Problem};
+    for b in [1usize << 40, 1 << 62, usize::MAX] {
+        let l = Layout::new("q", &[b, 1, 1, 1], None).unwrap();
+        let e = Problem::new(DType::F32, &l, &l, &l, &l, None, None, &Options::new())
+            .expect_err("too many sequences to hold");
+        assert!(e.to_string().contains("bytes"), "{e}");
+        assert_eq!(arg_of(e), "q");
+    }
+    // Element counts past usize are refused when the layout is built.
+    assert_eq!(
+        arg_of(Layout::new("q", &[1 << 62, 4, 1, 1], None).unwrap_err()),
+        "q"
+    );
+    assert!(Layout::new("k", &[1 << 62, 1, 2, 2], Some(&[0, 0, 0, 1])).is_err());
+}
+
+/// The CPU backend's public entry checks its slices itself: a short `k` or `out` is an error
+/// naming it (it panicked on an index out of bounds).
+#[test]
+fn cpu_backend_forward_validates_its_slices() {
+    use fa4::cpu::CpuBackend;
+    use fa4::tensor::Layout;
+    use fa4::{DType, Problem};
+    let x = bufs(1, 8, 8, 2, 2, 16);
+    let l = Layout::new("q", &[1, 8, 2, 16], None).unwrap();
+    let p = Problem::new(DType::F32, &l, &l, &l, &l, None, None, &Options::new()).unwrap();
+    let cpu = CpuBackend::default();
+    let mut o = x.o.clone();
+    let mut lse = vec![0f32; p.lse_len()];
+    let e = cpu.forward(&p, &x.q, &x.k[..100], &x.v, &mut o, None);
+    assert_eq!(arg_of(e.unwrap_err()), "k");
+    let e = cpu.forward(&p, &x.q, &x.k, &x.v, &mut o[..255], None);
+    assert_eq!(arg_of(e.unwrap_err()), "out");
+    let e = cpu.forward(&p, &x.q, &x.k, &x.v, &mut o, Some(&mut lse[..3]));
+    assert_eq!(arg_of(e.unwrap_err()), "lse");
+    let threads0 = CpuBackend {
+        threads: Some(0),
+        tiles: None,
+    };
+    let e = threads0.forward(&p, &x.q, &x.k, &x.v, &mut o, None);
+    assert_eq!(arg_of(e.unwrap_err()), "threads");
+    cpu.forward(&p, &x.q, &x.k, &x.v, &mut o, Some(&mut lse))
+        .unwrap();
+    assert!(o.iter().all(|x| x.is_finite()));
+}
+
+/// A batch of sequences without query rows is a valid problem with empty outputs (its O has
+/// batch stride 0, which was taken for overlapping elements).
+#[test]
+fn an_empty_batch_returns_empty_outputs() {
+    let (q, k) = (Vec::<f32>::new(), vec![0.5f32; 2 * 16]);
+    let mut o = Vec::<f32>::new();
+    let mut lse = Vec::<f32>::new();
+    Backend::Cpu
+        .forward(
+            &Tensor::new(&q, &[2, 0, 1, 16]).unwrap(),
+            &Tensor::new(&k, &[2, 1, 1, 16]).unwrap(),
+            &Tensor::new(&k, &[2, 1, 1, 16]).unwrap(),
+            &mut TensorMut::new(&mut o, &[2, 0, 1, 16]).unwrap(),
+            Some(&mut lse),
+            &Options::new(),
+        )
+        .unwrap();
+    // Sequences without keys are empty too, with a query row each (LSE -inf, O 0 by the spec).
+    let q1 = vec![1.0f32; 2 * 16];
+    let mut o1 = vec![f32::NAN; 2 * 16];
+    let mut lse1 = vec![f32::NAN; 2];
+    Backend::Cpu
+        .forward(
+            &Tensor::new(&q1, &[2, 1, 1, 16]).unwrap(),
+            &Tensor::new(&q, &[2, 0, 1, 16]).unwrap(),
+            &Tensor::new(&q, &[2, 0, 1, 16]).unwrap(),
+            &mut TensorMut::new(&mut o1, &[2, 1, 1, 16]).unwrap(),
+            Some(&mut lse1),
+            &Options::new(),
+        )
+        .unwrap();
+    assert!(lse1.iter().all(|&l| l == f32::NEG_INFINITY), "{lse1:?}");
+    assert!(o1.iter().all(|&x| x == 0.0), "{o1:?}");
+}
+
+/// `Backend::auto_explained` accounts for its choice on one line.
+#[test]
+fn auto_explains_its_choice_on_one_line() {
+    let (b, why) = Backend::auto_explained();
+    assert!(!why.contains('\n'), "{why}");
+    match b {
+        Backend::Cpu => assert!(why.starts_with("chose cpu: no usable GPU ("), "{why}"),
+        other => assert!(why.contains(&other.name()), "{why}"),
+    }
 }

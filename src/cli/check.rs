@@ -11,6 +11,7 @@ use fa4::check::{matrix, run_case};
 use fa4::problem::MAX_HEAD_DIM;
 use fa4::{Backend, DType, Error, Result};
 
+use super::progress::Progress;
 use super::BackendArg;
 
 /// The matrix's head dimensions when `--head-dim` is not given.
@@ -43,9 +44,32 @@ pub struct CheckArgs {
     /// Which CUDA kernel family runs the matrix (`--backend cuda` only).
     #[arg(long, value_enum)]
     kernel: Option<super::KernelArg>,
+    /// Worker threads of the CPU backend and of the float64 oracle [default: all cores].
+    #[arg(long, allow_negative_numbers = true)]
+    threads: Option<usize>,
 }
 
 pub fn run(args: CheckArgs) -> Result<ExitCode> {
+    super::with_threads(args.threads, || run_in_pool(args))
+}
+
+fn run_in_pool(args: CheckArgs) -> Result<ExitCode> {
+    if let Some(t) = args.dtype.iter().find(|&&t| t == DType::Fp8E4M3) {
+        return Err(Error::invalid(
+            "--dtype",
+            format!("{t} is planned for but not computed yet; use f32, fp16 or bf16"),
+        ));
+    }
+    if let Some(d) = args
+        .head_dim
+        .iter()
+        .find(|&&d| !(1..=MAX_HEAD_DIM).contains(&d))
+    {
+        return Err(Error::invalid(
+            "--head-dim",
+            format!("{d} is outside 1..={MAX_HEAD_DIM}"),
+        ));
+    }
     let mut backend = args.backend.resolve()?;
     for (flag, given) in [
         ("--tiles", args.tiles.is_some()),
@@ -75,22 +99,6 @@ pub fn run(args: CheckArgs) -> Result<ExitCode> {
         }
         backend = Backend::Cuda(cuda);
     }
-    if let Some(t) = args.dtype.iter().find(|&&t| t == DType::Fp8E4M3) {
-        return Err(Error::invalid(
-            "--dtype",
-            format!("{t} is planned for but not computed yet; use f32, fp16 or bf16"),
-        ));
-    }
-    if let Some(d) = args
-        .head_dim
-        .iter()
-        .find(|&&d| !(1..=MAX_HEAD_DIM).contains(&d))
-    {
-        return Err(Error::invalid(
-            "--head-dim",
-            format!("{d} is outside 1..={MAX_HEAD_DIM}"),
-        ));
-    }
     let dtypes = if args.dtype.is_empty() {
         DTYPES.to_vec()
     } else {
@@ -111,7 +119,16 @@ pub fn run(args: CheckArgs) -> Result<ExitCode> {
     );
     let t0 = Instant::now();
     let (mut passed, mut failed) = (0usize, 0usize);
+    // The bar starts after the first case, whose time (times the number of cases) is the
+    // estimate; the fraction itself counts finished cases.
+    let mut progress: Option<Progress> = None;
     for (i, case) in cases.iter().enumerate() {
+        if i == 1 {
+            let estimate = t0.elapsed().as_secs_f64() * n as f64;
+            let p = Progress::start(&format!("checking {n} cases"), estimate, n);
+            p.step();
+            progress = Some(p);
+        }
         let seed = args.seed.wrapping_add(i as u64);
         let verdict = match run_case(&backend, case, seed) {
             Ok(report) => {
@@ -128,6 +145,12 @@ pub fn run(args: CheckArgs) -> Result<ExitCode> {
             }
         };
         println!("case {:>width$}/{n} {case}: {verdict}", i + 1);
+        if let Some(p) = &progress {
+            p.step();
+        }
+    }
+    if let Some(p) = progress {
+        p.finish();
     }
     println!("took {:.2} s", t0.elapsed().as_secs_f64());
     println!("{passed} passed, {failed} failed");

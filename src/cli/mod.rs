@@ -11,7 +11,9 @@ use fa4::Backend;
 mod bench;
 mod bench_cuda;
 mod check;
+mod memory;
 mod plan;
+mod progress;
 mod run;
 
 /// Exact, fast attention (FlashAttention) on NVIDIA GPUs and the CPU.
@@ -37,6 +39,7 @@ enum Command {
 
 /// Parses the arguments, runs the command and maps every error to one line and exit code 2.
 pub fn main() -> ExitCode {
+    restore_sigpipe();
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
         Err(e) => return clap_error(e),
@@ -50,10 +53,58 @@ pub fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("fa4: error: {e}");
+            eprintln!("fa4: error: {}", one_line(&e.to_string()));
             ExitCode::from(2)
         }
     }
+}
+
+/// A closed stdout (`fa4 run | head -1`) ends the program quietly, as it ends `cat`: Rust
+/// ignores SIGPIPE, which turns the failed write into a panic in `println!`; the default action
+/// restores the Unix convention.
+fn restore_sigpipe() {
+    #[cfg(unix)]
+    // SAFETY: called first thing in `main`, before any other thread exists; setting a signal's
+    // disposition to its default has no memory-safety preconditions.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+/// An error message on one line: a line break (a compiler log, say) becomes ` | `, other control
+/// characters are escaped.
+fn one_line(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for line in s.lines().map(str::trim_end).filter(|l| !l.is_empty()) {
+        if !out.is_empty() {
+            out.push_str(" | ");
+        }
+        for c in line.chars() {
+            if c.is_control() || matches!(c, '\u{2028}' | '\u{2029}') {
+                out.extend(c.escape_default());
+            } else {
+                out.push(c);
+            }
+        }
+    }
+    out
+}
+
+/// Runs `f` on a rayon pool of `threads` workers (`--threads`; `None`: all cores), so that the
+/// CPU backend and the float64 oracle both use that many.
+pub fn with_threads<R: Send>(
+    threads: Option<usize>,
+    f: impl FnOnce() -> fa4::Result<R> + Send,
+) -> fa4::Result<R> {
+    let Some(n) = threads else { return f() };
+    if n == 0 {
+        return Err(fa4::Error::invalid("--threads", "must be ≥ 1"));
+    }
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(n)
+        .build()
+        .map_err(|e| fa4::Error::invalid("--threads", e.to_string()))?
+        .install(f)
 }
 
 /// `--backend`: where attention is computed.
@@ -72,7 +123,13 @@ impl BackendArg {
     /// The backend this choice names, or an error naming `--backend` if it is unavailable.
     pub fn resolve(self) -> fa4::Result<Backend> {
         match self {
-            BackendArg::Auto => Ok(Backend::auto()),
+            BackendArg::Auto => {
+                // Which backend, and why not the GPU, on one line: the output alone would not
+                // say why a machine with a GPU ran on the CPU.
+                let (b, why) = Backend::auto_explained();
+                eprintln!("fa4: --backend auto {why}");
+                Ok(b)
+            }
             BackendArg::Cpu => Ok(Backend::Cpu),
             BackendArg::Cuda => {
                 Backend::cuda(0).map_err(|e| fa4::Error::invalid("--backend", format!("cuda: {e}")))

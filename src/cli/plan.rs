@@ -7,6 +7,9 @@ use fa4::config::sm100::{FA4Config, FA4Inputs, Swizzle};
 use fa4::config::sm90::{self, Sm90Plan};
 use fa4::{DType, Error, Result};
 
+#[path = "decode_plan.rs"]
+mod decode_plan;
+
 /// Which planner to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum PlanArch {
@@ -21,21 +24,21 @@ pub struct PlanArgs {
     /// The GPU family to plan for.
     #[arg(long, value_enum, default_value_t = PlanArch::Sm100)]
     arch: PlanArch,
-    /// Query heads.
-    #[arg(long, default_value_t = 32, allow_negative_numbers = true)]
-    num_q_heads: u32,
-    /// Query heads per KV head (GQA ratio); must divide --num-q-heads.
-    #[arg(long, default_value_t = 1, allow_negative_numbers = true)]
-    group: u32,
+    /// Query heads (SM100) [default: 32].
+    #[arg(long, allow_negative_numbers = true)]
+    num_q_heads: Option<u32>,
+    /// Query heads per KV head (GQA ratio, SM100); must divide --num-q-heads [default: 1].
+    #[arg(long, allow_negative_numbers = true)]
+    group: Option<u32>,
     /// Head dimension.
     #[arg(long, allow_negative_numbers = true)]
     depth: u32,
     /// Element type of Q, K and V: bf16, fp16, fp8 or f32.
     #[arg(long, default_value = "bf16")]
     dtype: DType,
-    /// TMA swizzle: none, 32B, 64B or 128B.
-    #[arg(long, default_value = "128B")]
-    swizzle: Swizzle,
+    /// TMA swizzle (SM100): none, 32B, 64B or 128B [default: 128B].
+    #[arg(long)]
+    swizzle: Option<Swizzle>,
     /// Variable-length (packed) batches (`--arch sm90`: decides the kernel).
     #[arg(long)]
     varlen: bool,
@@ -46,9 +49,18 @@ pub struct PlanArgs {
     /// Print the machine-readable form (the seed's names) instead of the report.
     #[arg(long)]
     json: bool,
+    /// Decode over a paged KV cache (`src/cli/decode_plan.rs`).
+    #[command(flatten)]
+    decode: decode_plan::DecodePlanArgs,
 }
 
 pub fn run(args: PlanArgs) -> Result<()> {
+    if let Some(flag) = args.decode.stray() {
+        return Err(Error::invalid(flag, "belongs to `fa4 plan --decode`"));
+    }
+    if args.decode.wanted() {
+        return decode_plan::run(&args);
+    }
     if args.arch == PlanArch::Sm90 {
         return run_sm90(&args);
     }
@@ -65,11 +77,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
         ));
     }
     let cfg = FA4Config::new(FA4Inputs {
-        num_q_heads: args.num_q_heads,
-        group: args.group,
+        num_q_heads: args.num_q_heads.unwrap_or(32),
+        group: args.group.unwrap_or(1),
         depth: args.depth,
         dtype_size: args.dtype.size_bytes(),
-        swizzle_mode: args.swizzle,
+        swizzle_mode: args.swizzle.unwrap_or(Swizzle::B128),
     })?;
     if args.json {
         println!("{}", cfg.to_json());
@@ -80,18 +92,19 @@ pub fn run(args: PlanArgs) -> Result<()> {
 }
 
 fn run_sm90(args: &PlanArgs) -> Result<()> {
-    // The seed's input checks (heads, group, depth) apply to every planner.
-    if args.num_q_heads == 0 {
-        return Err(Error::invalid("--num-q-heads", "must be at least 1"));
-    }
-    if args.group == 0 || !args.num_q_heads.is_multiple_of(args.group) {
-        return Err(Error::invalid(
-            "--group",
-            format!(
-                "{} must be at least 1 and divide --num-q-heads {}",
-                args.group, args.num_q_heads
-            ),
-        ));
+    // The Hopper plan depends on neither heads nor swizzle (its swizzle follows the head dim):
+    // a flag that would change nothing is refused rather than silently ignored.
+    for (flag, given) in [
+        ("--num-q-heads", args.num_q_heads.is_some()),
+        ("--group", args.group.is_some()),
+        ("--swizzle", args.swizzle.is_some()),
+    ] {
+        if given {
+            return Err(Error::invalid(
+                flag,
+                "the Hopper plan (`--arch sm90`) does not depend on it; it applies to `--arch sm100`",
+            ));
+        }
     }
     let arch = fa4::arch::H200;
     let depth = args.depth as usize;

@@ -15,10 +15,16 @@ use rand::rngs::StdRng;
 use rand::SeedableRng;
 
 use fa4::npy::{self, Array, Data, NpyDType};
+use fa4::problem::MAX_HEAD_DIM;
 use fa4::tensor::Layout;
 use fa4::{check, Backend, DType, Element, Error, Mask, Options, Problem, Result};
 
+use super::memory;
+use super::progress::{Progress, ORACLE_MACS_PER_THREAD_S};
 use super::BackendArg;
+
+#[path = "decode.rs"]
+mod decode;
 
 /// The check runs unless told otherwise when the oracle costs at most this many multiply-adds
 /// (the float64 pass, plus the storage-precision pass for 16-bit dtypes). Measured on a 2-core
@@ -31,6 +37,10 @@ const CHECK_LIMIT_MACS: f64 = 5e9;
 const DEFAULT_SEQLEN: usize = 1024;
 const DEFAULT_HEADS: usize = 8;
 const DEFAULT_HEAD_DIM: usize = 128;
+
+/// FLOP/s per thread the CPU backend sustains at the least (bf16 at d = 128 on this project's
+/// 2-core machine runs at 20–30 GFLOP/s per thread), for the time estimate of long runs.
+const CPU_FLOPS_PER_THREAD_S: f64 = 15e9;
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
@@ -93,10 +103,10 @@ pub struct RunArgs {
     #[arg(long, value_name = "LEFT,RIGHT", allow_hyphen_values = true, value_parser = parse_window)]
     window: Option<Mask>,
     /// Softcap: scores become X·tanh(s/X); X > 0.
-    #[arg(long, value_name = "X", allow_negative_numbers = true)]
+    #[arg(long, value_name = "X", allow_hyphen_values = true)]
     softcap: Option<f32>,
-    /// Score scale [default: 1/sqrt(head_dim)].
-    #[arg(long, value_name = "X", allow_negative_numbers = true)]
+    /// Score scale, finite [default: 1/sqrt(head_dim)].
+    #[arg(long, value_name = "X", allow_hyphen_values = true)]
     scale: Option<f32>,
     /// Where attention is computed.
     #[arg(long, value_enum, default_value_t = BackendArg::Auto)]
@@ -107,6 +117,12 @@ pub struct RunArgs {
     /// Skip the check against the float64 oracle.
     #[arg(long)]
     no_check: bool,
+    /// Worker threads of the CPU backend and of the float64 oracle [default: all cores].
+    #[arg(long, allow_negative_numbers = true)]
+    threads: Option<usize>,
+    /// Decode over a paged KV cache (`src/cli/decode.rs`).
+    #[command(flatten)]
+    paged: decode::PagedRunArgs,
 }
 
 /// Parses `LEFT,RIGHT`, each ≥ 0 or -1 (unbounded).
@@ -161,7 +177,13 @@ fn skip_reason(policy: CheckPolicy, cost: f64) -> Option<String> {
 }
 
 pub fn run(args: RunArgs) -> Result<ExitCode> {
-    let backend = args.backend.resolve()?;
+    super::with_threads(args.threads, || run_in_pool(args))
+}
+
+fn run_in_pool(args: RunArgs) -> Result<ExitCode> {
+    // The backend is resolved once the arguments are known to be good, just before the work:
+    // `--backend auto`'s account of its choice is then never printed beside a usage error.
+    let backend = args.backend;
     if args.dtype == Some(DType::Fp8E4M3) {
         return Err(fp8());
     }
@@ -184,15 +206,26 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
     if let Some(s) = args.scale {
         opts = opts.scale(s);
     }
+    if let Some(s) = args.scale {
+        if !s.is_finite() {
+            return Err(Error::invalid(
+                "--scale",
+                format!("must be finite, got {s}"),
+            ));
+        }
+    }
     let policy = match (args.check, args.no_check) {
         (true, _) => CheckPolicy::Always,
         (_, true) => CheckPolicy::Never,
         _ => CheckPolicy::Affordable,
     };
+    if args.paged.wanted() {
+        return decode::run(&args, &backend.resolve()?, &opts, policy);
+    }
     if args.q.is_some() || args.k.is_some() || args.v.is_some() {
-        from_files(&args, &backend, &opts, policy)
+        from_files(&args, backend, &opts, policy)
     } else {
-        random(&args, &backend, &opts, policy)
+        random(&args, backend, &opts, policy)
     }
 }
 
@@ -200,7 +233,7 @@ pub fn run(args: RunArgs) -> Result<ExitCode> {
 
 fn random(
     args: &RunArgs,
-    backend: &Backend,
+    backend: BackendArg,
     opts: &Options,
     policy: CheckPolicy,
 ) -> Result<ExitCode> {
@@ -226,12 +259,61 @@ fn random(
     let dv = args.head_dim_v.unwrap_or(d);
     let seed = args.seed.unwrap_or(0);
     let dtype = args.dtype.unwrap_or(DType::Bf16);
+    if hq == 0 {
+        return Err(Error::invalid("--heads-q", "must be at least 1"));
+    }
+    if hkv == 0 || !hq.is_multiple_of(hkv) {
+        return Err(Error::invalid(
+            "--heads-kv",
+            format!("{hkv} must be at least 1 and divide --heads-q {hq} (GQA/MQA)"),
+        ));
+    }
+    for (flag, x) in [("--head-dim", d), ("--head-dim-v", dv)] {
+        if !(1..=MAX_HEAD_DIM).contains(&x) {
+            return Err(Error::invalid(
+                flag,
+                format!("{x} is outside 1..={MAX_HEAD_DIM}"),
+            ));
+        }
+    }
+    // The flag to blame for a size nothing can hold: the largest one given.
+    let size_flag = [
+        ("--batch", args.batch),
+        ("--seqlen-q", args.seqlen_q),
+        ("--seqlen-k", args.seqlen_k),
+        ("--heads-q", args.heads_q),
+        ("--heads-kv", args.heads_kv),
+        ("--head-dim", args.head_dim),
+        ("--head-dim-v", args.head_dim_v),
+    ]
+    .into_iter()
+    .filter_map(|(f, x)| x.map(|x| (x, f)))
+    .max()
+    .map_or("--seqlen-q", |(_, f)| f);
+    // Everything the run holds at once, in f64 so no product overflows: Q, K, V and O in the
+    // storage type, LSE, and the problem's per-sequence records.
+    let (bf, sqf, skf, hqf, hkvf) = (b as f64, sq as f64, sk as f64, hq as f64, hkv as f64);
+    let elem = dtype.size_bytes() as f64;
+    let bytes = elem * bf * (sqf * hqf * (d + dv) as f64 + skf * hkvf * (d + dv) as f64)
+        + 4.0 * bf * hqf * sqf
+        + bf * std::mem::size_of::<fa4::problem::Sequence>() as f64;
+    memory::ensure(size_flag, "the problem", bytes)?;
     let shapes = Shapes {
         q: vec![b, sq, hq, d],
         k: vec![b, sk, hkv, d],
         v: vec![b, sk, hkv, dv],
     };
-    let p = shapes.problem(dtype, None, opts)?;
+    let p = shapes.problem(dtype, None, opts).map_err(|e| {
+        flag_named(
+            e,
+            &[
+                ("q", size_flag),
+                ("k", "--heads-kv"),
+                ("v", "--head-dim-v"),
+                ("out", size_flag),
+            ],
+        )
+    })?;
     match dtype {
         DType::F32 => random_typed::<f32>(p, seed, backend, policy),
         DType::F16 => random_typed::<f16>(p, seed, backend, policy),
@@ -243,7 +325,7 @@ fn random(
 fn random_typed<T: Element>(
     p: Problem,
     seed: u64,
-    backend: &Backend,
+    backend: BackendArg,
     policy: CheckPolicy,
 ) -> Result<ExitCode> {
     let mut rng = StdRng::seed_from_u64(seed);
@@ -259,16 +341,18 @@ fn random_typed<T: Element>(
         p.head_dim_v(),
     );
     let job = Job { p, q, k, v };
-    let done = job.execute(backend)?;
-    job.print(backend, &done, &[]);
-    Ok(job.verify(&done, policy))
+    let skip = job.check_plan(policy)?;
+    let backend = backend.resolve()?;
+    let done = job.execute(&backend)?;
+    job.print(&backend, &done, &[]);
+    Ok(job.verify(&done, skip))
 }
 
 // ---- inputs from files ----------------------------------------------------------------------
 
 fn from_files(
     args: &RunArgs,
-    backend: &Backend,
+    backend: BackendArg,
     opts: &Options,
     policy: CheckPolicy,
 ) -> Result<ExitCode> {
@@ -326,6 +410,18 @@ fn from_files(
         }
     };
 
+    // Before reading or computing anything: no output may overwrite an input or another output.
+    let mut inputs: Vec<(&str, &Path)> = vec![("--q", &qp), ("--k", &kp), ("--v", &vp)];
+    if let Some((cq, ck)) = cu_paths {
+        inputs.push(("--cu-seqlens-q", cq));
+        inputs.push(("--cu-seqlens-k", ck));
+    }
+    let mut outputs: Vec<(&str, &Path)> = vec![("--out", &out)];
+    if let Some(l) = &args.lse {
+        outputs.push(("--lse", l));
+    }
+    distinct_outputs(&inputs, &outputs)?;
+
     const FLOATS: [NpyDType; 2] = [NpyDType::F32, NpyDType::F16];
     let qa = npy::read_as(&qp, "--q", &FLOATS)?;
     let ka = npy::read_as(&kp, "--k", &FLOATS)?;
@@ -381,7 +477,27 @@ fn from_files(
         v: va.shape.clone(),
     };
     let cu_ref = cu.as_ref().map(|(a, b)| (a.as_slice(), b.as_slice()));
-    let p = shapes.problem(dtype, cu_ref, opts)?;
+    let p = shapes.problem(dtype, cu_ref, opts).map_err(|e| {
+        flag_named(
+            e,
+            &[
+                ("q", "--q"),
+                ("k", "--k"),
+                ("v", "--v"),
+                ("out", "--out"),
+                ("cu_seqlens_q", "--cu-seqlens-q"),
+                ("cu_seqlens_k", "--cu-seqlens-k"),
+            ],
+        )
+    })?;
+    // The inputs converted to the storage type, O and LSE, and their float32 copies and bytes
+    // for writing (the files' own arrays are already held).
+    let (ql, kl, vl, ol) = (p.q_layout(), p.k_layout(), p.v_layout(), p.o_layout());
+    let elem = dtype.size_bytes() as f64;
+    let n = |x: usize| x as f64;
+    let bytes = elem * (n(ql.numel()) + n(kl.numel()) + n(vl.numel()) + n(ol.numel()))
+        + 8.0 * (n(ol.numel()) + n(p.lse_len()));
+    memory::ensure("--q", "the run", bytes)?;
     let outputs = Outputs {
         out: &out,
         lse: args.lse.as_deref(),
@@ -432,7 +548,7 @@ fn convert<T: Element>(a: Array) -> Vec<T> {
 fn files_typed<T: Element>(
     p: Problem,
     [qa, ka, va]: [Array; 3],
-    backend: &Backend,
+    backend: BackendArg,
     policy: CheckPolicy,
     outputs: Outputs<'_>,
 ) -> Result<ExitCode> {
@@ -442,10 +558,15 @@ fn files_typed<T: Element>(
         k: convert(ka),
         v: convert(va),
     };
-    let done = job.execute(backend)?;
-    // O is written as float32: exact for every storage dtype.
+    let skip = job.check_plan(policy)?;
+    let backend = backend.resolve()?;
+    let done = job.execute(&backend)?;
+    // O is written as float32: exact for every storage dtype. Both files are written under
+    // temporary names first and renamed only when both are complete: a failed or interrupted
+    // run leaves neither half-written.
     let o: Vec<f32> = done.o.iter().map(|x| x.to_f32()).collect();
-    npy::write(outputs.out, "--out", &outputs.o_shape, &o)?;
+    let mut staged = vec![npy::stage(outputs.out, "--out", &outputs.o_shape, &o)?];
+    drop(o);
     let mut wrote = vec![format!(
         "O {:?} float32 to `{}`",
         outputs.o_shape,
@@ -453,11 +574,87 @@ fn files_typed<T: Element>(
     )];
     if let Some(path) = outputs.lse {
         let shape = job.p.lse_shape();
-        npy::write(path, "--lse", &shape, &done.lse)?;
+        staged.push(npy::stage(path, "--lse", &shape, &done.lse)?);
         wrote.push(format!("LSE {shape:?} float32 to `{}`", path.display()));
     }
-    job.print(backend, &done, &wrote);
-    Ok(job.verify(&done, policy))
+    for s in staged {
+        s.commit()?;
+    }
+    job.print(&backend, &done, &wrote);
+    Ok(job.verify(&done, skip))
+}
+
+/// Renames a library error's argument (`k`, `cu_seqlens_q`) to the flag the user typed
+/// (`--k`, `--cu-seqlens-q`); `scale`, `softcap` and `dtype` are their flags everywhere.
+fn flag_named(e: Error, names: &[(&str, &str)]) -> Error {
+    match e {
+        Error::InvalidArgument { name, reason } => {
+            let common = [
+                ("scale", "--scale"),
+                ("softcap", "--softcap"),
+                ("dtype", "--dtype"),
+                ("lse", "--lse"),
+            ];
+            let flag = names
+                .iter()
+                .chain(&common)
+                .find(|(n, _)| *n == name)
+                .map_or(name.as_str(), |(_, f)| f);
+            Error::invalid(flag, reason)
+        }
+        other => other,
+    }
+}
+
+/// What identifies a file: its device and inode when it exists, else its absolute path (with
+/// the directory resolved, so `./o.npy` and `o.npy` are one file).
+#[derive(Debug, PartialEq, Eq)]
+enum FileId {
+    Inode(u64, u64),
+    Path(PathBuf),
+}
+
+fn file_id(p: &Path) -> FileId {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        if let Ok(m) = std::fs::metadata(p) {
+            return FileId::Inode(m.dev(), m.ino());
+        }
+    }
+    let dir = match p.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let dir = dir.canonicalize().unwrap_or_else(|_| dir.to_path_buf());
+    FileId::Path(dir.join(p.file_name().unwrap_or_default()))
+}
+
+/// An error naming the output flag whose file is an input's or an earlier output's: writing it
+/// would destroy that file (`--out X --lse X` kept only the LSE).
+fn distinct_outputs(inputs: &[(&str, &Path)], outputs: &[(&str, &Path)]) -> Result<()> {
+    let ids: Vec<(&str, &Path, FileId)> = inputs
+        .iter()
+        .chain(outputs)
+        .map(|&(f, p)| (f, p, file_id(p)))
+        .collect();
+    for (i, (flag, path, id)) in ids.iter().enumerate().skip(inputs.len()) {
+        if let Some((other, _, _)) = ids[..i].iter().find(|(_, _, o)| o == id) {
+            let what = if ids[..inputs.len()].iter().any(|(f, _, _)| f == other) {
+                "the input"
+            } else {
+                "the output"
+            };
+            return Err(Error::invalid(
+                *flag,
+                format!(
+                    "`{}` is {what} file of {other}; every output needs a file of its own",
+                    path.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 // ---- shared -----------------------------------------------------------------------------------
@@ -546,14 +743,62 @@ impl<T: Element> Job<T> {
         let mut o = alloc("out", self.p.o_layout().numel(), T::NAN)?;
         let mut lse = alloc("lse", self.p.lse_len(), f32::NAN)?;
         // Start the CPU thread pool outside the timed call.
-        rayon::current_num_threads();
+        let threads = rayon::current_num_threads();
+        // A GPU's time is not estimated here: its runs are short and it has its own compile step.
+        let estimate = match backend {
+            Backend::Cpu | Backend::CpuWith(_) => {
+                self.p.flops() / (CPU_FLOPS_PER_THREAD_S * threads as f64)
+            }
+            _ => 0.0,
+        };
+        let progress = Progress::start("computing attention on the CPU", estimate, 0);
         let t0 = Instant::now();
-        backend.run(&self.p, &self.q, &self.k, &self.v, &mut o, Some(&mut lse))?;
-        Ok(Done {
-            o,
-            lse,
-            elapsed: t0.elapsed(),
-        })
+        let result = backend.run(&self.p, &self.q, &self.k, &self.v, &mut o, Some(&mut lse));
+        let elapsed = t0.elapsed();
+        progress.finish();
+        result?;
+        Ok(Done { o, lse, elapsed })
+    }
+
+    /// `Ok(None)` to run the check, `Ok(Some(why))` to skip it, decided before anything is
+    /// computed: by its cost, and by the memory the oracle needs (its float64 O and LSE, and for
+    /// 16-bit storage the storage-precision O and LSE, each held twice while assembled). With
+    /// `--check`, memory that cannot be had is an error rather than an abort mid-check.
+    fn check_plan(&self, policy: CheckPolicy) -> Result<Option<String>> {
+        if let Some(why) = skip_reason(policy, check_cost(&self.p)) {
+            return Ok(Some(why));
+        }
+        let per_elem = if self.p.dtype() == DType::F32 {
+            16.0
+        } else {
+            24.0
+        };
+        let longest_k = self
+            .p
+            .sequences()
+            .iter()
+            .map(|s| s.k_len)
+            .max()
+            .unwrap_or(0);
+        let bytes = per_elem * (self.p.o_layout().numel() + self.p.lse_len()) as f64
+            + 16.0 * longest_k as f64 * rayon::current_num_threads() as f64;
+        let free = memory::available();
+        match free {
+            Some(free) if bytes > free => {
+                let why = format!(
+                    "the float64 oracle needs {bytes:.0} bytes ({}), but only {} can be \
+                     allocated here",
+                    memory::gb(bytes),
+                    memory::gb(free)
+                );
+                if policy == CheckPolicy::Always {
+                    Err(Error::invalid("--check", why))
+                } else {
+                    Ok(Some(format!("skipped: {why}")))
+                }
+            }
+            _ => Ok(None),
+        }
     }
 
     fn print(&self, backend: &Backend, done: &Done<T>, wrote: &[String]) {
@@ -579,14 +824,25 @@ impl<T: Element> Job<T> {
     }
 
     /// Prints the check's verdict (or why it was skipped); exit code 1 if it failed.
-    fn verify(&self, done: &Done<T>, policy: CheckPolicy) -> ExitCode {
-        let cost = check_cost(&self.p);
-        if let Some(why) = skip_reason(policy, cost) {
+    fn verify(&self, done: &Done<T>, skip: Option<String>) -> ExitCode {
+        if let Some(why) = skip {
             println!("check    {why}");
             return ExitCode::SUCCESS;
         }
+        let estimate =
+            check_cost(&self.p) / (ORACLE_MACS_PER_THREAD_S * rayon::current_num_threads() as f64);
+        let progress = Progress::start("checking against the float64 oracle", estimate, 0);
         let t0 = Instant::now();
-        let report = check::check(&self.p, &self.q, &self.k, &self.v, &done.o, Some(&done.lse));
+        let report =
+            match check::check(&self.p, &self.q, &self.k, &self.v, &done.o, Some(&done.lse)) {
+                Ok(r) => r,
+                Err(e) => {
+                    progress.finish();
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+        progress.finish();
         println!(
             "check    {report} (float64 oracle, {:.2} s)",
             t0.elapsed().as_secs_f64()
@@ -601,7 +857,10 @@ impl<T: Element> Job<T> {
 
 fn backend_name(b: &Backend) -> String {
     match b {
-        Backend::Cpu => format!("cpu ({} threads)", rayon::current_num_threads()),
+        Backend::Cpu => match rayon::current_num_threads() {
+            1 => "cpu (1 thread)".to_string(),
+            n => format!("cpu ({n} threads)"),
+        },
         other => other.name(),
     }
 }

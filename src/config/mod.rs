@@ -7,7 +7,10 @@
 //! - [`sm90`]: the Hopper plan (TMA, `wgmma`, warp specialisation): tiles, warpgroup roles and
 //!   register budgets, shared memory, and which kernel a problem gets on an sm_90 GPU.
 //! - [`sm80`]: the Ampere-class `mma.sync` kernel, which runs on every GPU from sm_80 on.
+//! - [`decode`]: split-KV and GQA packing of decode over a paged KV cache (CPU and GPU).
 
+pub mod decode;
+pub mod prelude;
 pub mod sm100;
 pub mod sm100_protocol;
 pub mod sm80;
@@ -15,6 +18,29 @@ pub mod sm90;
 
 use crate::error::{Error, Result};
 use crate::problem::Problem;
+
+/// A kernel family, or the CPU: what a dispatch decision names (printed and serialized as
+/// `sm80`, `sm90`, `cpu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KernelKind {
+    /// The Ampere-class `mma.sync` kernel (every GPU from sm_80 on).
+    Sm80,
+    /// The Hopper TMA + wgmma kernel.
+    Sm90,
+    /// No CUDA kernel computes the problem: the CPU backend.
+    Cpu,
+}
+
+impl std::fmt::Display for KernelKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KernelKind::Sm80 => "sm80",
+            KernelKind::Sm90 => "sm90",
+            KernelKind::Cpu => "cpu",
+        })
+    }
+}
 
 /// Most K and V bytes (16-bit) the heads of one launch-order group read ([`tile_order`]).
 pub const GROUP_KV_BYTES: usize = 32 << 20;

@@ -42,7 +42,8 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// Runs a validated problem on slices laid out as it says (the caller checked their sizes).
+    /// Runs a validated problem on slices laid out as it says. The slices are checked against
+    /// the problem first ([`Problem::check_buffers`]): a short one is an error naming it.
     pub fn forward<T: Element>(
         &self,
         p: &Problem,
@@ -52,6 +53,20 @@ impl CpuBackend {
         out: &mut [T],
         lse: Option<&mut [f32]>,
     ) -> Result<()> {
+        p.check_buffers(
+            T::DTYPE,
+            q.len(),
+            k.len(),
+            v.len(),
+            out.len(),
+            lse.as_deref().map(<[f32]>::len),
+        )?;
+        if self.threads == Some(0) {
+            return Err(Error::invalid(
+                "threads",
+                "must be ≥ 1 (None uses the current pool)",
+            ));
+        }
         let tiles = self.tiles.unwrap_or_else(|| plan::plan(p));
         if tiles.block_m == 0 || tiles.block_n == 0 {
             return Err(Error::invalid(

@@ -18,14 +18,29 @@ use super::libs;
 use crate::config::{sm80, sm90};
 use crate::error::{Error, Result};
 
-/// Types, constants and PTX wrappers shared by every kernel family.
-pub const COMMON_SRC: &str = include_str!("../kernels/common.cuh");
+/// The shared device layer every kernel family includes, in order: types and small PTX wrappers
+/// (`kernels/common/base.cuh`), the params struct and sequence bounds (`params.cuh`), the mask
+/// (`mask.cuh`) and the online softmax (`softmax.cuh`).
+pub const COMMON_SRCS: [&str; 4] = [
+    include_str!("../kernels/common/base.cuh"),
+    PARAMS_SRC,
+    include_str!("../kernels/common/mask.cuh"),
+    include_str!("../kernels/common/softmax.cuh"),
+];
 /// The params header, shared by every kernel family.
-pub const PARAMS_SRC: &str = include_str!("../kernels/sm80/params.cuh");
+pub const PARAMS_SRC: &str = include_str!("../kernels/common/params.cuh");
+/// The Ampere-class kernel's PTX wrappers.
+pub const SM80_PTX_SRC: &str = include_str!("../kernels/sm80/ptx.cuh");
 /// The Ampere-class forward kernel.
 pub const SM80_FWD_SRC: &str = include_str!("../kernels/sm80/fwd.cu");
-/// The Hopper kernel's params (TMA maps around [`PARAMS_SRC`]'s struct).
+/// The Hopper kernels' params (TMA maps around [`PARAMS_SRC`]'s struct).
 pub const SM90_PARAMS_SRC: &str = include_str!("../kernels/sm90/params.cuh");
+/// The Hopper kernels' PTX wrappers.
+pub const SM90_PTX_SRC: &str = include_str!("../kernels/sm90/ptx.cuh");
+/// The Hopper kernels' pipelines (barrier arrays, pipeline state, pipeline).
+pub const SM90_PIPELINE_SRC: &str = include_str!("../kernels/sm90/pipeline.cuh");
+/// The Hopper forward kernel's tile scheduler.
+pub const SM90_TILES_SRC: &str = include_str!("../kernels/sm90/tiles.cuh");
 /// The Hopper forward kernel.
 pub const SM90_FWD_SRC: &str = include_str!("../kernels/sm90/fwd.cu");
 /// Environment variable naming the cache folder.
@@ -36,8 +51,18 @@ pub const CACHE_DIR_ENV: &str = "FA4_CACHE_DIR";
 pub trait KernelSource: std::fmt::Debug + std::fmt::Display {
     /// NVRTC target (`sm_90`, `sm_90a`, …): an exact architecture, so a cubin comes out.
     fn target(&self) -> &'static str;
-    /// The full source: prelude, headers, kernel.
-    fn source(&self) -> String;
+    /// The generated prelude ([`crate::config::prelude::Prelude`]).
+    fn prelude(&self) -> String;
+    /// The family's own parts, in include order after the shared layer ([`COMMON_SRCS`]):
+    /// headers, generated wrappers, then the kernel file.
+    fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>>;
+    /// The full source: prelude, the shared layer, the family's parts.
+    fn source(&self) -> String {
+        let mut parts: Vec<std::borrow::Cow<'static, str>> = vec![self.prelude().into()];
+        parts.extend(COMMON_SRCS.iter().map(|s| std::borrow::Cow::Borrowed(*s)));
+        parts.extend(self.family_sources());
+        parts.join("\n")
+    }
     /// The entry point.
     fn entry(&self) -> &'static str;
     /// Dynamic shared memory of a launch.
@@ -48,14 +73,11 @@ impl KernelSource for sm80::KernelSpec {
     fn target(&self) -> &'static str {
         self.target
     }
-    fn source(&self) -> String {
-        format!(
-            "{}\n{}\n{}\n{}",
-            self.prelude(),
-            COMMON_SRC,
-            PARAMS_SRC,
-            SM80_FWD_SRC
-        )
+    fn prelude(&self) -> String {
+        sm80::KernelSpec::prelude(self)
+    }
+    fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>> {
+        vec![SM80_PTX_SRC.into(), SM80_FWD_SRC.into()]
     }
     fn entry(&self) -> &'static str {
         sm80::KernelSpec::entry(self)
@@ -69,16 +91,18 @@ impl KernelSource for sm90::KernelSpec {
     fn target(&self) -> &'static str {
         self.target
     }
-    fn source(&self) -> String {
-        format!(
-            "{}\n{}\n{}\n{}\n{}\n{}",
-            self.prelude(),
-            COMMON_SRC,
-            PARAMS_SRC,
-            SM90_PARAMS_SRC,
-            self.wgmma_wrappers(),
-            SM90_FWD_SRC
-        )
+    fn prelude(&self) -> String {
+        sm90::KernelSpec::prelude(self)
+    }
+    fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>> {
+        vec![
+            SM90_PARAMS_SRC.into(),
+            SM90_PTX_SRC.into(),
+            self.wgmma_wrappers().into(),
+            SM90_PIPELINE_SRC.into(),
+            SM90_TILES_SRC.into(),
+            SM90_FWD_SRC.into(),
+        ]
     }
     fn entry(&self) -> &'static str {
         sm90::KernelSpec::entry(self)
@@ -89,12 +113,12 @@ impl KernelSource for sm90::KernelSpec {
 }
 
 /// The full source of a kernel.
-pub fn source<S: KernelSource>(spec: &S) -> String {
+pub fn source<S: KernelSource + ?Sized>(spec: &S) -> String {
     spec.source()
 }
 
 /// NVRTC options: a pure function of the spec.
-pub fn options<S: KernelSource>(spec: &S) -> Vec<String> {
+pub fn options<S: KernelSource + ?Sized>(spec: &S) -> Vec<String> {
     vec![
         format!("--gpu-architecture={}", spec.target()),
         "--std=c++17".into(),
@@ -126,13 +150,16 @@ pub struct Compiled {
 }
 
 /// Compiles with NVRTC, returning the cubin or the compiler's log.
-pub fn compile_uncached<S: KernelSource>(spec: &S) -> Result<Vec<u8>> {
+pub fn compile_uncached<S: KernelSource + ?Sized>(spec: &S) -> Result<Vec<u8>> {
     compile_with_log(spec, &[]).map(|(cubin, _)| cubin)
 }
 
 /// Compiles with NVRTC and `extra` options after the spec's own (e.g. `--ptxas-options=-v` in
 /// tests that check register use), returning the cubin and the compiler's log.
-pub fn compile_with_log<S: KernelSource>(spec: &S, extra: &[&str]) -> Result<(Vec<u8>, String)> {
+pub fn compile_with_log<S: KernelSource + ?Sized>(
+    spec: &S,
+    extra: &[&str],
+) -> Result<(Vec<u8>, String)> {
     libs::nvrtc()?;
     let src = source(spec);
     let mut opts = options(spec);
@@ -215,7 +242,7 @@ pub fn cache_dir() -> PathBuf {
 }
 
 /// The cache key of a spec: spec, options, NVRTC version and the whole source.
-pub fn cache_key<S: KernelSource>(spec: &S) -> Result<String> {
+pub fn cache_key<S: KernelSource + ?Sized>(spec: &S) -> Result<String> {
     let (major, minor) = nvrtc_version()?;
     let text = format!(
         "{spec:?}|{:?}|nvrtc {major}.{minor}|{}",
@@ -227,7 +254,7 @@ pub fn cache_key<S: KernelSource>(spec: &S) -> Result<String> {
 
 /// The cubin of a spec: from the disk cache, or compiled and then cached. A cache that cannot
 /// be written is not an error (the kernel still runs); one that cannot be read is recompiled.
-pub fn compile<S: KernelSource>(spec: &S) -> Result<Compiled> {
+pub fn compile<S: KernelSource + ?Sized>(spec: &S) -> Result<Compiled> {
     let start = Instant::now();
     let dir = cache_dir();
     let path = dir.join(format!("{}.cubin", cache_key(spec)?));

@@ -22,13 +22,13 @@ use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
+    LaunchConfig, PushKernelArg,
 };
 
 use crate::arch::{self, ComputeCapability, Family, GpuArch};
 use crate::config::sm80::{self, Tiles};
-use crate::config::sm90;
+use crate::config::{sm90, KernelKind};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 use crate::tensor::{Element, Layout};
@@ -100,12 +100,43 @@ pub enum Planned {
     Sm90(sm90::Plan),
 }
 
+impl Planned {
+    /// The kernel family.
+    pub fn kind(&self) -> KernelKind {
+        match self {
+            Planned::Sm80(_) => KernelKind::Sm80,
+            Planned::Sm90(_) => KernelKind::Sm90,
+        }
+    }
+
+    /// The kernel to compile: the family's spec, behind the one interface NVRTC needs.
+    pub fn spec(&self) -> &dyn KernelSource {
+        match self {
+            Planned::Sm80(p) => &p.spec,
+            Planned::Sm90(p) => &p.spec,
+        }
+    }
+
+    /// The launch grid.
+    pub fn grid(&self) -> (u32, u32, u32) {
+        match self {
+            Planned::Sm80(p) => p.grid,
+            Planned::Sm90(p) => p.grid,
+        }
+    }
+
+    /// Threads per CTA.
+    pub fn threads(&self) -> usize {
+        match self {
+            Planned::Sm80(p) => p.spec.threads(),
+            Planned::Sm90(p) => p.spec.threads(),
+        }
+    }
+}
+
 impl std::fmt::Display for Planned {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Planned::Sm80(p) => write!(f, "{}", p.spec),
-            Planned::Sm90(p) => write!(f, "{}", p.spec),
-        }
+        write!(f, "{}", self.spec())
     }
 }
 
@@ -302,7 +333,9 @@ impl CudaBackend {
         let hopper = match self.choice {
             KernelChoice::Sm80 => false,
             KernelChoice::Sm90 => true,
-            KernelChoice::Auto => sm90::dispatch(&info.arch, sm90::features(p)).kernel == "sm90",
+            KernelChoice::Auto => {
+                sm90::dispatch(&info.arch, sm90::features(p)).kernel == KernelKind::Sm90
+            }
         };
         if hopper {
             // wgmma and setmaxnreg need the architecture-specific target.
@@ -318,14 +351,11 @@ impl CudaBackend {
 
     /// Compiles (or loads from the cache) the kernel of a plan, ahead of its first launch.
     pub fn prepare(&self, plan: &Planned) -> Result<()> {
-        match plan {
-            Planned::Sm80(p) => self.kernel(&p.spec).map(drop),
-            Planned::Sm90(p) => self.kernel(&p.spec).map(drop),
-        }
+        self.kernel(plan.spec()).map(drop)
     }
 
     /// The loaded kernel of a spec: compiled (or read from the disk cache) on first use.
-    pub fn kernel<S: KernelSource>(&self, spec: &S) -> Result<CudaFunction> {
+    pub fn kernel<S: KernelSource + ?Sized>(&self, spec: &S) -> Result<CudaFunction> {
         let key = format!("{}:{spec:?}", spec.entry());
         let mut kernels = self.dev.kernels.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(f) = kernels.get(&key) {
@@ -432,10 +462,7 @@ impl CudaBackend {
             (false, None) => {}
         }
         let plan = self.plan(p)?;
-        let grid = match &plan {
-            Planned::Sm80(pl) => pl.grid,
-            Planned::Sm90(pl) => pl.grid,
-        };
+        let grid = plan.grid();
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 || batch == 0 {
             return Ok(());
         }
@@ -470,31 +497,11 @@ impl CudaBackend {
             }
         }
         let params = make_params(p, [q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cq_ptr, ck_ptr]);
-        match plan {
-            Planned::Sm80(plan) => {
-                let func = self.kernel(&plan.spec)?;
-                let cfg = LaunchConfig {
-                    grid_dim: plan.grid,
-                    block_dim: (plan.spec.threads() as u32, 1, 1),
-                    shared_mem_bytes: plan.spec.smem_bytes() as u32,
-                };
-                let mut launch = stream.launch_builder(&func);
-                launch.arg(&params);
-                // SAFETY: the problem was validated (shapes, strides, non-overlapping output,
-                // cu_seqlens equal to the problem's offsets, which run from 0 non-decreasing to
-                // the totals: read back by forward_device, uploaded from them by the crate's own
-                // callers); every buffer was checked above to hold the layout's extent and to be
-                // 16-byte aligned; the planner checked the head dim and every stride against the
-                // kernel's 16-byte copies and sized the grid, block and shared memory of this spec
-                // (the kernel static_asserts the same shared-memory count). The pointers stay valid while their sync guards (held to
-                // the end of this function) order later uses.
-                unsafe { launch.launch(cfg) }
-                    .map_err(|e| Error::cuda(format!("launch {}", plan.spec), e))?;
-            }
-            Planned::Sm90(plan) => {
-                let func = self.kernel(&plan.spec)?;
-                let t = &plan.spec.tiles;
-                let bf16 = plan.spec.bf16;
+        match &plan {
+            Planned::Sm80(_) => self.launch(&plan, &params),
+            Planned::Sm90(sm90_plan) => {
+                let t = &sm90_plan.spec.tiles;
+                let bf16 = sm90_plan.spec.bf16;
                 // A map per tensor over its whole layout: per batch entry for fixed-length
                 // batches, the packed rows of every sequence for varlen ones.
                 let map = |name: &str, ptr: u64, l: &Layout, box_rows: usize| {
@@ -515,29 +522,43 @@ impl CudaBackend {
                     tv: map("v", v_ptr, p.v_layout(), t.block_n)?,
                     p: params,
                 };
-                let cfg = LaunchConfig {
-                    grid_dim: plan.grid,
-                    block_dim: (plan.spec.threads() as u32, 1, 1),
-                    shared_mem_bytes: plan.spec.smem_bytes() as u32,
-                };
-                let mut launch = stream.launch_builder(&func);
-                launch.arg(&sp);
-                // SAFETY: as for the sm80 launch (validated problem, buffers checked for extent
-                // and 16-byte alignment; cu_seqlens equal to the problem's offsets). The
-                // Hopper planner accepted only head_dim 64/128/256 and 16-byte strides below
-                // 2^40; the TMA maps describe exactly the layouts' extents (reads past the end
-                // are zero-filled by the hardware, not performed), and the output is written
-                // only at rows below each sequence's length and columns below head_dim (a varlen
-                // batch's foreign rows are read, masked and their V zeroed, never written). The
-                // grid is one CTA per tile or, persistent, at most one per SM; the kernel numbers
-                // the tiles from the params (the planner checked that they fit in int32) and
-                // visits each exactly once. The kernel static_asserts the planner's shared-memory
-                // count and params size, and the planner's register split fits the CTA's launch
-                // allocation, so `setmaxnreg` cannot wait forever.
-                unsafe { launch.launch(cfg) }
-                    .map_err(|e| Error::cuda(format!("launch {}", plan.spec), e))?;
+                self.launch(&plan, &sp)
             }
         }
+    }
+
+    /// Launches a plan's kernel with its one params argument: the one launch site of every
+    /// family. The caller built `args` from a validated problem and buffers checked against it
+    /// (see the SAFETY comment).
+    fn launch<A: DeviceRepr>(&self, plan: &Planned, args: &A) -> Result<()> {
+        let spec = plan.spec();
+        let func = self.kernel(spec)?;
+        let cfg = LaunchConfig {
+            grid_dim: plan.grid(),
+            block_dim: (plan.threads() as u32, 1, 1),
+            shared_mem_bytes: spec.smem_bytes() as u32,
+        };
+        let mut launch = self.dev.stream.launch_builder(&func);
+        launch.arg(args);
+        // SAFETY: `forward_device_trusted` is the only caller. The problem was validated (shapes,
+        // strides, non-overlapping output, cu_seqlens equal to the problem's offsets, which run
+        // from 0 non-decreasing to the totals: read back by forward_device, uploaded from them
+        // by the crate's own callers); every buffer was checked to hold the layout's extent and
+        // to be 16-byte aligned, and its sync guard is held by the caller past this launch. The
+        // family's planner sized the grid, block and shared memory of this spec, and the kernel
+        // static_asserts the same shared-memory count and the params size.
+        // - sm80: the planner checked the head dim and every stride against the kernel's
+        //   16-byte copies.
+        // - sm90: the planner accepted only head_dim 64/128/256 and 16-byte strides below 2^40;
+        //   the TMA maps describe exactly the layouts' extents (reads past the end are
+        //   zero-filled by the hardware, not performed), and the output is written only at rows
+        //   below each sequence's length and columns below head_dim (a varlen batch's foreign
+        //   rows are read, masked and their V zeroed, never written). The grid is one CTA per
+        //   tile or, persistent, at most one per SM; the kernel numbers the tiles from the
+        //   params (the planner checked that they fit in int32) and visits each exactly once
+        //   (`config::sm90::schedule` mirrors the walk and tests it). The planner's register
+        //   split fits the CTA's launch allocation, so `setmaxnreg` cannot wait forever.
+        unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launch {spec}"), e))?;
         Ok(())
     }
 

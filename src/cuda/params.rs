@@ -1,4 +1,4 @@
-//! The kernel parameter struct, mirrored from `kernels/sm80/params.cuh`. Both sides assert the
+//! The kernel parameter struct, mirrored from `kernels/common/params.cuh`. Both sides assert the
 //! size (the header's `static_assert`, the tests here) and the offsets of the fields that move.
 
 use cudarc::driver::DeviceRepr;

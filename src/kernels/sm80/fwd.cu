@@ -4,8 +4,8 @@
 //
 // Self-contained: no CUDA headers (NVRTC may have none). The planner (`config::sm80`) prepends
 // a prelude defining HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, MIN_BLOCKS_PER_SM,
-// M_TILES, Q_IN_REGS, LAZY_RESCALE, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, then `../common.cuh` and
-// `params.cuh`, then this file.
+// M_TILES, Q_IN_REGS, LAZY_RESCALE, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, then the shared layer
+// (`../common/{base,params,mask,softmax}.cuh`), its PTX wrappers (`ptx.cuh`), then this file.
 //
 // Work split: one CTA = BLOCK_M query rows of one (batch, head); warp w owns M_TILES MMA tiles
 // of 16 rows, [16·M_TILES·w, 16·M_TILES·(w + 1)); in each, lane = 4·g + t owns rows g and g + 8
@@ -34,45 +34,6 @@ constexpr int Q_TILE_ELEMS = BLOCK_M * HEAD_DIM;  // (BLOCK_M, HEAD_DIM)
 constexpr int KV_TILE_ELEMS = BLOCK_N * HEAD_DIM; // (BLOCK_N, HEAD_DIM)
 constexpr int SMEM_BYTES = 2 * (Q_TILE_ELEMS + 2 * STAGES * KV_TILE_ELEMS);
 static_assert(SMEM_BYTES == FA4_SMEM_BYTES, "the planner's shared-memory count must match");
-
-// ---------------------------------------------------------------------------------------------
-// PTX wrappers
-
-// 16-byte async copy; src_bytes = 0 zero-fills the destination (rows/cols out of range).
-__device__ __forceinline__ void cp_async_16(u32 dst, const void* src, int src_bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ void ldmatrix_x4(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(u32 (&r)[4], u32 addr) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(addr));
-}
-
-// D = A·B + D, m16n8k16, A row-major (4 regs), B column-major (2 regs), D f32 (4 regs).
-__device__ __forceinline__ void mma_16816(float (&d)[4], const u32 (&a)[4], u32 b0, u32 b1) {
-    if constexpr (IS_BF16) {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    } else {
-        asm volatile(
-            "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-            "{%8, %9}, {%0, %1, %2, %3};\n"
-            : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-    }
-}
 
 // Byte offset of 16-byte chunk `c` of row `r` in a swizzled (rows, HEAD_DIM) tile: the low
 // three chunk bits are XORed with the row, so 8 consecutive rows of one logical chunk land in
@@ -106,16 +67,6 @@ __device__ __forceinline__ u32 swz_at(const SwzBases& s, int r0, int c0) {
 // ---------------------------------------------------------------------------------------------
 // Tile loads: (rows, HEAD_DIM) from global rows [0, valid_rows) and columns [0, head_dim);
 // everything else is zero-filled so that padding never carries NaN into an MMA.
-
-// A value the compiler must treat as new on every use: keeps loop-invariant code motion from
-// turning each copy's address into its own 64-bit induction variable. Without it the K/V loads
-// of the two-tile d128 kernel held 14 precomputed pointers across the key loop and spilled them
-// (280 B of spill stores).
-__device__ __forceinline__ long long opaque(long long x) {
-    long long y;
-    asm volatile("mov.b64 %0, %1;\n" : "=l"(y) : "l"(x));
-    return y;
-}
 
 // When the threads split a row's chunks evenly, thread tid copies chunk tid % CHUNKS of rows
 // tid / CHUNKS + ROW_STEP · i: one pointer walks down the rows, and the swizzled destinations
@@ -190,12 +141,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
     const u32 sV = sK + STAGES * KV_TILE_ELEMS * 2;          // STAGES × (BLOCK_N, HEAD_DIM)
 
     // Key blocks this CTA visits, and the rows' own key bounds (constant over the loop).
-    const int first_row = m0, last_row = m0 + valid_m - 1;
-    const int span_lo = key_lo(p, s, first_row), span_hi = key_hi(p, s, last_row);
-    const int n_begin = span_lo / BLOCK_N;
-    const int n_end = span_hi > span_lo ? (span_hi + BLOCK_N - 1) / BLOCK_N : n_begin;
-    const int free_lo = key_lo(p, s, last_row);  // blocks starting at or after this …
-    const int free_hi = key_hi(p, s, first_row); // … and ending at or before this need no mask
+    const KeyBlocks kb = key_blocks(p, s, m0, m0 + valid_m - 1, true);
+    const int n_begin = kb.n_begin, n_end = kb.n_end;
 
     // Prologue: Q and the first STAGES-1 K/V tiles, one cp.async group each.
     load_tile<BLOCK_M>(sQ, gQ, p.q_row_stride, valid_m, p.head_dim, tid);
@@ -246,12 +193,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
 #pragma unroll
             for (int i = 0; i < ROWS_PER_WARP * CHUNKS / 32; ++i) {
                 const u32 addr = sQ + static_cast<u32>((warp_row0 * CHUNKS + lane + 32 * i) * 16);
-                u32 x0, x1, x2, x3;
-                asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                             : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
-                             : "r"(addr));
-                asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x0 ^ SIGN_BITS),
-                             "r"(x1 ^ SIGN_BITS), "r"(x2 ^ SIGN_BITS), "r"(x3 ^ SIGN_BITS));
+                u32 x[4];
+                ld_shared_v4(x, addr);
+                st_shared_v4(addr, x[0] ^ SIGN_BITS, x[1] ^ SIGN_BITS, x[2] ^ SIGN_BITS, x[3] ^ SIGN_BITS);
             }
             __syncwarp();
         }
@@ -308,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
 
         // Mask: only blocks that cross a row's key bounds (or the end of the keys).
         const int key0 = n * BLOCK_N;
-        if (key0 < free_lo || key0 + BLOCK_N > free_hi) {
+        if (kb.masked(n)) {
             // The rows' bounds are recomputed here (few blocks are masked) rather than held in
             // registers across the loop.
             int row_lo[ROW_SLOTS], row_hi[ROW_SLOTS];
@@ -339,28 +283,18 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
             float mx = row_max[r];
 #pragma unroll
             for (int i = 0; i < NTILES_N; ++i) mx = fmaxf(mx, fmaxf(rS[mt][i][2 * h], rS[mt][i][2 * h + 1]));
-            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-            row_mx[r] = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            row_mx[r] = quad_max(mx);
         }
 #pragma unroll
         for (int r = 0; r < ROW_SLOTS; ++r) {
             const int mt = r / 2, h = r % 2;
-            const float mx = row_mx[r];
-            // With LAZY_RESCALE a row keeps its stale max unless the new one is more than
-            // 2^RESCALE_THRESHOLD larger (from −inf it always moves; −inf to −inf is NaN: stays).
-            const bool move = !LAZY_RESCALE || (mx - row_max[r]) * p.scale_log2 > RESCALE_THRESHOLD;
-            const float m_new = move ? mx : row_max[r];
-            // An infinite max shifts by 0, as the spec's formula: a row with no allowed key so far
-            // (−inf) gets exp2(−inf) = 0; an infinite score (+inf) makes the sum and LSE +inf, O NaN.
-            const float shift = fabsf(m_new) == -NEG_INF ? 0.0f : m_new * p.scale_log2;
-            corr[r] = move ? exp2_approx(row_max[r] * p.scale_log2 - shift) : 1.0f;
-            row_max[r] = m_new;
+            const float shift = update_row_max(row_max[r], row_mx[r], p.scale_log2, corr[r]);
             float sum = 0.0f;
 #pragma unroll
             for (int i = 0; i < NTILES_N; ++i) {
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                    rS[mt][i][e] = exp2_approx(fmaf(rS[mt][i][e], p.scale_log2, -shift));
+                    rS[mt][i][e] = exp2_approx(score_exponent(rS[mt][i][e], p.scale_log2, shift));
                     sum += rS[mt][i][e];
                 }
             }
@@ -411,16 +345,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
     float inv[ROW_SLOTS];
 #pragma unroll
     for (int r = 0; r < ROW_SLOTS; ++r) {
-        float sum = row_sum[r];
-        sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-        sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-        inv[r] = sum == 0.0f ? 0.0f : 1.0f / sum;  // no allowed key: O = 0
+        const float sum = quad_sum(row_sum[r]);
+        inv[r] = row_inv_sum(sum);
         const int i = m0 + warp_row0 + g + 8 * r;
-        if (p.lse != nullptr && t == 0 && i < s.q_len) {
-            float lse = sum == 0.0f ? NEG_INF : row_max[r] * p.lse_scale + __logf(sum);
-            if (sum != sum) lse = sum;  // NaN propagates
-            p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + s.q_start + i] = lse;
-        }
+        if (p.lse != nullptr && t == 0 && i < s.q_len)
+            p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + s.q_start + i] =
+                row_lse(row_max[r], sum, p.lse_scale);
     }
     __syncthreads();  // every warp is done reading K/V and its Q rows before sQ is reused
 #pragma unroll
@@ -432,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
                 const int r = 2 * mt + h;
                 u32 v = pack2(rO[mt][i][2 * h] * inv[r], rO[mt][i][2 * h + 1] * inv[r]);
                 u32 addr = sQ + swz(warp_row0 + g + 8 * r, i) + t * 4;
-                asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
+                st_shared_b32(addr, v);
             }
         }
     __syncwarp();
@@ -443,13 +373,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
         int idx = lane + i * 32;
         int r = warp_row0 + idx / CHUNKS, c = idx % CHUNKS;
         if (r < valid_m && c * CHUNK_ELEMS < p.head_dim) {
-            u32 x0, x1, x2, x3;
-            asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                         : "=r"(x0), "=r"(x1), "=r"(x2), "=r"(x3)
-                         : "r"(sQ + swz(r, c)));
-            u16* dst = gO + r * p.o_row_stride + c * CHUNK_ELEMS;
-            asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(x0), "r"(x1), "r"(x2),
-                         "r"(x3));
+            u32 x[4];
+            ld_shared_v4(x, sQ + swz(r, c));
+            st_global_v4(gO + r * p.o_row_stride + c * CHUNK_ELEMS, x);
         }
     }
 }

@@ -1,5 +1,5 @@
 // Launch parameters of the Hopper forward kernel: three TMA maps (built on the host by
-// cuTensorMapEncodeTiled, opaque here) and the common FwdParams (`../sm80/params.cuh`).
+// cuTensorMapEncodeTiled, opaque here) and the common FwdParams (`../common/params.cuh`).
 // Mirrored by `cuda::params::Sm90Params` (Rust); both sides assert the size.
 // A map must sit at a 64-byte aligned address: the struct and each map are aligned so.
 

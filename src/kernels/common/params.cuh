@@ -1,5 +1,5 @@
 // Launch parameters of the forward kernels (the Hopper one wraps them): one struct passed by
-// value, and the sequence and key bounds every kernel reads from it.
+// value, and the sequence bounds every kernel reads from it. Shared by every kernel family.
 // Mirrored field for field by `cuda::params::FwdParams` (Rust, #[repr(C)]): both sides assert the
 // size; the Rust side also asserts the offsets of each group (NVRTC has no offsetof).
 // Strides are in elements; every tensor's last dimension is contiguous.
@@ -60,15 +60,4 @@ __device__ __forceinline__ Seq sequence(const FwdParams& p, int b, bool packed) 
         s.k_len = p.seqlen_k;
     }
     return s;
-}
-
-// Allowed keys of query row i: [key_lo(i), key_hi(i)) (spec/attention.md, bottom-right aligned).
-// Needs the prelude's HAS_WINDOW.
-__device__ __forceinline__ int key_lo(const FwdParams& p, const Seq& s, int i) {
-    if (!HAS_WINDOW || p.window_left < 0) return 0;
-    return max(0, i + s.k_len - s.q_len - p.window_left);
-}
-__device__ __forceinline__ int key_hi(const FwdParams& p, const Seq& s, int i) {
-    if (!HAS_WINDOW || p.window_right < 0) return s.k_len;
-    return max(0, min(s.k_len, i + s.k_len - s.q_len + p.window_right + 1));
 }

@@ -1,0 +1,240 @@
+//! The Hopper plan as a reader sees it (`fa4 plan --arch sm90`): tiles, the role table,
+//! registers and shared memory.
+
+use super::*;
+
+/// A warpgroup's role, for the report: who it is, what it does, its registers.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Role {
+    /// Warpgroup index in the CTA.
+    pub warpgroup: usize,
+    /// `producer` or `consumer`.
+    pub role: &'static str,
+    /// What it does.
+    pub work: String,
+    /// Its `setmaxnreg` target.
+    pub registers: u32,
+}
+
+/// The kernel's role table, one row per warpgroup: the planner's single list of roles, which
+/// the prelude emits as `Role` and `role_of(warp)` ([`KernelSpec::prelude`]) and the report
+/// prints.
+pub fn roles(tiles: &Tiles, padded: usize) -> Vec<Role> {
+    let mut roles = vec![Role {
+        warpgroup: 0,
+        role: "producer",
+        work: format!(
+            "one thread issues TMA loads: each tile's Q ({} slot(s)), then K and V into a {}-stage ring",
+            tiles.q_stages(padded),
+            tiles.stages
+        ),
+        registers: tiles.producer_regs,
+    }];
+    for w in 0..tiles.consumer_wgs {
+        roles.push(Role {
+            warpgroup: w + 1,
+            role: "consumer",
+            work: format!(
+                "query rows {}..{}: wgmma S = Q·Kᵀ (64×{}), softmax, wgmma O += P·V (64×{padded})",
+                w * ROWS_PER_CONSUMER,
+                (w + 1) * ROWS_PER_CONSUMER,
+                tiles.block_n
+            ),
+            registers: tiles.consumer_regs,
+        });
+    }
+    roles
+}
+
+/// The Hopper plan for a head dim and dtype: tiles, roles and budgets.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Sm90Plan {
+    /// The GPU planned for.
+    pub arch: &'static str,
+    /// The problem's head dim.
+    pub head_dim: usize,
+    /// The head dim the kernel is compiled for.
+    pub padded_head_dim: usize,
+    /// Query rows per CTA.
+    pub block_m: usize,
+    /// The tiles.
+    pub tiles: Tiles,
+    /// Threads per CTA.
+    pub threads: usize,
+    /// Warpgroup roles.
+    pub roles: Vec<Role>,
+    /// The shared-memory budget.
+    pub smem: SmemBudget,
+    /// Total dynamic shared memory.
+    pub smem_total: usize,
+    /// The per-block limit it is checked against.
+    pub smem_limit: usize,
+    /// Operand registers per consumer thread (S and O accumulators, packed P).
+    pub accumulator_regs: u32,
+    /// Registers per thread the CTA is launched with ([`Tiles::launch_regs`]).
+    pub launch_regs: u32,
+    /// TMA boxes per tile: (64-element head-dim slabs, rows).
+    pub tma_box: (usize, usize),
+    /// Planned for a varlen batch (one CTA per tile).
+    pub varlen: bool,
+}
+
+impl Sm90Plan {
+    /// Plans head dim `head_dim` of 16-bit elements (`dtype_size` 2) on `arch`.
+    pub fn new(arch: &GpuArch, head_dim: usize, dtype_size: usize) -> Result<Sm90Plan> {
+        if dtype_size != 2 {
+            return Err(Error::invalid(
+                "dtype",
+                format!("the Hopper kernel computes fp16 and bf16 (2 bytes), not {dtype_size}-byte elements"),
+            ));
+        }
+        if arch.family != Family::Hopper {
+            return Err(Error::invalid(
+                "arch",
+                format!(
+                    "{} is not a Hopper GPU; the sm90 plan is for H100/H200",
+                    arch.name
+                ),
+            ));
+        }
+        if !HEAD_DIMS.contains(&head_dim) {
+            return Err(Error::invalid(
+                "depth",
+                format!("head_dim {head_dim}: the Hopper kernel is planned for exactly {HEAD_DIMS:?} (its TMA boxes read whole 64-column slabs)"),
+            ));
+        }
+        let padded = head_dim;
+        let tiles = tiles(arch, padded).ok_or_else(|| {
+            Error::invalid(
+                "depth",
+                format!("no Hopper tiles fit head_dim {padded} on {}", arch.name),
+            )
+        })?;
+        Ok(Self::with_tiles(arch, head_dim, padded, tiles))
+    }
+
+    /// As [`Sm90Plan::new`], with the tiles a fixed-length problem of `seqlen_q` query rows per
+    /// sequence gets ([`tiles_for`]: the tile height and the persistent launch).
+    pub fn for_seqlen(
+        arch: &GpuArch,
+        head_dim: usize,
+        dtype_size: usize,
+        seqlen_q: usize,
+    ) -> Result<Sm90Plan> {
+        let generic = Self::new(arch, head_dim, dtype_size)?;
+        let tiles = tiles_for(arch, head_dim, seqlen_q, seqlen_q).unwrap_or(generic.tiles);
+        Ok(Self::with_tiles(arch, head_dim, head_dim, tiles))
+    }
+
+    fn with_tiles(arch: &GpuArch, head_dim: usize, padded: usize, tiles: Tiles) -> Sm90Plan {
+        let roles = roles(&tiles, padded);
+        let smem = tiles.smem(padded);
+        Sm90Plan {
+            arch: arch.name,
+            head_dim,
+            padded_head_dim: padded,
+            block_m: tiles.block_m(),
+            tiles,
+            threads: tiles.threads(),
+            roles,
+            smem,
+            smem_total: smem.total(),
+            smem_limit: arch.max_smem_per_block() as usize,
+            accumulator_regs: tiles.accumulator_regs(padded),
+            launch_regs: tiles.launch_regs(arch),
+            tma_box: (padded / SWIZZLE_ELEMS, tiles.block_n),
+            varlen: false,
+        }
+    }
+
+    /// The plan for a varlen batch: the same tiles, one CTA per tile ([`plan`] does the same).
+    pub fn for_varlen(mut self) -> Sm90Plan {
+        self.tiles.persistent = false;
+        self.varlen = true;
+        self
+    }
+
+    /// The machine-readable form (`fa4 plan --arch sm90 --json`).
+    pub fn to_json(&self) -> String {
+        serde_json::to_string_pretty(self).expect("plain data serializes")
+    }
+}
+
+impl fmt::Display for Sm90Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let t = &self.tiles;
+        writeln!(f, "Hopper (sm_90a) forward plan for {}", self.arch)?;
+        writeln!(
+            f,
+            "  head_dim {} (compiled for {}), tile {}×{} (query rows × keys), {} K/V stages",
+            self.head_dim, self.padded_head_dim, self.block_m, t.block_n, t.stages
+        )?;
+        writeln!(
+            f,
+            "  {} threads: {} warpgroups",
+            self.threads,
+            self.roles.len()
+        )?;
+        for r in &self.roles {
+            writeln!(
+                f,
+                "    wg{} warps {}-{} {:<8} {:>3} registers  {}",
+                r.warpgroup,
+                4 * r.warpgroup,
+                4 * r.warpgroup + 3,
+                r.role,
+                r.registers,
+                r.work
+            )?;
+        }
+        writeln!(
+            f,
+            "  registers: 128 × ({} + {} × {}) = {} of the {} launched ({} threads × {}); consumer accumulators {} per thread (+{} margin)",
+            t.producer_regs,
+            t.consumer_wgs,
+            t.consumer_regs,
+            128 * (t.producer_regs + t.consumer_wgs as u32 * t.consumer_regs),
+            self.threads as u32 * self.launch_regs,
+            self.threads,
+            self.launch_regs,
+            self.accumulator_regs,
+            CONSUMER_REG_MARGIN
+        )?;
+        let s = &self.smem;
+        writeln!(
+            f,
+            "  shared memory: Q {} + K {} + V {} + barriers {} + alignment {} = {} of {} bytes",
+            s.q, s.k, s.v, s.barriers, s.align_slack, self.smem_total, self.smem_limit
+        )?;
+        writeln!(
+            f,
+            "  TMA: {} box(es) of 64 columns (128-byte swizzle) per tile, {} rows per K/V box",
+            self.tma_box.0, self.tma_box.1
+        )?;
+        let on = |b: bool| if b { "on" } else { "off" };
+        writeln!(
+            f,
+            "  softmax/MMA overlap in a warpgroup: {}; ping-pong between consumers: {}; conditional rescaling: {}",
+            on(t.intra_wg_overlap),
+            on(t.pingpong),
+            on(t.lazy_rescale)
+        )?;
+        write!(
+            f,
+            "  exponentials on the FMA units: {} of 8; launch: {}",
+            t.poly_exp2,
+            if t.persistent {
+                "persistent (one CTA per SM walks the tiles in pairs of equal causal cost)"
+                    .to_string()
+            } else if self.varlen {
+                "one CTA per tile (varlen batches: the persistent launch is not verified on them yet)"
+                    .to_string()
+            } else {
+                format!(
+                    "one CTA per tile; persistent (one CTA per SM walks the tiles) for sequences of at most {} query rows",
+                    PERSISTENT_MAX_M_BLOCKS * self.block_m
+                )
+            }
+        )
+    }
+}

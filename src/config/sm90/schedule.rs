@@ -1,0 +1,224 @@
+//! The CPU twin of the Hopper kernel's tile scheduler (`kernels/sm90/tiles.cuh`): which tiles
+//! (query block, head, sequence) each CTA walks, in the kernel's order. The formulas are the
+//! header's, line for line; the tests check the walk covers every tile exactly once for the
+//! grids the planner launches (one CTA per tile, persistent, varlen), and that the header still
+//! holds these formulas, so a change to one without the other fails here.
+
+/// One tile of a launch: a query block of one (sequence, head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TileRef {
+    /// Query block (rows `[m_block · block_m, …)` of the sequence).
+    pub m_block: usize,
+    /// Query head.
+    pub head: usize,
+    /// Sequence of the batch.
+    pub batch: usize,
+}
+
+/// A launch of the Hopper kernel as its tile scheduler sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Walk {
+    /// CTAs (`gridDim.x`).
+    pub grid: usize,
+    /// Query blocks per (sequence, head): of the longest sequence.
+    pub m_blocks: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Sequences.
+    pub batch: usize,
+}
+
+impl Walk {
+    /// Tiles of the launch (`num_tiles`).
+    pub fn total(&self) -> usize {
+        self.m_blocks * self.heads * self.batch
+    }
+
+    /// The number of CTA `cta`'s k-th tile, or `None` when it has none (`tile_number`).
+    pub fn tile_number(&self, cta: usize, k: usize) -> Option<usize> {
+        let (g, total) = (self.grid, self.total());
+        if g >= total {
+            return (k == 0).then_some(cta);
+        }
+        let t = 2 * ((k / 2) * g + cta) + (k & 1);
+        (t < total).then_some(t)
+    }
+
+    /// Tile number `t` (`tile_at`): query blocks fastest; one CTA per tile runs a head's blocks
+    /// last first, a persistent launch in pairs last, first, second last, second, ….
+    pub fn tile_at(&self, t: usize) -> TileRef {
+        let mb = self.m_blocks;
+        let (hb, r) = (t / mb, t % mb);
+        let paired = self.grid < self.total();
+        let m_block = if paired && r & 1 == 1 {
+            r / 2
+        } else {
+            mb - 1 - if paired { r / 2 } else { r }
+        };
+        TileRef {
+            m_block,
+            head: hb % self.heads,
+            batch: hb / self.heads,
+        }
+    }
+
+    /// The tiles CTA `cta` runs, in order. `q_blocks(batch)` is a sequence's own query blocks
+    /// (a varlen batch's shorter sequences): the kernel skips the tiles past them.
+    pub fn cta_tiles(&self, cta: usize, q_blocks: impl Fn(usize) -> usize) -> Vec<TileRef> {
+        (0..)
+            .map_while(|k| self.tile_number(cta, k))
+            .map(|t| self.tile_at(t))
+            .filter(|w| w.m_block < q_blocks(w.batch))
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch::H200;
+    use crate::config::sm90::plan;
+    use crate::tensor::Layout;
+    use crate::{DType, Options, Problem};
+    use std::collections::HashSet;
+
+    /// The kernel's scheduler, as text: each formula the twin transcribes must still be there.
+    const TILES_CUH: &str = include_str!("../../kernels/sm90/tiles.cuh");
+
+    #[test]
+    fn the_twin_transcribes_the_header() {
+        for line in [
+            "if (g >= total) return k == 0 ? b : -1;",
+            "const int t = 2 * ((k / 2) * g + b) + (k & 1);",
+            "return t < total ? t : -1;",
+            "const int mb = m_blocks(p), hb = t / mb, r = t % mb;",
+            "const bool paired = static_cast<int>(gridDim.x) < num_tiles(p);",
+            "w.m0 = (paired && (r & 1) ? r / 2 : mb - 1 - (paired ? r / 2 : r)) * BLOCK_M;",
+            "w.head = hb % p.heads_q;",
+            "w.batch = hb / p.heads_q;",
+            "w.empty = VARLEN && w.m0 >= w.s.q_len;",
+            "return m_blocks(p) * p.heads_q * p.batch;",
+        ] {
+            assert!(
+                TILES_CUH.contains(line),
+                "tiles.cuh no longer holds `{line}`"
+            );
+        }
+    }
+
+    /// Walks every CTA of a planned launch; checks each non-empty tile runs exactly once and
+    /// no empty one runs, and returns the walk.
+    fn walk_covers_once(seqs: &[(usize, usize)], heads: usize, causal: bool, varlen: bool) {
+        let d = 128;
+        let opts = if causal {
+            Options::new().causal()
+        } else {
+            Options::new()
+        };
+        let p = if varlen {
+            let tq: usize = seqs.iter().map(|s| s.0).sum();
+            let tk: usize = seqs.iter().map(|s| s.1).sum();
+            let mut cq = vec![0i32];
+            let mut ck = vec![0i32];
+            for s in seqs {
+                cq.push(cq.last().unwrap() + s.0 as i32);
+                ck.push(ck.last().unwrap() + s.1 as i32);
+            }
+            let lq = Layout::new("q", &[tq, heads, d], None).unwrap();
+            let lk = Layout::new("k", &[tk, heads, d], None).unwrap();
+            Problem::new(DType::Bf16, &lq, &lk, &lk, &lq, Some(&cq), Some(&ck), &opts).unwrap()
+        } else {
+            let (sq, sk) = seqs[0];
+            let lq = Layout::new("q", &[seqs.len(), sq, heads, d], None).unwrap();
+            let lk = Layout::new("k", &[seqs.len(), sk, heads, d], None).unwrap();
+            Problem::new(DType::Bf16, &lq, &lk, &lk, &lq, None, None, &opts).unwrap()
+        };
+        let pl = plan(&p, &H200, "sm_90a", None).unwrap();
+        let block_m = pl.spec.tiles.block_m();
+        let longest = seqs.iter().map(|s| s.0).max().unwrap();
+        let w = Walk {
+            grid: pl.grid.0 as usize,
+            m_blocks: longest.div_ceil(block_m),
+            heads,
+            batch: seqs.len(),
+        };
+        // Fewer CTAs than tiles only with the persistent launch (which, with no more tiles than
+        // SMs, is one CTA per tile).
+        assert!(w.grid == w.total() || (pl.spec.tiles.persistent && w.grid < w.total()));
+        let q_blocks = |b: usize| seqs[b].0.div_ceil(block_m);
+        let mut seen = HashSet::new();
+        for cta in 0..w.grid {
+            let tiles = w.cta_tiles(cta, q_blocks);
+            // Tile numbers grow within a CTA (the kernel's Q-slot ring relies on it).
+            let numbers: Vec<usize> = (0..).map_while(|k| w.tile_number(cta, k)).collect();
+            assert!(numbers.windows(2).all(|p| p[0] < p[1]));
+            for t in tiles {
+                assert!(seen.insert(t), "{t:?} twice ({seqs:?}, grid {})", w.grid);
+            }
+        }
+        let want: HashSet<TileRef> = (0..seqs.len())
+            .flat_map(|batch| {
+                (0..heads).flat_map(move |head| {
+                    (0..q_blocks(batch)).map(move |m_block| TileRef {
+                        m_block,
+                        head,
+                        batch,
+                    })
+                })
+            })
+            .collect();
+        assert_eq!(seen, want, "{seqs:?} heads {heads}");
+    }
+
+    #[test]
+    fn every_tile_runs_exactly_once() {
+        // One CTA per tile (long sequences), persistent (short ones: the planner picks it),
+        // odd block counts (pairs that cross heads), and varlen batches with empty sequences.
+        for (seqs, heads, causal, varlen) in [
+            (vec![(4096, 4096); 2], 8, true, false),
+            (vec![(1024, 1024); 4], 16, false, false),
+            (vec![(640, 640); 3], 5, true, false),
+            (vec![(128, 200); 1], 1, true, false),
+            (
+                vec![(300, 100), (0, 5), (1000, 1000), (1, 1)],
+                3,
+                true,
+                true,
+            ),
+            (vec![(5000, 4000), (17, 3000)], 2, false, true),
+        ] {
+            walk_covers_once(&seqs, heads, causal, varlen);
+        }
+    }
+
+    #[test]
+    fn persistent_pairs_balance_causal_cost() {
+        // Paired: the k-th and (k+1)-th tiles of a CTA (k even) in one head are query blocks
+        // m and m_blocks − 1 − m, so each pair's causal cost is the same.
+        let w = Walk {
+            grid: 132,
+            m_blocks: 8,
+            heads: 64,
+            batch: 2,
+        };
+        for cta in 0..w.grid {
+            let tiles = w.cta_tiles(cta, |_| 8);
+            for pair in tiles.chunks(2) {
+                if let [a, b] = pair {
+                    if (a.head, a.batch) == (b.head, b.batch) {
+                        assert_eq!(a.m_block + b.m_block, 7, "{a:?} {b:?}");
+                    }
+                }
+            }
+        }
+        // One CTA per tile: each head's blocks last first.
+        let w = Walk {
+            grid: 24,
+            m_blocks: 8,
+            heads: 3,
+            batch: 1,
+        };
+        let order: Vec<usize> = (0..8).map(|t| w.tile_at(t).m_block).collect();
+        assert_eq!(order, [7, 6, 5, 4, 3, 2, 1, 0]);
+    }
+}

@@ -1,0 +1,374 @@
+//! The Hopper kernel's tiles: their shape and switches, what they cost in shared memory and
+//! registers, the candidates per head dim and the choice for a sequence length.
+
+use super::*;
+
+/// Head dims the Hopper kernel is compiled for (exactly: other head dims go to the sm80 kernel).
+pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// Threads in a warpgroup (the unit of `wgmma` and `setmaxnreg`).
+pub const WARPGROUP_THREADS: usize = 128;
+/// Query rows per consumer warpgroup: the M of `wgmma.mma_async.m64nNk16`.
+pub const ROWS_PER_CONSUMER: usize = 64;
+/// Elements per 128-byte swizzle atom row (16-bit): TMA boxes and `wgmma` descriptors move the
+/// head dim in slabs of this width.
+pub const SWIZZLE_ELEMS: usize = 64;
+/// Alignment of every shared-memory tile: the 128-byte swizzle pattern repeats every 1024 bytes.
+pub const TILE_ALIGN: usize = 1024;
+/// `setmaxnreg` bounds: a multiple of 8 in 24..=256.
+pub const MIN_REGS: u32 = 24;
+/// See [`MIN_REGS`].
+pub const MAX_REGS: u32 = 256;
+/// Registers per consumer thread the kernel needs beyond its S and O accumulators (addresses,
+/// row statistics, loop state, packed P in flight): a planning margin, confirmed by ptxas
+/// reporting no spills for every planned variant (`tests/nvrtc_compile.rs`).
+pub const CONSUMER_REG_MARGIN: u32 = 32;
+/// Problems of at most this many query blocks per sequence get the persistent launch when the
+/// planner picks the tiles: with few key blocks per tile, hiding each tile's start (Q and first
+/// K/V loads) and end behind its neighbour's pays; on long sequences the hardware's own dynamic
+/// order of one CTA per tile balances causal work better. Measured on an H200 (docs/perf.md):
+/// persistent +7–16% at 1k tokens, ±2% at 4k, −1–3% at 16k.
+pub const PERSISTENT_MAX_M_BLOCKS: usize = 32;
+
+/// Most tiles a launch may have: the kernel numbers them in int32, with room for a grid's worth
+/// past the last.
+pub const MAX_TILES: u128 = i32::MAX as u128 / 2;
+
+/// The tile shape and warpgroup roles of one launch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct Tiles {
+    /// Keys per inner step: the N of the Q·Kᵀ `wgmma` and the K of the P·V one (multiple of 16).
+    pub block_n: usize,
+    /// Consumer warpgroups, 64 query rows each: `block_m = 64 · consumer_wgs`.
+    pub consumer_wgs: usize,
+    /// K/V stages in the shared-memory ring (≥ 2).
+    pub stages: usize,
+    /// `setmaxnreg` target of the producer warpgroup.
+    pub producer_regs: u32,
+    /// `setmaxnreg` target of each consumer warpgroup.
+    pub consumer_regs: u32,
+    /// Conditional rescaling (FlashAttention-4): rescale O only when a row max grew by more
+    /// than 2^8 (exact: numerator and denominator share the stale max).
+    pub lazy_rescale: bool,
+    /// Issue block j + 1's Q·Kᵀ with block j's P·V and run its softmax while P·V is in flight.
+    pub intra_wg_overlap: bool,
+    /// The consumer warpgroups take turns issuing their wgmma groups (named barriers), so one's
+    /// softmax overlaps the other's matrix products. Needs two consumer warpgroups.
+    pub pingpong: bool,
+    /// Persistent launch: one CTA per SM walks a list of tiles (pairs of a head's last and
+    /// first query block, then second last and second, …: equal causal cost per pair), loading
+    /// the next tile's Q and K/V while it finishes the last. Off: one CTA per tile, the last
+    /// query block first. The kernel is the same; only the grid differs.
+    pub persistent: bool,
+    /// Exponentials on the FMA units (FlashAttention-4): this many of every 8 are computed by a
+    /// polynomial instead of MUFU.EX2 (0..=8).
+    pub poly_exp2: usize,
+}
+
+/// The command-line spelling of a Hopper tile override (`fa4 bench --sm90-tiles`):
+/// `block_n,consumer_wgs,stages,producer_regs,consumer_regs,lazy,overlap,pingpong,persistent,poly`
+/// (flags 0|1; `poly` is [`Tiles::poly_exp2`], 0..=8).
+impl std::str::FromStr for Tiles {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Tiles> {
+        const WHAT: &str = "sm90 tiles";
+        let [block_n, consumer_wgs, stages, producer_regs, consumer_regs, lazy, overlap, pingpong, persistent, poly_exp2] =
+            crate::config::override_fields(s, WHAT)?;
+        let regs = |x: usize| {
+            u32::try_from(x)
+                .map_err(|_| Error::invalid(WHAT, format!("expected ten integers, got `{s}`")))
+        };
+        let flag = |x: usize, name: &str| crate::config::override_flag(x, name, WHAT);
+        Ok(Tiles {
+            block_n,
+            consumer_wgs,
+            stages,
+            producer_regs: regs(producer_regs)?,
+            consumer_regs: regs(consumer_regs)?,
+            lazy_rescale: flag(lazy, "lazy")?,
+            intra_wg_overlap: flag(overlap, "overlap")?,
+            pingpong: flag(pingpong, "pingpong")?,
+            persistent: flag(persistent, "persistent")?,
+            poly_exp2,
+        })
+    }
+}
+
+/// The shared-memory budget of a launch, in bytes, tile by tile.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct SmemBudget {
+    /// Q, [`Tiles::q_stages`] × (block_m, head_dim).
+    pub q: usize,
+    /// K ring, stages × (block_n, head_dim).
+    pub k: usize,
+    /// V ring, stages × (block_n, head_dim).
+    pub v: usize,
+    /// mbarriers: Q full and empty, and per stage K full, V full, K empty, V empty and V tail
+    /// (varlen) (8 bytes each).
+    pub barriers: usize,
+    /// Slack to align the dynamic shared-memory base to [`TILE_ALIGN`].
+    pub align_slack: usize,
+}
+
+impl SmemBudget {
+    /// Everything the launch asks for.
+    pub fn total(&self) -> usize {
+        self.q + self.k + self.v + self.barriers + self.align_slack
+    }
+}
+
+impl Tiles {
+    /// Query rows per CTA.
+    pub fn block_m(&self) -> usize {
+        ROWS_PER_CONSUMER * self.consumer_wgs
+    }
+
+    /// Threads per CTA: the producer warpgroup and the consumers.
+    pub fn threads(&self) -> usize {
+        WARPGROUP_THREADS * (1 + self.consumer_wgs)
+    }
+
+    /// Shared memory, tile by tile, for a padded head dim of 16-bit elements.
+    pub fn smem(&self, head_dim: usize) -> SmemBudget {
+        self.smem_with(head_dim, self.q_stages(head_dim))
+    }
+
+    fn smem_with(&self, head_dim: usize, q_stages: usize) -> SmemBudget {
+        let tile = |rows: usize| (rows * head_dim * 2).next_multiple_of(TILE_ALIGN);
+        SmemBudget {
+            q: q_stages * tile(self.block_m()),
+            k: self.stages * tile(self.block_n),
+            v: self.stages * tile(self.block_n),
+            barriers: 8 * (2 * q_stages + 5 * self.stages),
+            align_slack: TILE_ALIGN,
+        }
+    }
+
+    /// Q slots: two where they fit in a Hopper block's shared memory (a persistent CTA then loads
+    /// its next tile's Q during the current one), else one.
+    pub fn q_stages(&self, head_dim: usize) -> usize {
+        let limit = crate::arch::H100.max_smem_per_block() as usize;
+        if self.smem_with(head_dim, 2).total() <= limit {
+            2
+        } else {
+            1
+        }
+    }
+
+    /// Registers per thread a CTA is launched with: the kernel's launch bounds (one CTA of
+    /// [`Tiles::threads`] per SM) let ptxas give each thread the SM's file divided by the
+    /// threads, in steps of 8, at most 248 (255 is the per-thread limit); `setmaxnreg` then moves
+    /// them between warpgroups.
+    pub fn launch_regs(&self, arch: &GpuArch) -> u32 {
+        (arch.registers_per_sm / self.threads() as u32).min(255) / 8 * 8
+    }
+
+    /// Operand registers per consumer thread: the f32 accumulators S (64 × block_n) and O
+    /// (64 × head_dim) and the packed 16-bit P (64 × block_n), spread over 128 threads. With the
+    /// intra-warpgroup overlap all three are live at once.
+    pub fn accumulator_regs(&self, head_dim: usize) -> u32 {
+        let f32s = ROWS_PER_CONSUMER * (self.block_n + head_dim) / WARPGROUP_THREADS;
+        let p = ROWS_PER_CONSUMER * self.block_n / (2 * WARPGROUP_THREADS);
+        (f32s + p) as u32
+    }
+
+    /// Checks the tiles against the kernel's rules and the GPU's limits, naming each violation.
+    pub fn check(&self, head_dim: usize, arch: &GpuArch) -> Result<()> {
+        let bad = |why: String| {
+            Err(Error::invalid(
+                "tiles",
+                format!("{self:?} for head_dim {head_dim}: {why}"),
+            ))
+        };
+        if arch.family != Family::Hopper {
+            return bad(format!(
+                "{} is not a Hopper GPU (wgmma and setmaxnreg are sm_90a)",
+                arch.name
+            ));
+        }
+        if !HEAD_DIMS.contains(&head_dim) {
+            return bad(format!("head_dim must be one of {HEAD_DIMS:?}"));
+        }
+        if !(1..=3).contains(&self.consumer_wgs) {
+            return bad("consumer_wgs must be 1 to 3".into());
+        }
+        // N of the Q·Kᵀ wgmma (≤ 256, a multiple of 8) and K of the P·V one (a multiple of 16);
+        // TMA boxes hold at most 256 rows.
+        if self.block_n == 0 || !self.block_n.is_multiple_of(16) || self.block_n > 256 {
+            return bad("block_n must be a multiple of 16 in 16..=256".into());
+        }
+        if !(2..=8).contains(&self.stages) {
+            return bad("stages must be 2 to 8".into());
+        }
+        if self.pingpong && self.consumer_wgs != 2 {
+            return bad("ping-pong alternates exactly two consumer warpgroups".into());
+        }
+        if self.intra_wg_overlap && self.consumer_wgs > 2 {
+            return bad(
+                "the intra-warpgroup overlap keeps the next block's S live beside P and O: three consumer warpgroups (160 registers each) spill with it"
+                    .into(),
+            );
+        }
+        if self.poly_exp2 > 8 {
+            return bad(format!(
+                "poly_exp2 {} must be 0..=8 (exponentials of every 8 on the FMA units)",
+                self.poly_exp2
+            ));
+        }
+        let threads = self.threads();
+        if threads > arch.max_threads_per_sm as usize {
+            return bad(format!(
+                "{threads} threads exceed {}'s {} per SM",
+                arch.name, arch.max_threads_per_sm
+            ));
+        }
+        for (what, r) in [
+            ("producer_regs", self.producer_regs),
+            ("consumer_regs", self.consumer_regs),
+        ] {
+            if !(MIN_REGS..=MAX_REGS).contains(&r) || !r.is_multiple_of(8) {
+                return bad(format!(
+                    "{what} {r} must be a multiple of 8 in {MIN_REGS}..={MAX_REGS}"
+                ));
+            }
+        }
+        if self.producer_regs > self.consumer_regs {
+            return bad(format!(
+                "producer_regs {} must not exceed consumer_regs {} (the producer gives registers away)",
+                self.producer_regs, self.consumer_regs
+            ));
+        }
+        // setmaxnreg only moves registers between the warps of a CTA: what the consumers gain
+        // the producer must give up, out of what the CTA was launched with (otherwise
+        // setmaxnreg.inc waits forever).
+        let total = WARPGROUP_THREADS as u32
+            * (self.producer_regs + self.consumer_wgs as u32 * self.consumer_regs);
+        let launched = threads as u32 * self.launch_regs(arch);
+        if total > launched {
+            return bad(format!(
+                "{total} registers (128 × ({} + {} × {})) exceed the {launched} the CTA is launched with ({threads} threads × {})",
+                self.producer_regs, self.consumer_wgs, self.consumer_regs, self.launch_regs(arch)
+            ));
+        }
+        let need = self.accumulator_regs(head_dim) + CONSUMER_REG_MARGIN;
+        if need > self.consumer_regs {
+            return bad(format!(
+                "consumers need about {need} registers (S and O accumulators {} + margin {CONSUMER_REG_MARGIN}), budget {}",
+                self.accumulator_regs(head_dim),
+                self.consumer_regs
+            ));
+        }
+        let smem = self.smem(head_dim).total();
+        if smem > arch.max_smem_per_block() as usize {
+            return bad(format!(
+                "{smem} bytes of shared memory exceed {}'s {} per block",
+                arch.name,
+                arch.max_smem_per_block()
+            ));
+        }
+        Ok(())
+    }
+}
+
+pub(crate) const fn t(
+    block_n: usize,
+    consumer_wgs: usize,
+    stages: usize,
+    producer_regs: u32,
+    consumer_regs: u32,
+    intra_wg_overlap: bool,
+) -> Tiles {
+    Tiles {
+        block_n,
+        consumer_wgs,
+        stages,
+        producer_regs,
+        consumer_regs,
+        lazy_rescale: false,
+        intra_wg_overlap,
+        pingpong: false,
+        persistent: false,
+        poly_exp2: 0,
+    }
+}
+
+/// Tile candidates per head dim, first that fits wins; [`plan`] then turns on the persistent
+/// launch for short sequences ([`PERSISTENT_MAX_M_BLOCKS`]). A CTA of 384 threads (two consumer
+/// warpgroups, 128 query rows) is launched with 168 registers per thread (64,512); the consumers
+/// take 232 each and leave the producer 40 (its tile loop spills at 24). At d64 three consumers
+/// (192 rows, 512 threads launched with 128) take 160 each and leave the producer 32, as
+/// FlashAttention-3 does. The key-block widths
+/// follow the register budget (S, O and packed P plus the margin) and shared memory (d256: Q and
+/// two stages of 80-key K and V fill 224 of the 227 KiB). Measured on an H200 (bf16, 16k tokens;
+/// `docs/perf.md`): 128-key blocks beat 64 (d64 483 vs 369, d128 629 vs 576 TFLOP/s), 80 beat 64
+/// at d256 (+2 to +10% on every shape of the grid), and 176 beat 128 at d128 from 4k keys on
+/// (+2 to +6%) but not at 1k (−2%, causal −13%: a 1k sequence is 5.8 blocks of 176, and the
+/// diagonal blocks waste more); two stages beat three; the intra-warpgroup overlap gains 2–7% at
+/// d128 and d256 and loses at d64; ping-pong is within ±3%, conditional rescaling and the
+/// polynomial exponentials lose 2–5% at d128/d256 and 8–28% at d64 (the softmax is off the
+/// critical path once it overlaps), so those are off.
+///
+/// Each candidate is taken only for at least its `min_keys` keys per sequence.
+pub(crate) const CANDIDATES: [(usize, &[(Tiles, usize)]); 3] = [
+    (
+        64,
+        &[
+            (t(128, 3, 2, 32, 160, false), 0),
+            (t(128, 2, 2, 40, 232, false), 0),
+        ],
+    ),
+    (
+        128,
+        &[
+            (t(176, 2, 2, 40, 232, true), 4096),
+            (t(128, 2, 2, 40, 232, true), 0),
+        ],
+    ),
+    (256, &[(t(80, 2, 2, 40, 232, true), 0)]),
+];
+
+/// Tiles for one padded head dim on one GPU: the first candidate that fits, or `None`.
+pub fn tiles(arch: &GpuArch, head_dim: usize) -> Option<Tiles> {
+    fitting(arch, head_dim).next()
+}
+
+/// The fitting candidates of a head dim, in order, with their `min_keys`.
+pub(crate) fn fitting_with_min_keys(
+    arch: &GpuArch,
+    head_dim: usize,
+) -> impl Iterator<Item = (Tiles, usize)> + '_ {
+    CANDIDATES
+        .iter()
+        .filter(move |(d, _)| *d == head_dim)
+        .flat_map(|(_, c)| c.iter().copied())
+        .filter(move |(t, _)| t.check(head_dim, arch).is_ok())
+}
+
+pub(crate) fn fitting(arch: &GpuArch, head_dim: usize) -> impl Iterator<Item = Tiles> + '_ {
+    fitting_with_min_keys(arch, head_dim).map(|(t, _)| t)
+}
+
+/// Tiles for a problem with `seqlen_q` query rows and `seqlen_k` keys per sequence (the longest,
+/// in a varlen batch): among the fitting candidates taken for `seqlen_k` keys, the first whose
+/// padding (rows computed past the end of the last query block) is within 5% of the sequence of
+/// the least padding any of them has, with the persistent launch for at most
+/// [`PERSISTENT_MAX_M_BLOCKS`] query blocks. At d64 this keeps 192-row tiles for 4k and 16k
+/// tokens but takes 128 rows at 1k, where a 192-row tile would be a third full: measured on an
+/// H200 (docs/perf.md), 1k causal 273 against 233 TFLOP/s. At d128, 176-key blocks from 4k keys.
+pub fn tiles_for(
+    arch: &GpuArch,
+    head_dim: usize,
+    seqlen_q: usize,
+    seqlen_k: usize,
+) -> Option<Tiles> {
+    let taken = || {
+        fitting_with_min_keys(arch, head_dim)
+            .filter(|&(_, min_keys)| seqlen_k >= min_keys)
+            .map(|(t, _)| t)
+    };
+    let pad = |t: &Tiles| seqlen_q.div_ceil(t.block_m()) * t.block_m() - seqlen_q;
+    let least = taken().map(|t| pad(&t)).min()?;
+    let mut t = taken().find(|t| pad(t) <= least + seqlen_q / 20)?;
+    t.persistent = seqlen_q.div_ceil(t.block_m()) <= PERSISTENT_MAX_M_BLOCKS;
+    Some(t)
+}

@@ -1,0 +1,48 @@
+// The Hopper kernel's tile scheduler: which query block of which (sequence, head) the k-th tile
+// of a CTA is, and its key blocks. `config::sm90::schedule` (Rust) mirrors this walk, and its
+// tests check that every (query block, head, sequence) is visited exactly once in this order.
+// Needs the prelude's BLOCK_M, BLOCK_N and VARLEN, and `../common/{params,mask}.cuh`.
+
+struct Tile {
+    int m0, head, batch;
+    int bi;                // index into the tensors' batch axis (0 when packed)
+    Seq s;                 // the sequence
+    bool empty;            // past the sequence's queries (VARLEN: shorter than the longest)
+    KeyBlocks kb;          // its key blocks (`../common/mask.cuh`)
+};
+
+// Query blocks per (sequence, head): of the longest sequence (VARLEN: `seqlen_q` is the longest).
+__device__ __forceinline__ int m_blocks(const FwdParams& p) { return (p.seqlen_q + BLOCK_M - 1) / BLOCK_M; }
+__device__ __forceinline__ int num_tiles(const FwdParams& p) { return m_blocks(p) * p.heads_q * p.batch; }
+
+// Tiles are numbered query block fastest (the tiles that run at once share K and V in L2).
+// One CTA per tile (gridDim.x = tiles): CTA b runs tile b, and a head's query blocks come last
+// first, so the hardware starts the longest (under a causal mask) first. Persistent (fewer
+// CTAs): CTA b runs the pairs of tiles b, b + gridDim.x, …, and a head's query blocks are
+// ordered last, first, second last, second, …, so each pair costs about the same (a causal
+// tile's keys grow with its query block; the pair's sum does not).
+// The number of this CTA's k-th tile, or −1 when it has none. Strictly increasing in k.
+__device__ __forceinline__ int tile_number(int k, int total) {
+    const int g = gridDim.x, b = blockIdx.x;
+    if (g >= total) return k == 0 ? b : -1;
+    // No overflow: the planner keeps total ≤ 2^30, and t stops at the first value ≥ total.
+    const int t = 2 * ((k / 2) * g + b) + (k & 1);
+    return t < total ? t : -1;
+}
+
+__device__ __forceinline__ Tile tile_at(const FwdParams& p, int t) {
+    const int mb = m_blocks(p), hb = t / mb, r = t % mb;
+    const bool paired = static_cast<int>(gridDim.x) < num_tiles(p);
+    Tile w;
+    w.m0 = (paired && (r & 1) ? r / 2 : mb - 1 - (paired ? r / 2 : r)) * BLOCK_M;
+    w.head = hb % p.heads_q;
+    w.batch = hb / p.heads_q;
+    w.bi = VARLEN ? 0 : w.batch;
+    w.s = sequence(p, w.batch, VARLEN);
+    w.empty = VARLEN && w.m0 >= w.s.q_len;
+    w.kb = key_blocks(p, w.s, w.m0, min(w.m0 + BLOCK_M, w.s.q_len) - 1, !w.empty);
+    return w;
+}
+
+// Whether key block n of sequence s holds rows of the next sequence (VARLEN only: see the top).
+__device__ __forceinline__ bool foreign_rows(const Seq& s, int n) { return VARLEN && (n + 1) * BLOCK_N > s.k_len; }

@@ -1,0 +1,85 @@
+//! Writes the cubin of every planned kernel variant to `$FA4_SASS_DUMP_DIR`, one file per
+//! variant named after it, so that two builds of the crate can be compared instruction by
+//! instruction (`bench/sass_diff.sh OLD NEW`). A refactor of the kernels' sources that claims to
+//! change nothing must leave every variant's code sections identical.
+//!
+//! Ignored: it needs NVRTC and a folder to write, and it compiles ~260 variants. Run it with
+//! `FA4_SASS_DUMP_DIR=DIR cargo test --release --test sass_dump -- --ignored`
+//! (`FA4_SASS_DUMP_FILTER=sm90-fwd,d64` keeps the variants whose file name contains one of the
+//! comma-separated parts).
+
+use std::path::PathBuf;
+
+use fa4::arch::{A100, B200, H200};
+use fa4::cuda::compile::compile_uncached;
+use rayon::prelude::*;
+
+/// Compiles one variant.
+type Job = Box<dyn Fn() -> fa4::error::Result<Vec<u8>> + Send + Sync>;
+
+/// A file name for a variant: its display form, with only `[A-Za-z0-9._-]`.
+fn file_name(spec: &impl std::fmt::Display) -> String {
+    let name: String = spec
+        .to_string()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || "._-".contains(c) {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("{name}.cubin")
+}
+
+#[test]
+#[ignore = "needs NVRTC and FA4_SASS_DUMP_DIR; compiles every variant"]
+fn dump_every_variant_cubin() {
+    let dir = PathBuf::from(
+        std::env::var_os("FA4_SASS_DUMP_DIR").expect("set FA4_SASS_DUMP_DIR to a folder"),
+    );
+    std::fs::create_dir_all(&dir).expect("create FA4_SASS_DUMP_DIR");
+    let mut jobs: Vec<(String, Job)> = Vec::new();
+    for (arch, target) in [(A100, "sm_80"), (H200, "sm_90a"), (B200, "sm_100a")] {
+        for spec in fa4::config::sm80::all_specs(&arch, target) {
+            jobs.push((file_name(&spec), Box::new(move || compile_uncached(&spec))));
+        }
+    }
+    // The Hopper kernel's planned variants, and each with every switch its tiles take on, as
+    // tests/nvrtc_compile.rs compiles them.
+    for spec in fa4::config::sm90::all_specs(&H200, "sm_90a") {
+        let mut switched = spec;
+        switched.tiles.intra_wg_overlap = spec.tiles.consumer_wgs == 2;
+        switched.tiles.pingpong = spec.tiles.consumer_wgs == 2;
+        switched.tiles.lazy_rescale = true;
+        switched.tiles.poly_exp2 = 2;
+        for s in [spec, switched] {
+            jobs.push((file_name(&s), Box::new(move || compile_uncached(&s))));
+        }
+    }
+    // FA4_SASS_DUMP_FILTER=a,b: only variants whose file name contains one of them.
+    if let Ok(filter) = std::env::var("FA4_SASS_DUMP_FILTER") {
+        let keys: Vec<&str> = filter.split(',').filter(|k| !k.is_empty()).collect();
+        jobs.retain(|(name, _)| keys.iter().any(|k| name.contains(k)));
+    }
+    let mut names: Vec<&String> = jobs.iter().map(|(n, _)| n).collect();
+    names.sort();
+    names.dedup();
+    let unique = names.len();
+    let failures: Vec<String> = jobs
+        .par_iter()
+        .filter_map(|(name, job)| match job() {
+            Ok(cubin) => std::fs::write(dir.join(name), cubin)
+                .err()
+                .map(|e| format!("{name}: {e}")),
+            Err(e) => Some(format!("{name}: {e}")),
+        })
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+    eprintln!(
+        "wrote {unique} distinct variants ({} jobs) to {}",
+        jobs.len(),
+        dir.display()
+    );
+}

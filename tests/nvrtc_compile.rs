@@ -110,3 +110,57 @@ fn every_sm90_variant_compiles_without_spills_or_wgmma_serialization() {
         .collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// The Blackwell kernel (not run on hardware) compiles for sm_100a in every variant CI knows:
+/// each depth FA4Config supports for 16-bit inputs × dtype × mask × softcap; ptxas reports no
+/// spills and no static shared memory, so a launch's shared memory is the plan's `smem_used`
+/// alone (the kernel `static_assert`s that its layout adds up to it).
+#[test]
+fn every_sm100_variant_compiles_for_sm100a() {
+    use fa4::config::sm100_kernel::{all_specs, parse_ptxas};
+    let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    if let Err(e) = nvrtc_version() {
+        if required {
+            panic!("FA4_REQUIRE_NVRTC=1 but {e}");
+        }
+        let _ = writeln!(std::io::stderr(), "nvrtc_compile (sm100): skipped: {e}");
+        return;
+    }
+    let specs = all_specs();
+    assert_eq!(specs.len(), 5 * 8);
+    let failures: Vec<String> = specs
+        .par_iter()
+        .filter_map(
+            |spec| match compile_with_log(spec, &["--ptxas-options=-v"]) {
+                Err(e) => Some(e.to_string()),
+                Ok((cubin, log)) => {
+                    let mut bad = Vec::new();
+                    match parse_ptxas(&log) {
+                        Some((regs, static_smem)) => {
+                            if static_smem != 0 {
+                                bad.push(format!("{static_smem} bytes of static shared memory"));
+                            }
+                            if regs == 0 || regs > 128 {
+                                bad.push(format!("{regs} registers at launch (512 threads: ≤ 128)"));
+                            }
+                        }
+                        None => bad.push(format!("no ptxas report in the log:\n{log}")),
+                    }
+                    if log.lines().any(|l| {
+                        l.contains("spill") && !l.contains(" 0 bytes spill stores, 0 bytes spill loads")
+                    }) {
+                        bad.push(format!("spills:\n{log}"));
+                    }
+                    if cubin.len() < 1000 {
+                        bad.push(format!("cubin of only {} bytes", cubin.len()));
+                    }
+                    if spec.smem_bytes() as u64 != spec.cfg.smem_used() {
+                        bad.push("launch shared memory differs from smem_used".into());
+                    }
+                    (!bad.is_empty()).then(|| format!("{spec}: {}", bad.join("; ")))
+                }
+            },
+        )
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -12,6 +12,7 @@
 pub mod decode;
 pub mod prelude;
 pub mod sm100;
+pub mod sm100_kernel;
 pub mod sm100_protocol;
 pub mod sm80;
 pub mod sm90;

@@ -15,7 +15,7 @@ use std::time::Instant;
 use cudarc::nvrtc::{result as nvrtc, sys as nvrtc_sys};
 
 use super::libs;
-use crate::config::{sm80, sm90};
+use crate::config::{sm100_kernel, sm80, sm90};
 use crate::error::{Error, Result};
 
 /// The shared device layer every kernel family includes, in order: types and small PTX wrappers
@@ -43,6 +43,10 @@ pub const SM90_PIPELINE_SRC: &str = include_str!("../kernels/sm90/pipeline.cuh")
 pub const SM90_TILES_SRC: &str = include_str!("../kernels/sm90/tiles.cuh");
 /// The Hopper forward kernel.
 pub const SM90_FWD_SRC: &str = include_str!("../kernels/sm90/fwd.cu");
+/// The Blackwell kernel's tcgen05 wrappers.
+pub const SM100_TCGEN05_SRC: &str = include_str!("../kernels/sm100/tcgen05.cuh");
+/// The Blackwell forward kernel (not run on hardware: see `config::sm100_kernel`).
+pub const SM100_FWD_SRC: &str = include_str!("../kernels/sm100/fwd.cu");
 /// Environment variable naming the cache folder.
 pub const CACHE_DIR_ENV: &str = "FA4_CACHE_DIR";
 
@@ -109,6 +113,30 @@ impl KernelSource for sm90::KernelSpec {
     }
     fn smem_bytes(&self) -> usize {
         sm90::KernelSpec::smem_bytes(self)
+    }
+}
+
+impl KernelSource for sm100_kernel::KernelSpec {
+    fn target(&self) -> &'static str {
+        self.target
+    }
+    fn prelude(&self) -> String {
+        sm100_kernel::KernelSpec::prelude(self)
+    }
+    fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>> {
+        // The Hopper layer's TMA map, mbarrier and TMA wrappers run unchanged on sm_100a.
+        vec![
+            SM90_PARAMS_SRC.into(),
+            SM90_PTX_SRC.into(),
+            SM100_TCGEN05_SRC.into(),
+            SM100_FWD_SRC.into(),
+        ]
+    }
+    fn entry(&self) -> &'static str {
+        sm100_kernel::KernelSpec::entry(self)
+    }
+    fn smem_bytes(&self) -> usize {
+        sm100_kernel::KernelSpec::smem_bytes(self)
     }
 }
 

@@ -412,7 +412,10 @@ impl PagedProblem {
             };
             return Err(Error::invalid(
                 "out",
-                format!("expected shape {want:?}, got {:?}", o.dims),
+                format!(
+                    "expected shape {want:?}, got {:?}",
+                    if o.packed { &o.dims[1..] } else { &o.dims[..] }
+                ),
             ));
         }
         let overlap_free = non_overlapping(o);

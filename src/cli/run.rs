@@ -127,11 +127,12 @@ fn parse_window(s: &str) -> std::result::Result<Mask, String> {
             "expected LEFT,RIGHT (two integers, -1 = unbounded), got `{s}`"
         ));
     };
-    let side = |x: &str| match x.parse::<i64>() {
-        Ok(-1) => Ok(None),
-        Ok(v) if v >= 0 => Ok(Some(v as usize)),
+    let side = |x: &str| match (x, x.parse::<usize>()) {
+        ("-1", _) => Ok(None),
+        (_, Ok(v)) => Ok(Some(v)),
         _ => Err(format!(
-            "window sides are integers ≥ 0 or -1 (unbounded), got `{x}`"
+            "window sides are integers from 0 to {} or -1 (unbounded), got `{x}`",
+            usize::MAX
         )),
     };
     Ok(Mask::Window {
@@ -873,7 +874,8 @@ fn describe(p: &Problem) -> String {
     if p.head_dim_v() != p.head_dim() {
         s += &format!("/{}", p.head_dim_v());
     }
-    let side = |x: Option<usize>| x.map_or(-1, |x| x as i64);
+    // Not `as i64`: usize::MAX would print as the unbounded -1.
+    let side = |x: Option<usize>| x.map_or_else(|| "-1".to_string(), |x| x.to_string());
     match p.mask() {
         Mask::None => {}
         Mask::Causal => s += " causal",
@@ -906,7 +908,23 @@ mod tests {
                 right: None
             })
         );
-        for bad in ["3", "1,2,3", "-2,0", "a,1", "", "1,"] {
+        assert_eq!(
+            parse_window("18446744073709551615,0"),
+            Ok(Mask::Window {
+                left: Some(usize::MAX),
+                right: Some(0)
+            })
+        );
+        for bad in [
+            "3",
+            "1,2,3",
+            "-2,0",
+            "a,1",
+            "",
+            "1,",
+            "18446744073709551616,0",
+            "+-1,0",
+        ] {
             assert!(parse_window(bad).is_err(), "{bad:?}");
         }
     }

@@ -35,9 +35,10 @@ const DEFAULT_SEQLEN: usize = 1024;
 const DEFAULT_HEADS: usize = 8;
 const DEFAULT_HEAD_DIM: usize = 128;
 
-/// FLOP/s per thread the CPU backend sustains at the least (bf16 at d = 128 on this project's
-/// 2-core machine runs at 20–30 GFLOP/s per thread), for the time estimate of long runs.
-const CPU_FLOPS_PER_THREAD_S: f64 = 15e9;
+/// FLOP/s per thread assumed for the CPU backend's time estimate: `docs/perf.md` measures 75–90
+/// per thread at d = 128 and long sequences (2 threads, AVX-512); small heads and short or
+/// memory-bound problems run well below that, so the estimate assumes about half.
+const CPU_FLOPS_PER_THREAD_S: f64 = 40e9;
 
 #[derive(Args, Debug)]
 pub struct RunArgs {

@@ -43,7 +43,7 @@ check() {
 
 # The default dispatch and the Ampere-class kernel beside FA2, cuDNN and (when installed) FA4.
 grid() {
-    PYTHONUNBUFFERED=1 timeout 330 python3 "$here/grid.py" --fa4 "$F" --reps 30 --with-sm80 2>&1 |
+    PYTHONUNBUFFERED=1 timeout 330 python3 "$here/grid.py" --fa4 "$F" --variant sm80="--kernel sm80" 2>&1 |
         tee "$out/grid.txt" | grep -v '^\$'
 }
 

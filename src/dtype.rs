@@ -5,7 +5,7 @@ use std::str::FromStr;
 
 use crate::error::Error;
 
-/// A storage element type. Accumulation is always f32 (see `spec/attention.md`).
+/// A storage element type. Accumulation is always f32 (see `docs/attention.md`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum DType {
     /// IEEE binary32.

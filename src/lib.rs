@@ -71,6 +71,7 @@
 pub mod arch;
 pub mod backend;
 pub mod check;
+pub mod combine;
 pub mod config;
 pub mod cpu;
 pub mod cuda;
@@ -78,6 +79,7 @@ pub mod dtype;
 pub mod error;
 pub mod mask;
 pub mod npy;
+pub mod paged;
 pub mod problem;
 pub mod tensor;
 

@@ -1,7 +1,7 @@
 //! Mask kinds and their tile logic, shared by the planners, the CPU backend and the tests.
 //!
 //! Key `j` is allowed for query row `i` of a sequence with `sq` queries and `sk` keys when
-//! `j < sk`, `i < sq` and `i + sk − sq − left ≤ j ≤ i + sk − sq + right` (`spec/attention.md`;
+//! `j < sk`, `i < sq` and `i + sk − sq − left ≤ j ≤ i + sk − sq + right` (`docs/attention.md`;
 //! windows align to the bottom-right corner). Causal is the window `(unbounded, 0)`.
 //! The allowed keys of a row form one interval whose ends never decrease with `i`, which is what
 //! makes tile classification exact with two corner tests.
@@ -152,13 +152,14 @@ impl SeqMask {
 mod tests {
     use super::*;
 
-    /// Brute-force classification, the definition the fast path must match.
-    fn brute(m: &SeqMask, rows: Range<usize>, keys: Range<usize>) -> TileKind {
+    /// Brute-force classification by the oracle's per-element predicate (written from the
+    /// definition, sharing no code with `SeqMask`), which the fast path must match.
+    fn brute(mask: Mask, sq: usize, sk: usize, rows: Range<usize>, keys: Range<usize>) -> TileKind {
         let n = rows.len() * keys.len();
         let allowed = rows
             .clone()
             .flat_map(|i| keys.clone().map(move |j| (i, j)))
-            .filter(|&(i, j)| m.allowed(i, j))
+            .filter(|&(i, j)| crate::cpu::reference::allowed(mask, sq, sk, i, j))
             .count();
         match allowed {
             0 => TileKind::Masked,
@@ -177,6 +178,43 @@ mod tests {
         assert_eq!(m.key_range(2), 0..0);
         assert_eq!(m.key_range(3), 0..1);
         assert_eq!(m.key_range(4), 0..2);
+    }
+
+    /// Window key ranges worked out by hand from the definition (diagonal `i + sk − sq`).
+    #[test]
+    fn window_key_ranges_match_hand_derived_values() {
+        let w = |left, right| Mask::Window { left, right };
+        // (1, 1), sq = sk = 5: keys i − 1 ..= i + 1, clipped to 0..5.
+        let m = w(Some(1), Some(1)).for_sequence(5, 5);
+        let got: Vec<_> = (0..5).map(|i| m.key_range(i)).collect();
+        assert_eq!(got, [0..2, 0..3, 1..4, 2..5, 3..5]);
+        // (2, 0), sq = 3, sk = 6: diagonal i + 3, keys i + 1 ..= i + 3.
+        let m = w(Some(2), Some(0)).for_sequence(3, 6);
+        let got: Vec<_> = (0..3).map(|i| m.key_range(i)).collect();
+        assert_eq!(got, [1..4, 2..5, 3..6]);
+        // (0, 1), sq = 4, sk = 2: diagonal i − 2, keys i − 2 ..= i − 1; row 0 sees nothing.
+        let m = w(Some(0), Some(1)).for_sequence(4, 2);
+        assert!(m.key_range(0).is_empty());
+        let got: Vec<_> = (1..4).map(|i| m.key_range(i)).collect();
+        assert_eq!(got, [0..1, 0..2, 1..2]);
+        // (1, unbounded), sq = 2, sk = 4: keys from i + 1 to the end.
+        let m = w(Some(1), None).for_sequence(2, 4);
+        assert_eq!([m.key_range(0), m.key_range(1)], [1..4, 2..4]);
+        // (unbounded, 2), sq = 4, sk = 3: diagonal i − 1, keys ..= i + 1.
+        let m = w(None, Some(2)).for_sequence(4, 3);
+        let got: Vec<_> = (0..4).map(|i| m.key_range(i)).collect();
+        assert_eq!(got, [0..2, 0..3, 0..3, 0..3]);
+        // Sides larger than any sequence do not wrap.
+        let m = w(Some(usize::MAX), Some(usize::MAX)).for_sequence(3, 2);
+        assert_eq!(m.key_range(0), 0..2);
+        // Tiles by hand: causal 4 × 4, rows 0..2 × keys 0..2 partial, × keys 2..4 masked,
+        // rows 2..4 × keys 0..2 free.
+        let m = Mask::Causal.for_sequence(4, 4);
+        assert_eq!(m.tile_kind(0..2, 0..2), TileKind::Partial);
+        assert_eq!(m.tile_kind(0..2, 2..4), TileKind::Masked);
+        assert_eq!(m.tile_kind(2..4, 0..2), TileKind::Free);
+        assert_eq!(m.key_blocks(0..2, 2), 0..1);
+        assert_eq!(m.key_blocks(2..4, 2), 0..2);
     }
 
     #[test]
@@ -215,7 +253,7 @@ mod tests {
                             let blocks = m.key_blocks(rows.clone(), bn);
                             for jb in 0..sk.div_ceil(bn) {
                                 let keys = jb * bn..((jb + 1) * bn).min(sk);
-                                let want = brute(&m, rows.clone(), keys.clone());
+                                let want = brute(mask, sq, sk, rows.clone(), keys.clone());
                                 let got = m.tile_kind(rows.clone(), keys.clone());
                                 assert_eq!(got, want, "{mask:?} sq={sq} sk={sk} {rows:?}×{keys:?}");
                                 if want != TileKind::Masked {

@@ -1,7 +1,7 @@
 //! The attention problem: shapes, strides, dtype, mask, scale, softcap and sequence lengths,
 //! validated once and then trusted by every backend.
 //!
-//! The function itself is defined in `spec/attention.md`; [`Problem::new`] checks everything a
+//! The function itself is defined in `docs/attention.md`; [`Problem::new`] checks everything a
 //! backend relies on and names the offending argument in its error.
 
 use crate::dtype::DType;
@@ -58,6 +58,16 @@ impl Options {
     /// The mask.
     pub fn get_mask(&self) -> Mask {
         self.mask
+    }
+
+    /// The scale as given (`None`: `1/sqrt(head_dim)`, resolved by the problem).
+    pub fn get_scale(&self) -> Option<f32> {
+        self.scale
+    }
+
+    /// The softcap as given.
+    pub fn get_softcap(&self) -> Option<f32> {
+        self.softcap
     }
 }
 

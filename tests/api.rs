@@ -212,7 +212,7 @@ fn strided_views_compute_the_same_function() {
         &opts,
     )
     .unwrap();
-    let report = check(&p, &qkv, &qkv[h * d..], &qkv[2 * h * d..], &o, None);
+    let report = check(&p, &qkv, &qkv[h * d..], &qkv[2 * h * d..], &o, None).unwrap();
     assert!(report.passed(), "{report}");
 }
 
@@ -239,11 +239,13 @@ fn the_tolerance_rule_catches_wrong_and_unwritten_outputs() {
         &Options::new(),
     )
     .unwrap();
-    assert!(check(&p, &x.q, &x.k, &x.v, &o, Some(&lse)).passed());
+    assert!(check(&p, &x.q, &x.k, &x.v, &o, Some(&lse))
+        .unwrap()
+        .passed());
 
     let mut wrong = o.clone();
     wrong[100] += 1e-3;
-    let r = check(&p, &x.q, &x.k, &x.v, &wrong, Some(&lse));
+    let r = check(&p, &x.q, &x.k, &x.v, &wrong, Some(&lse)).unwrap();
     assert!(!r.passed());
     let (pos, _, _) = r.first_bad.unwrap();
     assert_eq!(
@@ -254,12 +256,14 @@ fn the_tolerance_rule_catches_wrong_and_unwritten_outputs() {
 
     let mut unwritten = o.clone();
     unwritten[7] = f32::NAN;
-    let r = check(&p, &x.q, &x.k, &x.v, &unwritten, Some(&lse));
+    let r = check(&p, &x.q, &x.k, &x.v, &unwritten, Some(&lse)).unwrap();
     assert!(!r.passed() && r.finiteness_mismatches == 1, "{r}");
 
     let mut bad_lse = lse.clone();
     bad_lse[3] += 1e-3;
-    assert!(!check(&p, &x.q, &x.k, &x.v, &o, Some(&bad_lse)).passed());
+    assert!(!check(&p, &x.q, &x.k, &x.v, &o, Some(&bad_lse))
+        .unwrap()
+        .passed());
 }
 
 /// Sizes no machine holds are errors from `Problem::new`, not an abort in the allocator

@@ -307,7 +307,7 @@ fn npy_inputs_fixed_length_f32() {
         &Options::new().causal().softcap(15.0),
     )
     .unwrap();
-    let report = check::check(&p, &q, &k, &v, &o, Some(&lse));
+    let report = check::check(&p, &q, &k, &v, &o, Some(&lse)).unwrap();
     assert!(report.passed(), "{report}");
     assert!(report.lse_err.is_some());
     // Causal with sq < sk: every row sees a key, so every LSE is finite.
@@ -385,7 +385,7 @@ fn npy_inputs_varlen_f16_with_empty_sequences() {
         &Options::new().window(Some(6), Some(2)).scale(0.2),
     )
     .unwrap();
-    let report = check::check(&p, &q, &k, &v, &o16, Some(&lse));
+    let report = check::check(&p, &q, &k, &v, &o16, Some(&lse)).unwrap();
     assert!(report.passed(), "{report}");
     // Sequence 2 (rows 5..25) has no keys.
     for row in 5..25 {
@@ -438,13 +438,13 @@ fn dtype_bf16_rounds_float32_inputs() {
     let round = |x: &[f32]| x.iter().map(|&e| bf16::from_f32(e)).collect::<Vec<_>>();
     let (qb, kb, vb) = (round(&q), round(&k), round(&v));
     let p = Problem::new(DType::Bf16, &ql, &kl, &vl, &ol, None, None, &opts).unwrap();
-    let report = check::check(&p, &qb, &kb, &vb, &ob, Some(&lse));
+    let report = check::check(&p, &qb, &kb, &vb, &ob, Some(&lse)).unwrap();
     assert!(report.passed(), "{report}");
 
     // The inputs really were rounded: the result is far outside the f32 rule for the
     // unrounded inputs.
     let p32 = Problem::new(DType::F32, &ql, &kl, &vl, &ol, None, None, &opts).unwrap();
-    let exact = check::check(&p32, &q, &k, &v, &o, Some(&lse));
+    let exact = check::check(&p32, &q, &k, &v, &o, Some(&lse)).unwrap();
     assert!(!exact.passed(), "bf16 rounding left no trace: {exact}");
     assert!(exact.max_err > 10.0 * exact.bound, "{exact}");
 }

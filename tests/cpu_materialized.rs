@@ -54,7 +54,7 @@ fn case<T: Element>(
         o.fill(T::NAN);
         lse.fill(f32::NAN);
         materialized::forward_with(style, &p, &q, &k, &v, &mut o, Some(&mut lse)).unwrap();
-        let report = check(&p, &q, &k, &v, &o, Some(&lse));
+        let report = check(&p, &q, &k, &v, &o, Some(&lse)).unwrap();
         assert!(
             report.passed(),
             "{style:?} {} {opts:?} sq={sq} sk={sk} d={d}: {report}",

@@ -69,7 +69,7 @@ fn cpu_non_finite_keys_reach_only_their_rows() {
         .unwrap();
     let lo = fa4::tensor::Layout::new("q", &l, None).unwrap();
     let p = fa4::Problem::new(DType::F32, &lo, &lo, &lo, &lo, None, None, &opts).unwrap();
-    let r = fa4::check::check(&p, &q, &k, &v, &o, Some(&lse));
+    let r = fa4::check::check(&p, &q, &k, &v, &o, Some(&lse)).unwrap();
     assert!(r.passed(), "{r}");
     // Head 0: rows before 100 are finite, rows from 100 on are NaN.
     let row = |i: usize, hh: usize| &o[(i * h + hh) * d..(i * h + hh + 1) * d];

@@ -209,7 +209,7 @@ fn device_buffers_stay_on_the_device() {
         .unwrap();
     let out = cuda.download(&dout).unwrap();
     let lse = cuda.download(&dlse).unwrap();
-    let r = fa4::check::check(&p, &host, &host, &host, &out, Some(&lse));
+    let r = fa4::check::check(&p, &host, &host, &host, &out, Some(&lse)).unwrap();
     assert!(r.passed(), "{r}");
 }
 
@@ -255,7 +255,7 @@ fn device_cu_seqlens_must_match_the_problem() {
     cuda.forward_device(&p, &dq, &dq, &dq, Some((&good, &good)), &mut dout, None)
         .unwrap();
     let out = cuda.download(&dout).unwrap();
-    let r = fa4::check::check(&p, &host, &host, &host, &out, None);
+    let r = fa4::check::check(&p, &host, &host, &host, &out, None).unwrap();
     assert!(r.passed(), "{r}");
 }
 
@@ -532,7 +532,7 @@ fn persistent_case<T: fa4::Element>(
         );
         if switches > 0 {
             // And once against the oracle.
-            let r = fa4::check::check(&p, &q, &k, &v, &b.0, Some(&b.1));
+            let r = fa4::check::check(&p, &q, &k, &v, &b.0, Some(&b.1)).unwrap();
             assert!(r.passed(), "{what} persistent: {r}");
         }
     }
@@ -643,7 +643,7 @@ fn varlen_case<T: fa4::Element>(cuda: &CudaBackend, d: usize, mask: fa4::Mask) -
             &opts,
         )
         .unwrap();
-        let r = fa4::check::check(&p, &q, &k, &v, &o, Some(&lse));
+        let r = fa4::check::check(&p, &q, &k, &v, &o, Some(&lse)).unwrap();
         if !r.passed() {
             failures.push(format!("{what} {kernel}: {r}"));
         }
@@ -691,7 +691,7 @@ fn cuda_non_finite_keys_reach_only_their_rows() {
         let mut lse = vec![f32::NAN; h * s];
         b.forward_host(&p, &q, &k, &v, &mut o, Some(&mut lse))
             .unwrap();
-        let r = fa4::check::check(&p, &q, &k, &v, &o, Some(&lse));
+        let r = fa4::check::check(&p, &q, &k, &v, &o, Some(&lse)).unwrap();
         if !r.passed() {
             failures.push(format!("{kernel:?}: {r}"));
         }

@@ -30,6 +30,9 @@ use fa4::{DType, Element, Error, Options, Problem, Result};
 
 use super::BackendArg;
 
+#[path = "decode_bench.rs"]
+mod decode_bench;
+
 /// Query rows per run when `--heads` is not given: heads = this / seqlen (at least 1), so that
 /// short sequences still give runs long enough to time and enough work items for every thread.
 const DEFAULT_ROWS: usize = 8192;
@@ -71,7 +74,8 @@ pub struct BenchArgs {
     /// Heads (query and KV) [default: max(1, 8192 / seqlen): the same query rows per shape].
     #[arg(long)]
     heads: Option<usize>,
-    /// Timed runs per shape and implementation; the median is reported.
+    /// Timed runs per shape and implementation; the median is reported (CUDA: rounds of
+    /// `--calls` back-to-back calls).
     #[arg(long, default_value_t = 7)]
     reps: usize,
     /// Untimed warm-up runs before the timed ones.
@@ -93,6 +97,9 @@ pub struct BenchArgs {
     /// CUDA-only flags (`--backend cuda`).
     #[command(flatten)]
     cuda: super::bench_cuda::CudaBenchArgs,
+    /// Decode over a paged KV cache (`src/cli/decode_bench.rs`).
+    #[command(flatten)]
+    decode: decode_bench::DecodeBenchArgs,
 }
 
 /// One shape's measurements.
@@ -141,6 +148,15 @@ struct Report {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
+    if let Some(flag) = args.decode.stray() {
+        return Err(Error::invalid(flag, "belongs to `fa4 bench --decode`"));
+    }
+    if args.decode.wanted() && args.backend == BackendArg::Cuda {
+        return Err(Error::invalid(
+            "--backend",
+            "cuda: the GPU decode kernels are not written yet; `fa4 bench --decode` runs on the CPU",
+        ));
+    }
     match args.backend {
         BackendArg::Cpu | BackendArg::Auto => {}
         BackendArg::Cuda => {
@@ -177,6 +193,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let pool = builder
         .build()
         .map_err(|e| Error::invalid("--threads", e.to_string()))?;
+    if args.decode.wanted() {
+        return pool.install(|| decode_bench::run(&args));
+    }
     pool.install(|| bench(&args))
 }
 

@@ -1,22 +1,41 @@
-//! `fa4 bench --backend cuda`: TFLOP/s of the CUDA backend on the FlashAttention grid (16k
-//! tokens, hidden 2048: batch = 16384 / seqlen, heads = 2048 / head_dim), event-timed medians.
-//! The peers (PyTorch SDPA's FlashAttention-2 and cuDNN backends, FlashAttention-4 CuTe) are
-//! measured in the same run by `bench/grid.py`, which calls this with `--json`.
+//! `fa4 bench --backend cuda`: TFLOP/s of the CUDA backend, by default on the FlashAttention
+//! grid (16k tokens, hidden 2048: batch = 16384 / seqlen, heads = 2048 / head_dim).
+//!
+//! Method (the one `bench/grid.py` applies to the peers, docs/perf.md): `--warmup` untimed
+//! calls, then `--reps` rounds of `--calls` back-to-back calls between one pair of CUDA events;
+//! per call, the median round and the spread between rounds (interquartile range / median).
+//! The per-call column is one call and a synchronize between host clock reads, so it includes
+//! the host launch path. FLOPs come from `Problem::flops` (4·b·h·sq·sk·d, halved for causal),
+//! which `--json` prints so that `bench/grid.py` uses the same count for every library.
+//!
+//! `--rounds-from-stdin` hands the rounds to a driver: per shape it prints one JSON line when
+//! the inputs are on the device and warmed up, then answers each line it reads:
+//! - `round CALLS`: one round, `{"ms": GPU ms per call, "host_ms": host ms to enqueue one}`;
+//! - `call`: one synchronised call after an untimed one, host clock, `{"ms": …}`;
+//! - `next`: on to the next shape.
+//!
+//! `bench/grid.py` uses it to interleave fa4's rounds with the peers'.
+
+use std::io::BufRead;
 
 use clap::Args;
 use serde::Serialize;
 
-use fa4::cuda::bench::time_forward;
+use fa4::cuda::bench::{time_forward, Bench};
 use fa4::cuda::CudaBackend;
 use fa4::tensor::Layout;
-use fa4::{DType, Error, Options, Problem, Result};
+use fa4::{DType, Element, Error, Options, Problem, Result};
+
+/// Seed of the random inputs (the same for every shape: each shape's sizes differ anyway).
+const SEED: u64 = 7;
 
 /// Flags of the CUDA benchmark.
 #[derive(Args, Debug, Clone)]
 pub struct CudaBenchArgs {
-    /// Grid points `d,seqlen,causal` (causal 0 or 1); repeatable [default: the FlashAttention
-    /// grid, d 64/128/256 × seqlen 1k/4k/16k × causal 0/1].
-    #[arg(long, num_args = 1.., value_name = "D,SEQLEN,CAUSAL")]
+    /// Shapes `D,SEQLEN,CAUSAL[,BATCH,HEADS[,KV_HEADS]]` (causal 0 or 1; batch and heads default
+    /// to --tokens / SEQLEN and --hidden / D, KV heads to HEADS); repeatable [default: the
+    /// FlashAttention grid, d 64/128/256 × seqlen 1k/4k/16k × causal 0/1].
+    #[arg(long, num_args = 1.., value_name = "SHAPE")]
     grid: Vec<String>,
     /// Tokens per grid point (batch = tokens / seqlen).
     #[arg(long, default_value_t = 16384)]
@@ -24,6 +43,12 @@ pub struct CudaBenchArgs {
     /// Model width (heads = hidden / head_dim).
     #[arg(long, default_value_t = 2048)]
     hidden: usize,
+    /// Back-to-back calls per timed round (one event pair around them; --reps is the rounds).
+    #[arg(long, default_value_t = 10)]
+    calls: usize,
+    /// Take the rounds from stdin, for a driver that interleaves libraries (`bench/grid.py`).
+    #[arg(long)]
+    rounds_from_stdin: bool,
     /// Override the planner's tiles:
     /// `block_m,block_n,warps,m_tiles,stages,ctas_per_sm,q_in_regs(0|1),lazy_rescale(0|1)`.
     #[arg(long)]
@@ -40,27 +65,108 @@ pub struct CudaBenchArgs {
     kernel: super::KernelArg,
 }
 
+/// One benchmark shape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Shape {
+    d: usize,
+    seqlen: usize,
+    causal: bool,
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+}
+
+/// What a shape is, printed before its times (and alone, as the ready line of
+/// `--rounds-from-stdin`).
 #[derive(Serialize)]
-struct Row {
+struct Head {
     d: usize,
     seqlen: usize,
     batch: usize,
     heads: usize,
+    kv_heads: usize,
     causal: bool,
     kernel: String,
-    median_ms: f64,
-    min_ms: f64,
-    tflops: f64,
+    flops: f64,
+    input_sets: usize,
     first_call_s: f64,
 }
 
-fn parse_grid(items: &[String]) -> Result<Vec<(usize, usize, bool)>> {
+#[derive(Serialize)]
+struct Row {
+    #[serde(flatten)]
+    head: Head,
+    calls: usize,
+    rounds: usize,
+    median_ms: f64,
+    min_ms: f64,
+    max_ms: f64,
+    q1_ms: f64,
+    q3_ms: f64,
+    /// (q3 − q1) / median across rounds (the interquartile range; min_ms/max_ms give the range).
+    spread: f64,
+    tflops: f64,
+    /// One call and a synchronize, host clock: includes the host path.
+    per_call_ms: f64,
+    /// Host time to enqueue one call inside a round (median).
+    host_enqueue_ms: f64,
+}
+
+fn parse_shape(it: &str, tokens: usize, hidden: usize) -> Result<Shape> {
+    let bad = |why: String| Error::invalid("--grid", format!("`{it}`: {why}"));
+    let f = it
+        .split(',')
+        .map(|x| x.trim().parse::<usize>())
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|_| {
+            bad("expected D,SEQLEN,CAUSAL[,BATCH,HEADS[,KV_HEADS]] of whole numbers".into())
+        })?;
+    let (d, seqlen, c) = match f[..] {
+        [d, s, c, ..] if (3..=6).contains(&f.len()) && f.len() != 4 => (d, s, c),
+        _ => {
+            return Err(bad(
+                "expected D,SEQLEN,CAUSAL or D,SEQLEN,CAUSAL,BATCH,HEADS[,KV_HEADS]".into(),
+            ))
+        }
+    };
+    if c > 1 || d == 0 || seqlen == 0 {
+        return Err(bad("D and SEQLEN must be ≥ 1 and CAUSAL 0 or 1".to_string()));
+    }
+    let (batch, heads) = match f[..] {
+        [_, _, _, b, h, ..] => (b, h),
+        _ => {
+            if !hidden.is_multiple_of(d) || !tokens.is_multiple_of(seqlen) {
+                return Err(bad(format!(
+                    "D must divide --hidden {hidden} and SEQLEN must divide --tokens {tokens} \
+                     (or give BATCH,HEADS)"
+                )));
+            }
+            (tokens / seqlen, hidden / d)
+        }
+    };
+    let kv_heads = f.get(5).copied().unwrap_or(heads);
+    if batch == 0 || heads == 0 || kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(bad(format!(
+            "BATCH, HEADS and KV_HEADS must be ≥ 1, KV_HEADS dividing HEADS (got {batch}, {heads}, {kv_heads})"
+        )));
+    }
+    Ok(Shape {
+        d,
+        seqlen,
+        causal: c == 1,
+        batch,
+        heads,
+        kv_heads,
+    })
+}
+
+fn parse_grid(items: &[String], tokens: usize, hidden: usize) -> Result<Vec<Shape>> {
     if items.is_empty() {
         let mut g = Vec::new();
         for d in [64, 128, 256] {
             for s in [1024, 4096, 16384] {
-                for c in [false, true] {
-                    g.push((d, s, c));
+                for c in [0, 1] {
+                    g.push(parse_shape(&format!("{d},{s},{c}"), tokens, hidden)?);
                 }
             }
         }
@@ -68,28 +174,35 @@ fn parse_grid(items: &[String]) -> Result<Vec<(usize, usize, bool)>> {
     }
     items
         .iter()
-        .map(|it| {
-            let f: Vec<&str> = it.split(',').collect();
-            let n = |x: &str| x.trim().parse::<usize>().ok();
-            match (
-                f.len(),
-                f.first().and_then(|x| n(x)),
-                f.get(1).and_then(|x| n(x)),
-                f.get(2).and_then(|x| n(x)),
-            ) {
-                (3, Some(d), Some(s), Some(c)) if c <= 1 && d > 0 && s > 0 => Ok((d, s, c == 1)),
-                _ => Err(Error::invalid(
-                    "--grid",
-                    format!("expected D,SEQLEN,CAUSAL (causal 0 or 1), got `{it}`"),
-                )),
-            }
-        })
+        .map(|it| parse_shape(it, tokens, hidden))
         .collect()
+}
+
+impl Shape {
+    fn problem(&self, dtype: DType) -> Result<Problem> {
+        let lq = Layout::new("q", &[self.batch, self.seqlen, self.heads, self.d], None)?;
+        let lk = Layout::new("k", &[self.batch, self.seqlen, self.kv_heads, self.d], None)?;
+        let opts = if self.causal {
+            Options::new().causal()
+        } else {
+            Options::new()
+        };
+        Problem::new(dtype, &lq, &lk, &lk, &lq, None, None, &opts)
+    }
 }
 
 /// Runs the CUDA benchmark; prints a table, or one JSON array with `json`.
 pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bool) -> Result<()> {
-    let grid = parse_grid(&a.grid)?;
+    if !matches!(dtype, DType::Bf16 | DType::F16) {
+        return Err(Error::invalid(
+            "--dtype",
+            format!("the CUDA backend computes fp16 and bf16, not {dtype}"),
+        ));
+    }
+    if a.calls == 0 || reps == 0 {
+        return Err(Error::invalid("--calls/--reps", "must be ≥ 1"));
+    }
+    let grid = parse_grid(&a.grid, a.tokens, a.hidden)?;
     let tiles = a
         .tiles
         .as_deref()
@@ -105,66 +218,51 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
                 .map(|t| super::parse_tiles("--sm90-tiles", t))
                 .transpose()?,
         );
+    if a.rounds_from_stdin {
+        let mut lines = std::io::stdin().lock().lines();
+        for s in &grid {
+            let keep_going = match dtype {
+                DType::Bf16 => serve::<half::bf16>(&cuda, s, dtype, warmup, &mut lines)?,
+                _ => serve::<half::f16>(&cuda, s, dtype, warmup, &mut lines)?,
+            };
+            if !keep_going {
+                break;
+            }
+        }
+        return Ok(());
+    }
     if !json {
         let i = cuda.info();
         println!(
-            "{} ({}, {} SMs), {dtype}, {} tokens, hidden {}",
-            i.name, i.target, i.sm_count, a.tokens, a.hidden
+            "{} ({}, {} SMs), {dtype}, median of {reps} rounds of {} back-to-back calls (event pair \
+             around each round); spread = interquartile range / median over rounds; per-call = one \
+             call + synchronize, host clock (includes the host path)",
+            i.name, i.target, i.sm_count, a.calls
         );
         println!(
-            "{:>4} {:>6} {:>5} {:>5} {:>6} {:>9} {:>8}  kernel",
-            "d", "seqlen", "batch", "heads", "causal", "ms", "TFLOP/s"
+            "{:>4} {:>6} {:>5} {:>9} {:>6} {:>9} {:>7} {:>8} {:>9}  kernel",
+            "d", "seqlen", "batch", "heads", "causal", "ms", "spread", "TFLOP/s", "per-call"
         );
     }
     let mut rows = Vec::new();
-    for (d, s, c) in grid {
-        if !a.hidden.is_multiple_of(d) || !a.tokens.is_multiple_of(s) {
-            return Err(Error::invalid(
-                "--grid",
-                format!(
-                    "d {d} must divide --hidden {} and seqlen {s} must divide --tokens {}",
-                    a.hidden, a.tokens
-                ),
-            ));
-        }
-        let (heads, batch) = (a.hidden / d, a.tokens / s);
-        let l = Layout::new("q", &[batch, s, heads, d], None)?;
-        let opts = if c {
-            Options::new().causal()
-        } else {
-            Options::new()
-        };
-        let p = Problem::new(dtype, &l, &l, &l, &l, None, None, &opts)?;
-        let plan = cuda.plan(&p)?;
-        let start = std::time::Instant::now();
-        cuda.prepare(&plan)?;
-        let first_call_s = start.elapsed().as_secs_f64();
-        let t = match dtype {
-            DType::Bf16 => time_forward::<half::bf16>(&cuda, &p, warmup, reps, 7)?,
-            DType::F16 => time_forward::<half::f16>(&cuda, &p, warmup, reps, 7)?,
-            other => {
-                return Err(Error::invalid(
-                    "--dtype",
-                    format!("the CUDA backend computes fp16 and bf16, not {other}"),
-                ))
-            }
-        };
-        let row = Row {
-            d,
-            seqlen: s,
-            batch,
-            heads,
-            causal: c,
-            kernel: plan.to_string(),
-            median_ms: t.median_ms,
-            min_ms: t.min_ms,
-            tflops: t.tflops,
-            first_call_s,
+    for s in &grid {
+        let row = match dtype {
+            DType::Bf16 => measure::<half::bf16>(&cuda, s, dtype, warmup, a.calls, reps)?,
+            _ => measure::<half::f16>(&cuda, s, dtype, warmup, a.calls, reps)?,
         };
         if !json {
             println!(
-                "{:>4} {:>6} {:>5} {:>5} {:>6} {:>9.3} {:>8.1}  {}",
-                d, s, batch, heads, c as u8, t.median_ms, t.tflops, row.kernel
+                "{:>4} {:>6} {:>5} {:>9} {:>6} {:>9.3} {:>6.1}% {:>8.1} {:>9.3}  {}",
+                s.d,
+                s.seqlen,
+                s.batch,
+                format!("{}/{}", s.heads, s.kv_heads),
+                s.causal as u8,
+                row.median_ms,
+                100.0 * row.spread,
+                row.tflops,
+                row.per_call_ms,
+                row.head.kernel
             );
         }
         rows.push(row);
@@ -172,8 +270,133 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
     if json {
         println!(
             "{}",
-            serde_json::to_string(&rows).map_err(|e| Error::invalid("json", e.to_string()))?
+            serde_json::to_string(&rows).map_err(|e| Error::invalid("--json", e.to_string()))?
         );
     }
     Ok(())
+}
+
+/// Plans and compiles the shape's kernel; the head of its row.
+fn prepare(cuda: &CudaBackend, s: &Shape, p: &Problem) -> Result<Head> {
+    let plan = cuda.plan(p)?;
+    let start = std::time::Instant::now();
+    cuda.prepare(&plan)?;
+    Ok(Head {
+        d: s.d,
+        seqlen: s.seqlen,
+        batch: s.batch,
+        heads: s.heads,
+        kv_heads: s.kv_heads,
+        causal: s.causal,
+        kernel: plan.to_string(),
+        flops: p.flops(),
+        input_sets: 0,
+        first_call_s: start.elapsed().as_secs_f64(),
+    })
+}
+
+fn measure<T: Element>(
+    cuda: &CudaBackend,
+    s: &Shape,
+    dtype: DType,
+    warmup: usize,
+    calls: usize,
+    reps: usize,
+) -> Result<Row> {
+    let p = s.problem(dtype)?;
+    let mut head = prepare(cuda, s, &p)?;
+    let t = time_forward::<T>(cuda, &p, warmup, calls, reps, SEED)?;
+    head.input_sets = t.input_sets;
+    Ok(Row {
+        head,
+        calls: t.calls,
+        rounds: t.rounds.n,
+        median_ms: t.rounds.median,
+        min_ms: t.rounds.min,
+        max_ms: t.rounds.max,
+        q1_ms: t.rounds.q1,
+        q3_ms: t.rounds.q3,
+        spread: t.rounds.iqr_rel(),
+        tflops: t.tflops,
+        per_call_ms: t.per_call.median,
+        host_enqueue_ms: t.host_enqueue.median,
+    })
+}
+
+/// One shape under `--rounds-from-stdin`; false when stdin ended.
+fn serve<T: Element>(
+    cuda: &CudaBackend,
+    s: &Shape,
+    dtype: DType,
+    warmup: usize,
+    lines: &mut impl Iterator<Item = std::io::Result<String>>,
+) -> Result<bool> {
+    let p = s.problem(dtype)?;
+    let mut head = prepare(cuda, s, &p)?;
+    let mut b = Bench::<T>::new(cuda, &p, SEED)?;
+    b.warm_up(warmup)?;
+    head.input_sets = b.input_sets();
+    let say = |v: &serde_json::Value| println!("{v}");
+    say(&serde_json::to_value(&head).map_err(|e| Error::invalid("--json", e.to_string()))?);
+    for line in lines {
+        let line = line.map_err(|e| Error::invalid("--rounds-from-stdin", e.to_string()))?;
+        let mut w = line.split_whitespace();
+        match (w.next(), w.next().map(str::parse::<usize>)) {
+            (Some("round"), Some(Ok(calls))) if calls > 0 => {
+                let r = b.round(calls)?;
+                say(&serde_json::json!({ "ms": r.ms, "host_ms": r.host_ms }))
+            }
+            (Some("call"), None) => say(&serde_json::json!({ "ms": b.per_call()? })),
+            (Some("next"), None) => return Ok(true),
+            _ => {
+                return Err(Error::invalid(
+                    "--rounds-from-stdin",
+                    format!("expected `round CALLS`, `call` or `next`, got `{line}`"),
+                ))
+            }
+        }
+    }
+    Ok(false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shapes_default_to_tokens_and_hidden() {
+        let s = parse_shape("128,4096,1", 16384, 2048).unwrap();
+        assert_eq!((s.batch, s.heads, s.kv_heads, s.causal), (4, 16, 16, true));
+        let s = parse_shape("128,2000,0,8,16", 16384, 2048).unwrap();
+        assert_eq!((s.batch, s.heads, s.kv_heads, s.seqlen), (8, 16, 16, 2000));
+        let s = parse_shape("128,4096,1,4,32,8", 16384, 2048).unwrap();
+        assert_eq!((s.heads, s.kv_heads), (32, 8));
+    }
+
+    #[test]
+    fn bad_shapes_name_the_flag() {
+        for bad in [
+            "128,4096",
+            "128,4096,2",
+            "0,4096,1",
+            "128,2000,0",
+            "128,4096,0,4",
+            "128,4096,1,4,32,7",
+            "128,4096,1,0,32",
+            "x,1,0",
+            "128,4096,1,4,32,8,1",
+        ] {
+            let e = parse_shape(bad, 16384, 2048).unwrap_err().to_string();
+            assert!(e.contains("--grid"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn default_grid_is_the_eighteen_shapes() {
+        let g = parse_grid(&[], 16384, 2048).unwrap();
+        assert_eq!(g.len(), 18);
+        assert!(g
+            .iter()
+            .all(|s| s.batch * s.seqlen == 16384 && s.heads * s.d == 2048));
+    }
 }

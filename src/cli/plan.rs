@@ -7,6 +7,9 @@ use fa4::config::sm100::{FA4Config, FA4Inputs, Swizzle};
 use fa4::config::sm90::{self, Sm90Plan};
 use fa4::{DType, Error, Result};
 
+#[path = "decode_plan.rs"]
+mod decode_plan;
+
 /// Which planner to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum PlanArch {
@@ -46,9 +49,18 @@ pub struct PlanArgs {
     /// Print the machine-readable form (the seed's names) instead of the report.
     #[arg(long)]
     json: bool,
+    /// Decode over a paged KV cache (`src/cli/decode_plan.rs`).
+    #[command(flatten)]
+    decode: decode_plan::DecodePlanArgs,
 }
 
 pub fn run(args: PlanArgs) -> Result<()> {
+    if let Some(flag) = args.decode.stray() {
+        return Err(Error::invalid(flag, "belongs to `fa4 plan --decode`"));
+    }
+    if args.decode.wanted() {
+        return decode_plan::run(&args);
+    }
     if args.arch == PlanArch::Sm90 {
         return run_sm90(&args);
     }

@@ -23,6 +23,9 @@ use super::memory;
 use super::progress::{Progress, ORACLE_MACS_PER_THREAD_S};
 use super::BackendArg;
 
+#[path = "decode.rs"]
+mod decode;
+
 /// The check runs unless told otherwise when the oracle costs at most this many multiply-adds
 /// (the float64 pass, plus the storage-precision pass for 16-bit dtypes). Measured on a 2-core
 /// machine: about 1e9 multiply-adds per second per core, so the limit is under 3 s there (the
@@ -118,6 +121,9 @@ pub struct RunArgs {
     /// Worker threads of the CPU backend and of the float64 oracle [default: all cores].
     #[arg(long, allow_negative_numbers = true)]
     threads: Option<usize>,
+    /// Decode over a paged KV cache (`src/cli/decode.rs`).
+    #[command(flatten)]
+    paged: decode::PagedRunArgs,
 }
 
 /// Parses `LEFT,RIGHT`, each ≥ 0 or -1 (unbounded).
@@ -215,6 +221,9 @@ fn run_in_pool(args: RunArgs) -> Result<ExitCode> {
         (_, true) => CheckPolicy::Never,
         _ => CheckPolicy::Affordable,
     };
+    if args.paged.wanted() {
+        return decode::run(&args, &backend.resolve()?, &opts, policy);
+    }
     if args.q.is_some() || args.k.is_some() || args.v.is_some() {
         from_files(&args, backend, &opts, policy)
     } else {
@@ -826,7 +835,15 @@ impl<T: Element> Job<T> {
             check_cost(&self.p) / (ORACLE_MACS_PER_THREAD_S * rayon::current_num_threads() as f64);
         let progress = Progress::start("checking against the float64 oracle", estimate, 0);
         let t0 = Instant::now();
-        let report = check::check(&self.p, &self.q, &self.k, &self.v, &done.o, Some(&done.lse));
+        let report =
+            match check::check(&self.p, &self.q, &self.k, &self.v, &done.o, Some(&done.lse)) {
+                Ok(r) => r,
+                Err(e) => {
+                    progress.finish();
+                    eprintln!("error: {e}");
+                    return ExitCode::from(2);
+                }
+            };
         progress.finish();
         println!(
             "check    {report} (float64 oracle, {:.2} s)",

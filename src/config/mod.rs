@@ -7,7 +7,9 @@
 //! - [`sm90`]: the Hopper plan (TMA, `wgmma`, warp specialisation): tiles, warpgroup roles and
 //!   register budgets, shared memory, and which kernel a problem gets on an sm_90 GPU.
 //! - [`sm80`]: the Ampere-class `mma.sync` kernel, which runs on every GPU from sm_80 on.
+//! - [`decode`]: split-KV and GQA packing of decode over a paged KV cache (CPU and GPU).
 
+pub mod decode;
 pub mod sm100;
 pub mod sm80;
 pub mod sm90;

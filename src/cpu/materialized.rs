@@ -20,7 +20,7 @@
 
 use rayon::prelude::*;
 
-use super::micro::{exp2, gemm_rows, LOG2E};
+use super::micro::{exp2, gemm_rows, FAST_MAX_SCORE, LOG2E};
 use super::simd::{dispatch, Kernel, Simd};
 use crate::error::Result;
 use crate::mask::SeqMask;
@@ -139,13 +139,26 @@ impl Kernel for Softmax<'_> {
             let mx = row
                 .iter()
                 .fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
-            let ml = if mx.is_finite() { mx * LOG2E } else { 0.0 };
+            let base = if mx.is_finite() { mx } else { 0.0 };
             let mut sum = 0f32;
-            for x in row.iter_mut() {
-                let e = exp2::<S>(S::fmadd(*x, LOG2E, -ml));
-                *x = e;
-                sum += e;
-            }
+            // The shift in log2 units, exactly: see `FAST_MAX_SCORE` for when the fast form,
+            // which rounds it to f32, is exact.
+            let sh = if base.abs() > FAST_MAX_SCORE {
+                for x in row.iter_mut() {
+                    let e = exp2::<S>((*x - base) * LOG2E);
+                    *x = e;
+                    sum += e;
+                }
+                f64::from(base) * f64::from(LOG2E)
+            } else {
+                let ml = base * LOG2E;
+                for x in row.iter_mut() {
+                    let e = exp2::<S>(S::fmadd(*x, LOG2E, -ml));
+                    *x = e;
+                    sum += e;
+                }
+                f64::from(ml)
+            };
             if sum == 0.0 {
                 *lse = f32::NEG_INFINITY;
             } else {
@@ -153,7 +166,7 @@ impl Kernel for Softmax<'_> {
                 for x in row.iter_mut() {
                     *x *= inv;
                 }
-                *lse = ((f64::from(ml) + f64::from(sum).log2()) / f64::from(LOG2E)) as f32;
+                *lse = ((sh + f64::from(sum).log2()) / f64::from(LOG2E)) as f32;
             }
         }
     }

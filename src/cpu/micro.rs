@@ -21,6 +21,12 @@ use crate::tensor::Element;
 /// `log2(e)`, to turn natural-log scores into `exp2` arguments.
 pub(crate) const LOG2E: f32 = std::f32::consts::LOG2_E;
 
+/// Largest row maximum |m| for which the softmax may subtract it in log2 units rounded to f32,
+/// `exp2(fma(s, log2e, −round(m·log2e)))`: below 2^22, `m·log2e < 2^23` rounds by at most ¼, so
+/// the row's largest P stays within 2^±¼ of 1. Beyond it the kernels subtract first,
+/// `exp2((s − m)·log2e)`, which is exact for any finite scores and costs one more operation.
+pub(crate) const FAST_MAX_SCORE: f32 = 4_194_304.0; // 2^22
+
 /// The accumulators' start: zero, or C with row `r` scaled by `scale[r]`.
 #[inline(always)]
 fn load_acc<const MR: usize, const NR: usize>(

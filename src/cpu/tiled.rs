@@ -15,8 +15,13 @@
 //! 4. `O = O·rescale + P·V` with the microkernel, the rescale fused into its accumulator load.
 //!
 //! Scores stay in natural-log units: the maximum is subtracted in log2 units inside one FMA,
-//! and `LSE = (max·log2e + log2 sum) / log2e` is formed in f64, which is `max + ln(sum)` without
-//! the rounding of `max·log2e` (needed for the 1e-5 LSE tolerance when scores are large).
+//! `exp2(fma(s, log2e, −shift))` with `shift = round_f32(max·log2e)`, and
+//! `LSE = (shift + log2 sum) / log2e` is formed in f64. The shift's rounding cancels exactly
+//! (O is normalised by the same sum, LSE adds back the same shift), but it grows with the
+//! maximum: past [`FAST_MAX_SCORE`] it would scale a row's P by up to 2^±ulp/2 and overflow or
+//! flush it (scores of 1e12 gave NaN rows, 1e9 rows of zeros). Softmax chunks holding such a
+//! row use `exp2((s − max)·log2e)` instead, exact for any finite scores; ordinary inputs never
+//! take that path, and the test for it is one comparison per row and key tile.
 //!
 //! Everything is f32 inside; 16-bit K and V tiles are widened once per tile, f32 ones are read
 //! in place. Each thread owns O(tile) scratch. Items run longest first from a shared counter
@@ -27,7 +32,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Mutex;
 
-use super::micro::{exp2, LOG2E};
+use super::micro::{exp2, FAST_MAX_SCORE, LOG2E};
 use super::plan::CpuTiles;
 use super::simd::{self, Init, Isa, Kernel, Simd};
 use crate::dtype::DType;
@@ -125,8 +130,14 @@ struct Scratch {
     vt: Vec<f32>,
     /// Running maximum score per query (natural log units; −∞ before any allowed key).
     mx: Vec<f32>,
-    /// The shift in effect, `mx·log2e` (0 while `mx` is not finite).
+    /// The shift in effect, per softmax chunk's form (see [`Scratch::exact`]): `round(mx·log2e)`
+    /// in the fast form, `mx` itself in the exact form (0 while `mx` is not finite).
     ml: Vec<f32>,
+    /// The shift in log2 units, exactly (`ml`, or `mx·log2e` in f64): for the rescale and LSE.
+    sh: Vec<f64>,
+    /// Per softmax chunk of the current tile: whether it uses the exact form
+    /// `exp2((s − mx)·log2e)` (a row's maximum beyond [`FAST_MAX_SCORE`]).
+    exact: Vec<bool>,
     /// Running sum of `exp2(s·log2e − ml)`.
     l: Vec<f32>,
     /// New running maximum.
@@ -153,6 +164,8 @@ impl Scratch {
             vt: vec![0.0; kv * dv],
             mx: vec![0.0; ld],
             ml: vec![0.0; ld],
+            sh: vec![0.0; ld],
+            exact: vec![false; ld / CHUNK],
             l: vec![0.0; ld],
             mt: vec![0.0; ld],
             corr: vec![0.0; ld],
@@ -507,6 +520,7 @@ fn compute<S: Simd, T: Element>(cx: &Ctx<'_, T>, it: Item, sc: &mut Scratch) {
     }
     sc.mx[..width].fill(f32::NEG_INFINITY);
     sc.ml[..width].fill(0.0);
+    sc.sh[..width].fill(0.0);
     sc.l[..width].fill(0.0);
     sc.o[..width * dv].fill(0.0);
 
@@ -573,32 +587,54 @@ fn compute<S: Simd, T: Element>(cx: &Ctx<'_, T>, it: Item, sc: &mut Scratch) {
             }
             sc.mt[i0..i0 + CHUNK].copy_from_slice(&mt);
         }
-        for i in 0..width {
-            let (m_old, m_new) = (sc.mx[i], sc.mt[i]);
-            let ml_new = if m_new.is_finite() {
-                m_new * LOG2E
-            } else {
-                0.0
-            };
-            // Before any allowed key the accumulator holds only zeros (or NaN): rescale by 0.
-            sc.corr[i] = if m_old == f32::NEG_INFINITY {
-                0.0
-            } else {
-                exp2::<S>(sc.ml[i] - ml_new)
-            };
-            sc.mx[i] = m_new;
-            sc.ml[i] = ml_new;
+        for i0 in (0..width).step_by(CHUNK) {
+            let exact = sc.mt[i0..i0 + CHUNK]
+                .iter()
+                .any(|m| m.is_finite() && m.abs() > FAST_MAX_SCORE);
+            sc.exact[i0 / CHUNK] = exact;
+            for i in i0..i0 + CHUNK {
+                let (m_old, m_new) = (sc.mx[i], sc.mt[i]);
+                let base = if m_new.is_finite() { m_new } else { 0.0 };
+                let (ml_new, sh_new) = if exact {
+                    (base, f64::from(base) * f64::from(LOG2E))
+                } else {
+                    let ml = base * LOG2E;
+                    (ml, f64::from(ml))
+                };
+                // Before any allowed key the accumulator holds only zeros (or NaN): rescale by
+                // 0. The difference of shifts is formed in f64, exactly, whichever form each
+                // shift had (in the fast form alone it equals the f32 difference).
+                sc.corr[i] = if m_old == f32::NEG_INFINITY {
+                    0.0
+                } else {
+                    exp2::<S>((sc.sh[i] - sh_new) as f32)
+                };
+                sc.mx[i] = m_new;
+                sc.ml[i] = ml_new;
+                sc.sh[i] = sh_new;
+            }
         }
         for i0 in (0..width).step_by(CHUNK) {
             let mut sh = [0f32; CHUNK];
             sh.copy_from_slice(&sc.ml[i0..i0 + CHUNK]);
             let mut sum = [0f32; CHUNK];
-            for j in 0..n {
-                let row = &mut sc.st[j * ld + i0..j * ld + i0 + CHUNK];
-                for ((x, &sh), acc) in row.iter_mut().zip(&sh).zip(sum.iter_mut()) {
-                    let e = exp2::<S>(S::fmadd(*x, LOG2E, -sh));
-                    *x = e;
-                    *acc += e;
+            if sc.exact[i0 / CHUNK] {
+                for j in 0..n {
+                    let row = &mut sc.st[j * ld + i0..j * ld + i0 + CHUNK];
+                    for ((x, &m), acc) in row.iter_mut().zip(&sh).zip(sum.iter_mut()) {
+                        let e = exp2::<S>((*x - m) * LOG2E);
+                        *x = e;
+                        *acc += e;
+                    }
+                }
+            } else {
+                for j in 0..n {
+                    let row = &mut sc.st[j * ld + i0..j * ld + i0 + CHUNK];
+                    for ((x, &sh), acc) in row.iter_mut().zip(&sh).zip(sum.iter_mut()) {
+                        let e = exp2::<S>(S::fmadd(*x, LOG2E, -sh));
+                        *x = e;
+                        *acc += e;
+                    }
                 }
             }
             sc.ls[i0..i0 + CHUNK].copy_from_slice(&sum);
@@ -639,7 +675,7 @@ fn compute<S: Simd, T: Element>(cx: &Ctx<'_, T>, it: Item, sc: &mut Scratch) {
             for x in orow.iter_mut() {
                 *x *= inv;
             }
-            let lse2 = f64::from(sc.ml[r]) + f64::from(l).log2();
+            let lse2 = sc.sh[r] + f64::from(l).log2();
             sc.l[r] = (lse2 / f64::from(LOG2E)) as f32;
         }
     }
@@ -753,7 +789,7 @@ mod tests {
         let mut o = vec![T::NAN; ql.numel()];
         let mut lse = vec![f32::NAN; p.lse_len()];
         forward_on(isa, &p, tiles, &q, &k, &v, &mut o, Some(&mut lse));
-        check(&p, &q, &k, &v, &o, Some(&lse))
+        check(&p, &q, &k, &v, &o, Some(&lse)).unwrap()
     }
 
     #[test]
@@ -802,6 +838,78 @@ mod tests {
                 let r = case::<f32>(isa, (150, 150, 64), Mask::Causal, t, Some((100, x)));
                 assert!(r.passed(), "{isa:?} V = {x}: {r}");
             }
+        }
+    }
+
+    /// Runs a random problem (40 × 60, d = 64, 2 query heads on 1 KV head, odd tiles so that
+    /// rows and keys span several tiles and chunks) after `edit` changes Q and K, and judges it.
+    fn edited<T: Element>(
+        isa: Isa,
+        opts: Options,
+        edit: impl Fn(&mut [f32], &mut [f32]),
+    ) -> Report {
+        let (sq, sk, d) = (40, 60, 64);
+        let ql = Layout::new("q", &[1, sq, 2, d], None).unwrap();
+        let kl = Layout::new("k", &[1, sk, 1, d], None).unwrap();
+        let p = Problem::new(T::DTYPE, &ql, &kl, &kl, &ql, None, None, &opts).unwrap();
+        let mut rng = StdRng::seed_from_u64(11);
+        let (mut q, mut k, mut v) = (
+            vec![0f32; ql.numel()],
+            vec![0f32; kl.numel()],
+            vec![0f32; kl.numel()],
+        );
+        random_qkv(&mut rng, &mut q, &mut k, &mut v, d, d);
+        edit(&mut q, &mut k);
+        let round = |x: Vec<f32>| x.into_iter().map(T::from_f32).collect::<Vec<T>>();
+        let (q, k, v) = (round(q), round(k), round(v));
+        let mut o = vec![T::NAN; ql.numel()];
+        let mut lse = vec![f32::NAN; p.lse_len()];
+        let t = CpuTiles {
+            block_m: 17,
+            block_n: 13,
+        };
+        forward_on(isa, &p, t, &q, &k, &v, &mut o, Some(&mut lse));
+        assert!(o.iter().all(|x| x.to_f32().is_finite()), "O not finite");
+        assert!(lse.iter().all(|x| x.is_finite()), "LSE not finite");
+        check(&p, &q, &k, &v, &o, Some(&lse)).unwrap()
+    }
+
+    /// Scores of 1e8–1e12 lost the exponent in `exp2(s·log2e − round(m·log2e))`: NaN rows and
+    /// LSE +inf (Q element 1e12, scale 1e10) or O = 0 and LSE −inf (scale 1e9). Also rows whose
+    /// maximum moves between huge and ordinary from one key tile to the next.
+    #[test]
+    fn huge_finite_scores_give_finite_answers() {
+        let d = 64;
+        let q_element = |q: &mut [f32], _: &mut [f32]| q[5 * 2 * d] = 1e12; // row 5, head 0
+        let none = |_: &mut [f32], _: &mut [f32]| {};
+        let tiles_swing = |q: &mut [f32], k: &mut [f32]| {
+            // Q ≥ 0; keys 0..13 (the first key tile) ≤ −1e8, keys 26..39 ≥ 1e8: row maxima go
+            // huge negative, ordinary, huge positive.
+            q.iter_mut().for_each(|x| *x = x.abs());
+            for j in 0..13 {
+                k[j * d..(j + 1) * d]
+                    .iter_mut()
+                    .for_each(|x| *x = -x.abs() * 1e8);
+            }
+            for j in 26..39 {
+                k[j * d..(j + 1) * d]
+                    .iter_mut()
+                    .for_each(|x| *x = x.abs() * 1e8);
+            }
+        };
+        for isa in Isa::all_available() {
+            let r = edited::<f32>(isa, Options::new(), q_element);
+            assert!(r.passed(), "{isa:?} Q element 1e12: {r}");
+            let r = edited::<bf16>(isa, Options::new(), q_element);
+            assert!(r.passed(), "bf16 {isa:?} Q element 1e12: {r}");
+            for scale in [1e9, 1e10, -1e10, 3e30] {
+                let r = edited::<f32>(isa, Options::new().scale(scale), none);
+                assert!(r.passed(), "{isa:?} scale {scale}: {r}");
+            }
+            let r = edited::<f32>(isa, Options::new(), tiles_swing);
+            assert!(r.passed(), "{isa:?} maxima swinging between tiles: {r}");
+            let r = edited::<f32>(isa, Options::new().causal(), tiles_swing);
+            assert!(r.passed(), "{isa:?} causal, maxima swinging: {r}");
         }
     }
 }

@@ -62,7 +62,7 @@ __device__ __forceinline__ Seq sequence(const FwdParams& p, int b, bool packed) 
     return s;
 }
 
-// Allowed keys of query row i: [key_lo(i), key_hi(i)) (spec/attention.md, bottom-right aligned).
+// Allowed keys of query row i: [key_lo(i), key_hi(i)) (docs/attention.md, bottom-right aligned).
 // Needs the prelude's HAS_WINDOW.
 __device__ __forceinline__ int key_lo(const FwdParams& p, const Seq& s, int i) {
     if (!HAS_WINDOW || p.window_left < 0) return 0;

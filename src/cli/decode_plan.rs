@@ -1,0 +1,116 @@
+//! `fa4 plan --decode`: the split-KV plan of a decode call ([`fa4::config::decode`]) and why.
+//!
+//! A child module of `plan`: it reads `--depth` from the plan's flags and adds the decode shape.
+//! The units are the GPU's SMs (`--sms`, default the H100/H200's 132); the tiles are the ones the
+//! GPU decode kernels are planned with ([`DecodeTiles::gpu`]).
+
+use clap::Args;
+
+use fa4::config::decode::{plan, DecodeShape, DecodeTiles};
+use fa4::{Error, Result};
+
+use super::PlanArgs;
+
+/// The decode flags of `fa4 plan`.
+#[derive(Args, Debug, Default)]
+pub struct DecodePlanArgs {
+    /// Plan a decode call over a paged KV cache (split-KV, GQA packing) instead of a kernel.
+    #[arg(long, help_heading = "Decode")]
+    decode: bool,
+    /// Sequences [default: 1].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Decode")]
+    batch: Option<usize>,
+    /// Query rows per sequence (1 decode, 2–8 speculative) [default: 1].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Decode")]
+    seqlen_q: Option<usize>,
+    /// Keys of the longest sequence (required with --decode).
+    #[arg(long, allow_negative_numbers = true, help_heading = "Decode")]
+    seqlen_k: Option<usize>,
+    /// Query heads [default: 32].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Decode")]
+    heads_q: Option<usize>,
+    /// KV heads, dividing --heads-q [default: 8].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Decode")]
+    heads_kv: Option<usize>,
+    /// Force the split count (1..=128).
+    #[arg(long, allow_negative_numbers = true, help_heading = "Decode")]
+    num_splits: Option<usize>,
+    /// Streaming multiprocessors to fill [default: 132, the H100/H200].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Decode")]
+    sms: Option<usize>,
+}
+
+impl DecodePlanArgs {
+    /// The first decode flag given without `--decode`, if any.
+    pub fn stray(&self) -> Option<&'static str> {
+        [
+            ("--batch", self.batch.is_some()),
+            ("--seqlen-q", self.seqlen_q.is_some()),
+            ("--seqlen-k", self.seqlen_k.is_some()),
+            ("--heads-q", self.heads_q.is_some()),
+            ("--heads-kv", self.heads_kv.is_some()),
+            ("--num-splits", self.num_splits.is_some()),
+            ("--sms", self.sms.is_some()),
+        ]
+        .into_iter()
+        .find(|&(_, given)| given && !self.decode)
+        .map(|(flag, _)| flag)
+    }
+
+    /// Whether `--decode` was given.
+    pub fn wanted(&self) -> bool {
+        self.decode
+    }
+}
+
+/// Prints the decode plan.
+pub fn run(args: &PlanArgs) -> Result<()> {
+    let a = &args.decode;
+    if args.json {
+        return Err(Error::invalid(
+            "--json",
+            "is not available with --decode yet",
+        ));
+    }
+    let Some(seqlen_k) = a.seqlen_k else {
+        return Err(Error::invalid("--seqlen-k", "is required with --decode"));
+    };
+    if args.depth == 0 {
+        return Err(Error::invalid("--depth", "must be at least 1"));
+    }
+    let shape = DecodeShape {
+        batch: a.batch.unwrap_or(1),
+        seqlen_q: a.seqlen_q.unwrap_or(1),
+        seqlen_k,
+        heads_q: a.heads_q.unwrap_or(32),
+        heads_kv: a.heads_kv.unwrap_or(8),
+    };
+    let sms = a.sms.unwrap_or(fa4::arch::H200.sm_count as usize);
+    if sms == 0 {
+        return Err(Error::invalid("--sms", "must be at least 1"));
+    }
+    let p = plan(
+        shape,
+        DecodeTiles::gpu(args.depth as usize),
+        sms,
+        a.num_splits,
+    )
+    .map_err(|e| match e {
+        Error::InvalidArgument { name, reason } => {
+            let flag = match name.as_str() {
+                "num_splits" => "--num-splits",
+                "heads_kv" => "--heads-kv",
+                "batch" => "--batch",
+                _ => return Error::invalid(name, reason),
+            };
+            Error::invalid(flag, reason)
+        }
+        e => e,
+    })?;
+    println!("{p}");
+    println!(
+        "  (the GPU decode kernels are not written yet: this is the plan they will run; the CPU \
+         backend plans with its own tiles and its thread count as the units)"
+    );
+    Ok(())
+}

@@ -815,7 +815,7 @@ impl<T: Element> Job<T> {
         println!("backend  {}", backend_name(backend));
         let secs = done.elapsed.as_secs_f64();
         let rate = if secs > 0.0 && gflop > 0.0 {
-            format!("{:.1} GFLOP/s", gflop / secs)
+            format!("{} GFLOP/s", three_digits(gflop / secs))
         } else {
             "n/a GFLOP/s".into()
         };
@@ -855,6 +855,16 @@ impl<T: Element> Job<T> {
             ExitCode::from(1)
         }
     }
+}
+
+/// `x` with one decimal from 1 up, and three significant digits below (a tiny problem on a busy
+/// machine runs at 0.01 GFLOP/s, which one decimal printed as 0.0).
+fn three_digits(x: f64) -> String {
+    if !(x > 0.0 && x < 1.0) {
+        return format!("{x:.1}");
+    }
+    let decimals = (2.0 - x.log10().floor()).clamp(1.0, 12.0) as usize;
+    format!("{x:.decimals$}")
 }
 
 fn backend_name(b: &Backend) -> String {
@@ -945,6 +955,15 @@ mod tests {
         ] {
             assert!(parse_window(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn rates_keep_three_significant_digits_below_one() {
+        assert_eq!(three_digits(172.34), "172.3");
+        assert_eq!(three_digits(0.01), "0.0100");
+        assert_eq!(three_digits(0.5), "0.500");
+        assert_eq!(three_digits(0.000123), "0.000123");
+        assert_eq!(three_digits(0.0), "0.0");
     }
 
     #[test]

@@ -233,6 +233,38 @@ fn the_oracle_is_skipped_when_its_memory_cannot_be_had() {
     assert!(err.contains("`--check`") && err.contains("bytes"), "{err}");
 }
 
+/// `fa4 bench` sizes every shape before it measures or prints anything.
+#[test]
+fn bench_refuses_shapes_before_printing() {
+    for args in [
+        &["bench", "--seqlens", "100000", "--heads", "100000000"][..],
+        &["bench", "--seqlens", "64,18446744073709551615"][..],
+    ] {
+        one_line_error(args, &["`--seqlens`"]);
+    }
+}
+
+/// A window side may be any usize (`--window 18446744073709551615,0` was refused as not an
+/// integer ≥ 0).
+#[test]
+fn window_sides_take_any_usize() {
+    let (code, out, err) = fa4(&[
+        "run",
+        "--backend",
+        "cpu",
+        "--seqlen-q",
+        "8",
+        "--heads-q",
+        "1",
+        "--head-dim",
+        "8",
+        "--window",
+        "18446744073709551615,0",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("window(18446744073709551615,0)"), "{out}");
+}
+
 #[test]
 fn an_empty_batch_is_a_valid_problem() {
     // "strides make distinct elements overlap" before: O [2, 0, h, d] has batch stride 0.

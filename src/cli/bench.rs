@@ -212,6 +212,20 @@ fn cpu_model() -> String {
 }
 
 fn bench(args: &BenchArgs) -> Result<()> {
+    // Every shape is sized before the peak is measured and the table starts: an error is then
+    // the only thing printed.
+    for &d in &args.head_dims {
+        for &seqlen in &args.seqlens {
+            Shape {
+                seqlen,
+                d,
+                causal: false,
+                batch: args.batch,
+                heads: args.heads.unwrap_or((DEFAULT_ROWS / seqlen).max(1)),
+            }
+            .fits(args.dtype)?;
+        }
+    }
     let threads = rayon::current_num_threads();
     let isa = Isa::selected();
     // Five runs of 50 ms per instruction set.
@@ -357,8 +371,24 @@ fn time(warmup: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result
 }
 
 impl Shape {
+    /// An error naming `--seqlens` if the shape overflows or its buffers (Q, K, V, O and the
+    /// peer's O in `dtype`, two LSEs) exceed the memory this process may allocate.
+    fn fits(&self, dtype: DType) -> Result<()> {
+        let (b, s, h, d) = (self.batch, self.seqlen, self.heads, self.d);
+        let l = Layout::new("--seqlens", &[b, s, h, d], None)?;
+        // The layout checked b·s·h·d, so b·s·h cannot overflow.
+        let (n, rows) = (l.numel() as f64, (b * s * h) as f64);
+        let bytes = 5.0 * n * dtype.size_bytes() as f64 + 8.0 * rows;
+        super::memory::ensure(
+            "--seqlens",
+            &format!("seqlen {s}, d {d}, b×h {b}×{h}"),
+            bytes,
+        )
+    }
+
     fn run<T: Element>(&self, args: &BenchArgs, peak: f64) -> Result<Row> {
         let (b, s, h, d) = (self.batch, self.seqlen, self.heads, self.d);
+        self.fits(T::DTYPE)?;
         let l = Layout::new("--seqlens", &[b, s, h, d], None)?;
         let opts = if self.causal {
             Options::new().causal()
@@ -367,13 +397,6 @@ impl Shape {
         };
         let p = Problem::new(T::DTYPE, &l, &l, &l, &l, None, None, &opts)?;
         let n = l.numel();
-        // Q, K, V, O and the peer's O, and two LSEs, before any of it is allocated.
-        let bytes = 5.0 * n as f64 * std::mem::size_of::<T>() as f64 + 8.0 * p.lse_len() as f64;
-        super::memory::ensure(
-            "--seqlens",
-            &format!("seqlen {s}, d {d}, b×h {b}×{h}"),
-            bytes,
-        )?;
         let mut rng = StdRng::seed_from_u64(0x5eed ^ (s * 131 + d) as u64);
         let mut q = vec![T::from_f32(0.0); n];
         let mut k = q.clone();

@@ -190,10 +190,10 @@ fn random(
     // Keep a typo from allocating the machine away: the cache and queries are bounded.
     let elems = (batch as f64) * (sk as f64) * (hkv as f64) * ((d + dv) as f64)
         + (batch as f64) * (sq as f64) * (hq as f64) * (d as f64);
-    if elems > 4e9 {
+    if elems > 1e9 {
         return Err(Error::invalid(
             "--seqlen-k",
-            format!("the random problem would hold {elems:.2e} elements (limit 4e9)"),
+            format!("the random problem would hold {elems:.2e} elements (limit 1e9)"),
         ));
     }
     let seed = args.seed.unwrap_or(0);

@@ -38,9 +38,10 @@ const DEFAULT_SEQLEN: usize = 1024;
 const DEFAULT_HEADS: usize = 8;
 const DEFAULT_HEAD_DIM: usize = 128;
 
-/// FLOP/s per thread the CPU backend sustains at the least (bf16 at d = 128 on this project's
-/// 2-core machine runs at 20–30 GFLOP/s per thread), for the time estimate of long runs.
-const CPU_FLOPS_PER_THREAD_S: f64 = 15e9;
+/// FLOP/s per thread assumed for the CPU backend's time estimate: `docs/perf.md` measures 75–90
+/// per thread at d = 128 and long sequences (2 threads, AVX-512); small heads and short or
+/// memory-bound problems run well below that, so the estimate assumes about half.
+const CPU_FLOPS_PER_THREAD_S: f64 = 40e9;
 
 #[derive(Args, Debug)]
 pub struct RunArgs {
@@ -133,11 +134,12 @@ fn parse_window(s: &str) -> std::result::Result<Mask, String> {
             "expected LEFT,RIGHT (two integers, -1 = unbounded), got `{s}`"
         ));
     };
-    let side = |x: &str| match x.parse::<i64>() {
-        Ok(-1) => Ok(None),
-        Ok(v) if v >= 0 => Ok(Some(v as usize)),
+    let side = |x: &str| match (x, x.parse::<usize>()) {
+        ("-1", _) => Ok(None),
+        (_, Ok(v)) => Ok(Some(v)),
         _ => Err(format!(
-            "window sides are integers ≥ 0 or -1 (unbounded), got `{x}`"
+            "window sides are integers from 0 to {} or -1 (unbounded), got `{x}`",
+            usize::MAX
         )),
     };
     Ok(Mask::Window {
@@ -813,7 +815,7 @@ impl<T: Element> Job<T> {
         println!("backend  {}", backend_name(backend));
         let secs = done.elapsed.as_secs_f64();
         let rate = if secs > 0.0 && gflop > 0.0 {
-            format!("{:.1} GFLOP/s", gflop / secs)
+            format!("{} GFLOP/s", three_digits(gflop / secs))
         } else {
             "n/a GFLOP/s".into()
         };
@@ -855,6 +857,16 @@ impl<T: Element> Job<T> {
     }
 }
 
+/// `x` with one decimal from 1 up, and three significant digits below (a tiny problem on a busy
+/// machine runs at 0.01 GFLOP/s, which one decimal printed as 0.0).
+fn three_digits(x: f64) -> String {
+    if !(x > 0.0 && x < 1.0) {
+        return format!("{x:.1}");
+    }
+    let decimals = (2.0 - x.log10().floor()).clamp(1.0, 12.0) as usize;
+    format!("{x:.decimals$}")
+}
+
 fn backend_name(b: &Backend) -> String {
     match b {
         Backend::Cpu => match rayon::current_num_threads() {
@@ -890,7 +902,8 @@ fn describe(p: &Problem) -> String {
     if p.head_dim_v() != p.head_dim() {
         s += &format!("/{}", p.head_dim_v());
     }
-    let side = |x: Option<usize>| x.map_or(-1, |x| x as i64);
+    // Not `as i64`: usize::MAX would print as the unbounded -1.
+    let side = |x: Option<usize>| x.map_or_else(|| "-1".to_string(), |x| x.to_string());
     match p.mask() {
         Mask::None => {}
         Mask::Causal => s += " causal",
@@ -923,9 +936,34 @@ mod tests {
                 right: None
             })
         );
-        for bad in ["3", "1,2,3", "-2,0", "a,1", "", "1,"] {
+        assert_eq!(
+            parse_window("18446744073709551615,0"),
+            Ok(Mask::Window {
+                left: Some(usize::MAX),
+                right: Some(0)
+            })
+        );
+        for bad in [
+            "3",
+            "1,2,3",
+            "-2,0",
+            "a,1",
+            "",
+            "1,",
+            "18446744073709551616,0",
+            "+-1,0",
+        ] {
             assert!(parse_window(bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn rates_keep_three_significant_digits_below_one() {
+        assert_eq!(three_digits(172.34), "172.3");
+        assert_eq!(three_digits(0.01), "0.0100");
+        assert_eq!(three_digits(0.5), "0.500");
+        assert_eq!(three_digits(0.000123), "0.000123");
+        assert_eq!(three_digits(0.0), "0.0");
     }
 
     #[test]

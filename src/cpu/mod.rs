@@ -20,7 +20,7 @@ mod micro;
 pub mod peak;
 pub mod plan;
 pub mod reference;
-mod simd;
+pub(crate) mod simd;
 mod tiled;
 
 pub use plan::CpuTiles;

@@ -4,12 +4,15 @@
 //! softmax: slow on purpose, so that there is nothing clever to get wrong. They share no code
 //! with the backends they judge: the mask is the per-element predicate [`allowed`] written from
 //! the definition (not [`crate::mask::SeqMask`]), and tensors are read through this module's
-//! own stride arithmetic (not [`Layout::offset`]). Memory beyond the outputs is one row of
-//! scores per worker, so the oracle never materialises S.
+//! own stride arithmetic (not [`Layout::offset`]). Memory beyond the outputs (8 bytes per
+//! element of O and LSE for the float64 oracle) is, per worker thread, one (sequence, head)
+//! block of O and LSE and one row of scores: the oracle never materialises S.
 //!
 //! Outputs are contiguous: O in O's dims (`[batch, seqlen_q, heads_q, head_dim_v]` or
 //! `[total_q, heads_q, head_dim_v]`, see [`o_offset`]), LSE in the problem's LSE layout
 //! (`[batch, heads_q, seqlen_q]` or `[heads_q, total_q]`, see [`lse_offset`]).
+
+use std::sync::Mutex;
 
 use rayon::prelude::*;
 
@@ -108,25 +111,34 @@ struct Block<F> {
     lse: Vec<F>,
 }
 
-fn assemble<F: Copy + Default + Send>(p: &Problem, blocks: Vec<Block<F>>) -> Output<F> {
+/// Evaluates every (sequence, head) block with `f`, in parallel, each finished block copied
+/// into the outputs at once: memory is the outputs plus one block per worker thread.
+fn evaluate<F, B>(p: &Problem, f: B) -> Output<F>
+where
+    F: Copy + Default + Send,
+    B: Fn(usize, usize) -> Block<F> + Sync,
+{
     let dv = p.head_dim_v();
-    let mut o = vec![F::default(); p.o_layout().numel()];
-    let mut lse = vec![F::default(); lse_len(p)];
-    for b in blocks {
+    let out = Mutex::new(Output {
+        o: vec![F::default(); p.o_layout().numel()],
+        lse: vec![F::default(); lse_len(p)],
+    });
+    let items: Vec<(usize, usize)> = (0..p.sequences().len())
+        .flat_map(|s| (0..p.heads_q()).map(move |h| (s, h)))
+        .collect();
+    items.into_par_iter().for_each(|(si, h)| {
+        let b = f(si, h);
         let s = &p.sequences()[b.seq];
+        // A poisoned lock only means another block panicked; this block's rows are its own.
+        let mut g = out.lock().unwrap_or_else(|e| e.into_inner());
         for i in 0..s.q_len {
             let off = o_offset(p, s, b.head, i);
-            o[off..off + dv].copy_from_slice(&b.o[i * dv..(i + 1) * dv]);
-            lse[lse_offset(p, s, b.head, i)] = b.lse[i];
+            g.o[off..off + dv].copy_from_slice(&b.o[i * dv..(i + 1) * dv]);
+            let l = lse_offset(p, s, b.head, i);
+            g.lse[l] = b.lse[i];
         }
-    }
-    Output { o, lse }
-}
-
-fn work_items(p: &Problem) -> Vec<(usize, usize)> {
-    (0..p.sequences().len())
-        .flat_map(|s| (0..p.heads_q()).map(move |h| (s, h)))
-        .collect()
+    });
+    out.into_inner().unwrap_or_else(|e| e.into_inner())
 }
 
 /// Row `row` (within the tensor's sequence axis) of head `head`, `n` elements; the caller
@@ -151,65 +163,61 @@ pub fn attention_f64<T: Element>(p: &Problem, q: &[T], k: &[T], v: &[T]) -> Resu
     let scale = f64::from(p.scale());
     let softcap = p.softcap().map(f64::from);
     let mask = p.mask();
-    let blocks = work_items(p)
-        .into_par_iter()
-        .map(|(si, h)| {
-            let s = &p.sequences()[si];
-            let hk = h / (p.heads_q() / p.heads_kv());
-            let mut o = vec![0f64; s.q_len * dv];
-            let mut lse = vec![f64::NEG_INFINITY; s.q_len];
-            let mut scores = Vec::new();
-            for i in 0..s.q_len {
-                let qi = row(q, p.q_layout(), s, s.q_start + i, h, d);
-                scores.clear();
-                for j in (0..s.k_len).filter(|&j| allowed(mask, s.q_len, s.k_len, i, j)) {
-                    let kj = row(k, p.k_layout(), s, s.k_start + j, hk, d);
-                    let dot: f64 = qi
-                        .iter()
-                        .zip(kj)
-                        .map(|(a, b)| f64::from(a.to_f32()) * f64::from(b.to_f32()))
-                        .sum();
-                    let mut x = scale * dot;
-                    if let Some(c) = softcap {
-                        x = c * (x / c).tanh();
-                    }
-                    scores.push((j, x));
-                }
-                if scores.is_empty() {
-                    continue;
-                }
-                let mx = scores
+    Ok(evaluate(p, |si, h| {
+        let s = &p.sequences()[si];
+        let hk = h / (p.heads_q() / p.heads_kv());
+        let mut o = vec![0f64; s.q_len * dv];
+        let mut lse = vec![f64::NEG_INFINITY; s.q_len];
+        let mut scores = Vec::new();
+        for i in 0..s.q_len {
+            let qi = row(q, p.q_layout(), s, s.q_start + i, h, d);
+            scores.clear();
+            for j in (0..s.k_len).filter(|&j| allowed(mask, s.q_len, s.k_len, i, j)) {
+                let kj = row(k, p.k_layout(), s, s.k_start + j, hk, d);
+                let dot: f64 = qi
                     .iter()
-                    .map(|&(_, x)| x)
-                    .fold(f64::NEG_INFINITY, f64::max);
-                // f64::max skips NaN, so a NaN score is propagated explicitly.
-                let any_nan = scores.iter().any(|&(_, x)| x.is_nan());
-                let shift = if mx.is_finite() { mx } else { 0.0 };
-                let sum: f64 = scores.iter().map(|&(_, x)| (x - shift).exp()).sum();
-                let l = if any_nan { f64::NAN } else { shift + sum.ln() };
-                lse[i] = l;
-                if l == f64::NEG_INFINITY {
-                    // Every allowed score is −∞: no key carries weight, as with no allowed key.
-                    continue;
+                    .zip(kj)
+                    .map(|(a, b)| f64::from(a.to_f32()) * f64::from(b.to_f32()))
+                    .sum();
+                let mut x = scale * dot;
+                if let Some(c) = softcap {
+                    x = c * (x / c).tanh();
                 }
-                let oi = &mut o[i * dv..(i + 1) * dv];
-                for &(j, x) in &scores {
-                    let w = (x - l).exp();
-                    let vj = row(v, p.v_layout(), s, s.k_start + j, hk, dv);
-                    for (acc, val) in oi.iter_mut().zip(vj) {
-                        *acc += w * f64::from(val.to_f32());
-                    }
+                scores.push((j, x));
+            }
+            if scores.is_empty() {
+                continue;
+            }
+            let mx = scores
+                .iter()
+                .map(|&(_, x)| x)
+                .fold(f64::NEG_INFINITY, f64::max);
+            // f64::max skips NaN, so a NaN score is propagated explicitly.
+            let any_nan = scores.iter().any(|&(_, x)| x.is_nan());
+            let shift = if mx.is_finite() { mx } else { 0.0 };
+            let sum: f64 = scores.iter().map(|&(_, x)| (x - shift).exp()).sum();
+            let l = if any_nan { f64::NAN } else { shift + sum.ln() };
+            lse[i] = l;
+            if l == f64::NEG_INFINITY {
+                // Every allowed score is −∞: no key carries weight, as with no allowed key.
+                continue;
+            }
+            let oi = &mut o[i * dv..(i + 1) * dv];
+            for &(j, x) in &scores {
+                let w = (x - l).exp();
+                let vj = row(v, p.v_layout(), s, s.k_start + j, hk, dv);
+                for (acc, val) in oi.iter_mut().zip(vj) {
+                    *acc += w * f64::from(val.to_f32());
                 }
             }
-            Block {
-                seq: si,
-                head: h,
-                o,
-                lse,
-            }
-        })
-        .collect();
-    Ok(assemble(p, blocks))
+        }
+        Block {
+            seq: si,
+            head: h,
+            o,
+            lse,
+        }
+    }))
 }
 
 /// The naive evaluation in the storage precision: inputs in `T`, scores and P rounded to `T`,
@@ -222,68 +230,64 @@ pub fn attention_lowp<T: Element>(p: &Problem, q: &[T], k: &[T], v: &[T]) -> Res
     let softcap = p.softcap();
     let mask = p.mask();
     let round = |x: f32| T::from_f32(x).to_f32();
-    let blocks = work_items(p)
-        .into_par_iter()
-        .map(|(si, h)| {
-            let s = &p.sequences()[si];
-            let hk = h / (p.heads_q() / p.heads_kv());
-            let mut o = vec![0f32; s.q_len * dv];
-            let mut lse = vec![f32::NEG_INFINITY; s.q_len];
-            let mut scores = Vec::new();
-            for i in 0..s.q_len {
-                let qi = row(q, p.q_layout(), s, s.q_start + i, h, d);
-                scores.clear();
-                for j in (0..s.k_len).filter(|&j| allowed(mask, s.q_len, s.k_len, i, j)) {
-                    let kj = row(k, p.k_layout(), s, s.k_start + j, hk, d);
-                    let dot: f32 = qi
-                        .iter()
-                        .zip(kj)
-                        .map(|(a, b)| a.to_f32() * b.to_f32())
-                        .sum();
-                    let mut x = scale * dot;
-                    if let Some(c) = softcap {
-                        x = c * (x / c).tanh();
-                    }
-                    scores.push((j, round(x)));
-                }
-                if scores.is_empty() {
-                    continue;
-                }
-                let mx = scores
+    Ok(evaluate(p, |si, h| {
+        let s = &p.sequences()[si];
+        let hk = h / (p.heads_q() / p.heads_kv());
+        let mut o = vec![0f32; s.q_len * dv];
+        let mut lse = vec![f32::NEG_INFINITY; s.q_len];
+        let mut scores = Vec::new();
+        for i in 0..s.q_len {
+            let qi = row(q, p.q_layout(), s, s.q_start + i, h, d);
+            scores.clear();
+            for j in (0..s.k_len).filter(|&j| allowed(mask, s.q_len, s.k_len, i, j)) {
+                let kj = row(k, p.k_layout(), s, s.k_start + j, hk, d);
+                let dot: f32 = qi
                     .iter()
-                    .map(|&(_, x)| x)
-                    .fold(f32::NEG_INFINITY, f32::max);
-                let any_nan = scores.iter().any(|&(_, x)| x.is_nan());
-                let shift = if mx.is_finite() { mx } else { 0.0 };
-                let mut sum = 0f32;
-                let oi = &mut o[i * dv..(i + 1) * dv];
-                for &(j, x) in &scores {
-                    let w = round((x - shift).exp());
-                    sum += w;
-                    let vj = row(v, p.v_layout(), s, s.k_start + j, hk, dv);
-                    for (acc, val) in oi.iter_mut().zip(vj) {
-                        *acc += w * val.to_f32();
-                    }
+                    .zip(kj)
+                    .map(|(a, b)| a.to_f32() * b.to_f32())
+                    .sum();
+                let mut x = scale * dot;
+                if let Some(c) = softcap {
+                    x = c * (x / c).tanh();
                 }
-                lse[i] = if any_nan { f32::NAN } else { shift + sum.ln() };
-                if lse[i] == f32::NEG_INFINITY {
-                    // Every allowed score is −∞: as with no allowed key.
-                    oi.fill(0.0);
-                    continue;
-                }
-                for x in oi.iter_mut() {
-                    *x = round(*x / sum);
+                scores.push((j, round(x)));
+            }
+            if scores.is_empty() {
+                continue;
+            }
+            let mx = scores
+                .iter()
+                .map(|&(_, x)| x)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let any_nan = scores.iter().any(|&(_, x)| x.is_nan());
+            let shift = if mx.is_finite() { mx } else { 0.0 };
+            let mut sum = 0f32;
+            let oi = &mut o[i * dv..(i + 1) * dv];
+            for &(j, x) in &scores {
+                let w = round((x - shift).exp());
+                sum += w;
+                let vj = row(v, p.v_layout(), s, s.k_start + j, hk, dv);
+                for (acc, val) in oi.iter_mut().zip(vj) {
+                    *acc += w * val.to_f32();
                 }
             }
-            Block {
-                seq: si,
-                head: h,
-                o,
-                lse,
+            lse[i] = if any_nan { f32::NAN } else { shift + sum.ln() };
+            if lse[i] == f32::NEG_INFINITY {
+                // Every allowed score is −∞: as with no allowed key.
+                oi.fill(0.0);
+                continue;
             }
-        })
-        .collect();
-    Ok(assemble(p, blocks))
+            for x in oi.iter_mut() {
+                *x = round(*x / sum);
+            }
+        }
+        Block {
+            seq: si,
+            head: h,
+            o,
+            lse,
+        }
+    }))
 }
 
 #[cfg(test)]

@@ -138,7 +138,7 @@ struct Scratch {
     /// Per softmax chunk of the current tile: whether it uses the exact form
     /// `exp2((s − mx)·log2e)` (a row's maximum beyond [`FAST_MAX_SCORE`]).
     exact: Vec<bool>,
-    /// Running sum of `exp2(s·log2e − ml)`.
+    /// Running sum of P, `2^(s·log2e − sh)` in either form.
     l: Vec<f32>,
     /// New running maximum.
     mt: Vec<f32>,

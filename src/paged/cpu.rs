@@ -9,13 +9,19 @@
 //! into the running ones, so no f32 rounding chain is longer than a block plus the number of
 //! blocks. An item ends with its normalised partial O and its LSE (natural log, in f64 before
 //! the final rounding), `-inf` where it saw no key; the splits of a tile are then merged by
-//! [`crate::combine`] and written to O and LSE. Items run on rayon's pool.
+//! [`crate::combine`] and written to O and LSE. Items run on rayon's pool, each compiled for
+//! the selected instruction set (AVX-512, AVX2 or the baseline, `FA4_CPU_ISA`). Measured with
+//! `perf record` on `fa4 bench --decode --decode-shapes 1:16384 --dtype bf16 --threads 1` (a
+//! loaded 2-core machine, so shares of samples, not times): the item loop went from 0.30 to 0.13
+//! of the contiguous forward's samples once compiled per instruction set.
 
 use rayon::prelude::*;
 
 use super::PagedProblem;
 use crate::combine;
 use crate::config::decode::{DecodePlan, DecodeTiles};
+use crate::cpu::simd::{dispatch_on, Kernel, Simd};
+use crate::cpu::Isa;
 use crate::tensor::Element;
 
 /// Tiles of the CPU backend: 64 packed rows per item (decode problems have `seqlen_q · group`
@@ -48,7 +54,7 @@ struct Part {
 
 /// Dot product with eight independent accumulators (short rounding chains, and the compiler
 /// vectorises the lanes).
-#[inline]
+#[inline(always)]
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     const LANES: usize = 8;
     let mut acc = [0f32; LANES];
@@ -66,6 +72,25 @@ fn dot(a: &[f32], b: &[f32]) -> f32 {
     ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
 }
 
+/// One item, compiled per instruction set ([`crate::cpu::simd`]): the dot products and the
+/// P·V updates are plain loops that LLVM vectorises with the wrapper's target features.
+struct Compute<'a, T> {
+    p: &'a PagedProblem,
+    it: &'a Item,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+}
+
+impl<T: Element> Kernel for Compute<'_, T> {
+    type Output = Part;
+    #[inline(always)]
+    fn run<S: Simd>(self) -> Part {
+        compute(self.p, self.it, self.q, self.k, self.v)
+    }
+}
+
+#[inline(always)]
 fn compute<T: Element>(p: &PagedProblem, it: &Item, q: &[T], k: &[T], v: &[T]) -> Part {
     let c = p.cache();
     let (d, dv, group) = (c.head_dim(), c.head_dim_v(), p.group());
@@ -217,7 +242,11 @@ pub(super) fn forward<T: Element>(
             }
         }
     }
-    let parts: Vec<Part> = items.par_iter().map(|it| compute(p, it, q, k, v)).collect();
+    let isa = Isa::selected();
+    let parts: Vec<Part> = items
+        .par_iter()
+        .map(|it| dispatch_on(isa, Compute { p, it, q, k, v }))
+        .collect();
     let mut merged = vec![0f32; dv];
     for (tile, chunk) in items.chunks(splits).enumerate() {
         let it = chunk[0];

@@ -24,6 +24,42 @@
 //! (prefix sharing, or any table whose maths is well defined): reads never conflict. Writes do:
 //! [`append`] rejects a call that would write one slot twice.
 //!
+//! ```
+//! use fa4::paged::{PagedKv, PagedOptions};
+//! use fa4::{Backend, Options, Tensor, TensorMut};
+//!
+//! // Two sequences of 5 and 2 keys in pages of 4: sequence 0 owns pages 2 and 0, sequence 1
+//! // page 1 (its second table entry is unused and may be anything).
+//! let (pages, page_size, heads_kv, d) = (3, 4, 1, 8);
+//! let k = vec![0.5f32; pages * page_size * heads_kv * d];
+//! let v = vec![1.0f32; pages * page_size * heads_kv * d];
+//! let kv = PagedKv::new(
+//!     Tensor::new(&k, &[pages, page_size, heads_kv, d])?,
+//!     Tensor::new(&v, &[pages, page_size, heads_kv, d])?,
+//!     &[2, 0, 1, -1], // page_table [batch 2, max_pages_per_seq 2]
+//!     2,
+//!     &[5, 2],        // seqlens_k
+//! )?;
+//! // One decode step: seqlen_q 1, 4 query heads sharing the KV head (GQA).
+//! let q = vec![0.1f32; 2 * 4 * d];
+//! let mut o = vec![0f32; 2 * 4 * d];
+//! let mut lse = vec![0f32; 2 * 4];
+//! let plan = Backend::Cpu.forward_paged(
+//!     &Tensor::new(&q, &[2, 1, 4, d])?,
+//!     &kv,
+//!     None,
+//!     &mut TensorMut::new(&mut o, &[2, 1, 4, d])?,
+//!     Some(&mut lse),
+//!     &PagedOptions::new(Options::new().causal()).num_splits(2),
+//! )?;
+//! assert_eq!(plan.num_splits, 2);
+//! assert!(o.iter().all(|&x| (x - 1.0).abs() < 1e-6)); // every value row is 1
+//! // Equal scores: LSE = score + ln(keys).
+//! let score = 0.1 * 0.5 * d as f32 / (d as f32).sqrt();
+//! assert!((lse[0] - (score + 5f32.ln())).abs() < 1e-5);
+//! # Ok::<(), fa4::Error>(())
+//! ```
+//!
 //! What runs where: the CPU backend ([`Backend::Cpu`]) runs everything here (paged gather, GQA
 //! packing, split-KV merged by [`crate::combine`]); the GPU decode kernels are not written yet,
 //! and [`Backend::forward_paged`] on [`Backend::Cuda`] is an error naming `backend` (no silent
@@ -376,7 +412,10 @@ impl PagedProblem {
             };
             return Err(Error::invalid(
                 "out",
-                format!("expected shape {want:?}, got {:?}", o.dims),
+                format!(
+                    "expected shape {want:?}, got {:?}",
+                    if o.packed { &o.dims[1..] } else { &o.dims[..] }
+                ),
             ));
         }
         let overlap_free = non_overlapping(o);

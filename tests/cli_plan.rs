@@ -199,3 +199,68 @@ fn sm90_plan_reports_roles_budgets_and_the_kernel_choice() {
         assert_eq!(err.lines().count(), 1, "{err}");
     }
 }
+
+/// `fa4 plan --compile` compiles the SM100 kernel (NVRTC, no GPU) and reports what the cubin
+/// needs; its shared memory is the plan's smem_used. Skipped (and said so) without NVRTC, unless
+/// FA4_REQUIRE_NVRTC=1.
+#[test]
+fn plan_compile_reports_the_sm100_cubin() {
+    if fa4::cuda::compile::nvrtc_version().is_err() {
+        assert!(
+            std::env::var("FA4_REQUIRE_NVRTC").map_or(true, |v| v != "1"),
+            "FA4_REQUIRE_NVRTC=1 but NVRTC is missing"
+        );
+        eprintln!("plan_compile_reports_the_sm100_cubin: skipped: no NVRTC");
+        return;
+    }
+    for (depth, dtype) in [("128", "bf16"), ("80", "fp16")] {
+        let (code, out, err) = fa4(&[
+            "plan",
+            "--depth",
+            depth,
+            "--dtype",
+            dtype,
+            "--compile",
+            "--json",
+        ]);
+        assert_eq!(code, 0, "{err}");
+        let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+        let c = &v["compiled"];
+        assert_eq!(c["target"], "sm_100a");
+        assert_eq!(c["smem_bytes"], v["smem_used"], "{out}");
+        let regs = c["registers"].as_u64().unwrap();
+        assert!(regs > 0 && regs <= 128, "{regs}");
+        assert!(c["cubin_bytes"].as_u64().unwrap() > 10_000);
+    }
+    let (code, out, _) = fa4(&["plan", "--depth", "64", "--compile"]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("NOT RUN ON HARDWARE") && out.contains("229628 bytes"),
+        "{out}"
+    );
+}
+
+#[test]
+fn plan_compile_refuses_what_it_cannot_build_and_compiles_nothing() {
+    for (args, flag) in [
+        (&["plan", "--depth", "256", "--compile"][..], "--depth"),
+        (
+            &["plan", "--depth", "128", "--dtype", "fp8", "--compile"][..],
+            "--dtype",
+        ),
+        (
+            &["plan", "--depth", "128", "--dtype", "f32", "--compile"][..],
+            "--dtype",
+        ),
+        (
+            &["plan", "--arch", "sm90", "--depth", "128", "--compile"][..],
+            "--compile",
+        ),
+    ] {
+        let (code, out, err) = fa4(args);
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(out.is_empty(), "{args:?} printed {out}");
+        assert_eq!(err.trim().lines().count(), 1, "{err}");
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
+}

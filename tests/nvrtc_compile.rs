@@ -141,13 +141,16 @@ fn every_sm100_variant_compiles_for_sm100a() {
                                 bad.push(format!("{static_smem} bytes of static shared memory"));
                             }
                             if regs == 0 || regs > 128 {
-                                bad.push(format!("{regs} registers at launch (512 threads: ≤ 128)"));
+                                bad.push(format!(
+                                    "{regs} registers at launch (512 threads: ≤ 128)"
+                                ));
                             }
                         }
                         None => bad.push(format!("no ptxas report in the log:\n{log}")),
                     }
                     if log.lines().any(|l| {
-                        l.contains("spill") && !l.contains(" 0 bytes spill stores, 0 bytes spill loads")
+                        l.contains("spill")
+                            && !l.contains(" 0 bytes spill stores, 0 bytes spill loads")
                     }) {
                         bad.push(format!("spills:\n{log}"));
                     }

@@ -208,10 +208,16 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
         .as_deref()
         .map(|t| super::parse_tiles("--tiles", t))
         .transpose()?;
+    a.kernel.note();
     let cuda = CudaBackend::new(a.device)
         .map_err(|e| Error::invalid("--backend", format!("cuda: {e}")))?
         .with_tiles(tiles)
-        .with_kernel(a.kernel.into())
+        // FA4_KERNEL sets the default; an explicit --kernel wins.
+        .with_kernel(if a.kernel == super::KernelArg::Auto {
+            fa4::cuda::KernelChoice::from_env()?
+        } else {
+            a.kernel.into()
+        })
         .with_sm90_tiles(
             a.sm90_tiles
                 .as_deref()

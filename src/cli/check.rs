@@ -97,6 +97,7 @@ fn run_in_pool(args: CheckArgs) -> Result<ExitCode> {
         if let Some(k) = args.kernel {
             cuda = cuda.with_kernel(k.into());
         }
+        args.kernel.unwrap_or_default().note();
         backend = Backend::Cuda(cuda);
     }
     let dtypes = if args.dtype.is_empty() {

@@ -148,6 +148,21 @@ pub enum KernelArg {
     Sm80,
     /// The Hopper TMA + wgmma kernel (an error where it does not cover the problem).
     Sm90,
+    /// The Blackwell tcgen05 kernel FA4Config plans (SM100 GPUs; NOT YET RUN ON HARDWARE).
+    Sm100,
+}
+
+impl KernelArg {
+    /// Says on stderr, once per command, that the sm100 kernel has not been run on hardware.
+    pub fn note(self) {
+        let env_sm100 = std::env::var("FA4_KERNEL").is_ok_and(|v| v == "sm100");
+        if self == KernelArg::Sm100 || (self == KernelArg::Auto && env_sm100) {
+            eprintln!(
+                "fa4: note: the sm100 kernel has not been run on hardware (no Blackwell GPU was \
+                 available to its authors); check its results with `fa4 check --kernel sm100`"
+            );
+        }
+    }
 }
 
 impl From<KernelArg> for fa4::cuda::KernelChoice {
@@ -156,6 +171,7 @@ impl From<KernelArg> for fa4::cuda::KernelChoice {
             KernelArg::Auto => fa4::cuda::KernelChoice::Auto,
             KernelArg::Sm80 => fa4::cuda::KernelChoice::Sm80,
             KernelArg::Sm90 => fa4::cuda::KernelChoice::Sm90,
+            KernelArg::Sm100 => fa4::cuda::KernelChoice::Sm100,
         }
     }
 }

@@ -4,6 +4,7 @@
 use clap::{Args, ValueEnum};
 
 use fa4::config::sm100::{FA4Config, FA4Inputs, Swizzle};
+use fa4::config::sm100_kernel;
 use fa4::config::sm90::{self, Sm90Plan};
 use fa4::{DType, Error, Result};
 
@@ -49,6 +50,10 @@ pub struct PlanArgs {
     /// Print the machine-readable form (the seed's names) instead of the report.
     #[arg(long)]
     json: bool,
+    /// Compile the SM100 kernel for this config with NVRTC (sm_100a; needs NVRTC, no GPU) and
+    /// report its registers, shared memory and cubin size. The kernel has not run on hardware.
+    #[arg(long)]
+    compile: bool,
     /// Decode over a paged KV cache (`src/cli/decode_plan.rs`).
     #[command(flatten)]
     decode: decode_plan::DecodePlanArgs,
@@ -62,6 +67,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
         return decode_plan::run(&args);
     }
     if args.arch == PlanArch::Sm90 {
+        if args.compile {
+            return Err(Error::invalid(
+                "--compile",
+                "compiles the SM100 kernel; leave out `--arch sm90`",
+            ));
+        }
         return run_sm90(&args);
     }
     if args.varlen {
@@ -83,12 +94,99 @@ pub fn run(args: PlanArgs) -> Result<()> {
         dtype_size: args.dtype.size_bytes(),
         swizzle_mode: args.swizzle.unwrap_or(Swizzle::B128),
     })?;
+    let compiled = if args.compile {
+        Some(compile_sm100(&args, &cfg)?)
+    } else {
+        None
+    };
     if args.json {
-        println!("{}", cfg.to_json());
+        let mut v: serde_json::Value =
+            serde_json::from_str(&cfg.to_json()).expect("FA4Config's JSON parses");
+        if let Some(c) = &compiled {
+            v["compiled"] = serde_json::to_value(c).expect("plain data serializes");
+        }
+        println!(
+            "{}",
+            if compiled.is_some() {
+                serde_json::to_string_pretty(&v).expect("plain data serializes")
+            } else {
+                cfg.to_json()
+            }
+        );
     } else {
         println!("{cfg}");
+        if let Some(c) = &compiled {
+            print_compiled(c);
+        }
     }
     Ok(())
+}
+
+/// Compiles the SM100 kernel for the plan's depth and dtype, or says why it cannot.
+fn compile_sm100(args: &PlanArgs, cfg: &FA4Config) -> Result<sm100_kernel::CompileReport> {
+    let bf16 = match args.dtype {
+        DType::Bf16 => true,
+        DType::F16 => false,
+        other => {
+            return Err(Error::invalid(
+                "--dtype",
+                format!("the SM100 kernel is built for bf16 and fp16 inputs, not {other}"),
+            ))
+        }
+    };
+    if !cfg.supported() {
+        let why: Vec<String> = cfg
+            .unsupported_reasons()
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        return Err(Error::invalid(
+            "--depth",
+            format!(
+                "FA4Config does not support this config ({}); nothing compiled",
+                why.join("; ")
+            ),
+        ));
+    }
+    let spec = sm100_kernel::KernelSpec::new(args.depth as usize, bf16, false, false)
+        .map_err(|e| Error::invalid("--depth", format!("{e}; nothing compiled")))?;
+    debug_assert_eq!(spec.cfg.smem_used(), cfg.smem_used());
+    let (cubin, log) = fa4::cuda::compile::compile_with_log(&spec, &["--ptxas-options=-v"])?;
+    let (registers, static_smem_bytes) = sm100_kernel::parse_ptxas(&log).ok_or_else(|| {
+        Error::invalid("--compile", "ptxas printed no register report".to_string())
+    })?;
+    Ok(sm100_kernel::CompileReport {
+        target: spec.target,
+        registers,
+        smem_bytes: static_smem_bytes + spec.smem_bytes(),
+        static_smem_bytes,
+        cubin_bytes: cubin.len(),
+    })
+}
+
+fn print_compiled(c: &sm100_kernel::CompileReport) {
+    println!();
+    println!(
+        "compiled (NVRTC, {}; NOT RUN ON HARDWARE: no Blackwell GPU was available)",
+        c.target
+    );
+    println!("  registers      {} per thread at launch (setmaxnreg: softmax {}, correction {}, MMA/load {})",
+        c.registers, sm100_kernel::SOFTMAX_REGS, sm100_kernel::CORRECTION_REGS, sm100_kernel::OTHER_REGS);
+    println!(
+        "  shared memory  {} bytes ({} static + {} dynamic = smem_used)",
+        c.smem_bytes,
+        c.static_smem_bytes,
+        c.smem_bytes - c.static_smem_bytes
+    );
+    println!("  cubin          {} bytes", c.cubin_bytes);
+    println!(
+        "  warp roles     {}",
+        sm100_kernel::ROLES
+            .iter()
+            .map(|(n, w)| format!("{} ×{w}", n.to_lowercase()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
 }
 
 fn run_sm90(args: &PlanArgs) -> Result<()> {

@@ -29,6 +29,8 @@ pub enum KernelKind {
     Sm80,
     /// The Hopper TMA + wgmma kernel.
     Sm90,
+    /// The Blackwell tcgen05 kernel FA4Config plans (only when asked for; not run on hardware).
+    Sm100,
     /// No CUDA kernel computes the problem: the CPU backend.
     Cpu,
 }
@@ -38,6 +40,7 @@ impl std::fmt::Display for KernelKind {
         f.write_str(match self {
             KernelKind::Sm80 => "sm80",
             KernelKind::Sm90 => "sm90",
+            KernelKind::Sm100 => "sm100",
             KernelKind::Cpu => "cpu",
         })
     }

@@ -13,7 +13,10 @@ use std::fmt;
 use super::prelude::{Prelude, RoleWarps};
 use super::sm100::{FA4Config, FA4Inputs, Swizzle};
 use super::sm100_protocol::Protocol;
+use crate::arch::GpuArch;
+use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::problem::Problem;
 
 /// Registers per thread of each role (`setmaxnreg`): the two softmax warpgroups 184, the
 /// correction warpgroup 96, the MMA/load warpgroup 48 — 2·128·184 + 128·96 + 128·48 = 65 536,
@@ -90,20 +93,24 @@ impl KernelSpec {
                 .iter()
                 .map(ToString::to_string)
                 .collect();
-            return Err(Error::invalid("head_dim", format!(
-                "FA4Config does not support depth {head_dim} with 16-bit inputs: {}",
-                why.join("; ")
-            )));
+            return Err(Error::invalid(
+                "head_dim",
+                format!(
+                    "FA4Config does not support depth {head_dim} with 16-bit inputs: {}",
+                    why.join("; ")
+                ),
+            ));
         }
         if cfg.split_m() {
             return Err(Error::invalid("head_dim", format!(
                 "depth {head_dim}: the split-M plan (depth > 128) is not built into the sm100 kernel"
             )));
         }
-        if head_dim % 16 != 0 {
-            return Err(Error::invalid("head_dim", format!(
-                "depth {head_dim}: the kernel contracts the depth in k16 steps"
-            )));
+        if !head_dim.is_multiple_of(16) {
+            return Err(Error::invalid(
+                "head_dim",
+                format!("depth {head_dim}: the kernel contracts the depth in k16 steps"),
+            ));
         }
         Ok(KernelSpec {
             target: "sm_100a",
@@ -190,6 +197,104 @@ impl KernelSpec {
     }
 }
 
+/// A planned launch of the SM100 kernel.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// The kernel to compile.
+    pub spec: KernelSpec,
+    /// Grid: (query blocks of BM rows, heads_q, batch).
+    pub grid: (u32, u32, u32),
+}
+
+/// Plans `p` on the SM100 kernel, or names the argument it cannot take. The kernel runs
+/// fixed-length fp16/bf16 batches with a head dim of [`HEAD_DIMS`], `head_dim_v == head_dim`,
+/// a positive scale and strides in multiples of 8 elements, on a GPU with tensor memory.
+pub fn plan(p: &Problem, arch: &GpuArch) -> Result<Plan> {
+    if arch.tmem_cols.is_none() {
+        return Err(Error::invalid(
+            "--kernel",
+            format!(
+                "sm100 needs a Blackwell (SM100) GPU with tensor memory; this is {}",
+                arch.name
+            ),
+        ));
+    }
+    let bf16 = match p.dtype() {
+        DType::Bf16 => true,
+        DType::F16 => false,
+        other => {
+            return Err(Error::invalid(
+                "dtype",
+                format!("the sm100 kernel computes fp16 and bf16, not {other}"),
+            ))
+        }
+    };
+    if p.is_varlen() {
+        return Err(Error::invalid(
+            "cu_seqlens_q",
+            "the sm100 kernel runs fixed-length batches only",
+        ));
+    }
+    if p.head_dim_v() != p.head_dim() {
+        return Err(Error::invalid(
+            "v",
+            "the sm100 kernel needs head_dim_v == head_dim",
+        ));
+    }
+    if !HEAD_DIMS.contains(&p.head_dim()) {
+        return Err(Error::invalid(
+            "q",
+            format!(
+                "the sm100 kernel is built for head dims {HEAD_DIMS:?}, not {}",
+                p.head_dim()
+            ),
+        ));
+    }
+    if p.scale().is_nan() || p.scale() <= 0.0 {
+        return Err(Error::invalid(
+            "scale",
+            "the sm100 kernel needs a positive scale",
+        ));
+    }
+    // TMA: 16-byte aligned strides below 2^40 bytes.
+    for (name, l) in [
+        ("q", p.q_layout()),
+        ("k", p.k_layout()),
+        ("v", p.v_layout()),
+    ] {
+        if let Some(&bad) = l.strides.iter().find(|&&st| st % 8 != 0 || st >= 1 << 39) {
+            return Err(Error::invalid(
+                name,
+                format!("the sm100 kernel's TMA needs strides in multiples of 8 elements below 2^39, got {bad}"),
+            ));
+        }
+    }
+    let spec = KernelSpec::new(
+        p.head_dim(),
+        bf16,
+        p.mask().is_restrictive(),
+        p.softcap().is_some(),
+    )?;
+    let max_q = p.sequences().iter().map(|s| s.q_len).max().unwrap_or(0);
+    let blocks = max_q.div_ceil(spec.cfg.bm() as usize);
+    let dim = |n: usize, what: &str, max: usize| {
+        u32::try_from(n)
+            .ok()
+            .filter(|&x| x as usize <= max)
+            .ok_or_else(|| {
+                Error::invalid("q", format!("{n} {what} exceed the grid's limit of {max}"))
+            })
+    };
+    Ok(Plan {
+        grid: (
+            dim(blocks, "query blocks", u32::MAX as usize)?,
+            dim(p.heads_q(), "heads", 65_535)?,
+            dim(p.sequences().len(), "sequences", 65_535)?,
+        ),
+        spec,
+    })
+}
+
 /// Every variant CI compiles: each supported 16-bit depth × dtype × mask × softcap.
 pub fn all_specs() -> Vec<KernelSpec> {
     let mut out = Vec::new();
@@ -260,7 +365,9 @@ mod tests {
         assert_eq!(all_specs().len(), HEAD_DIMS.len() * 8);
         for d in HEAD_DIMS {
             let s = KernelSpec::new(d, true, false, false).unwrap();
-            assert!(s.prelude().contains(&format!("#define FA4_SMEM_USED {}", s.cfg.smem_used())));
+            assert!(s
+                .prelude()
+                .contains(&format!("#define FA4_SMEM_USED {}", s.cfg.smem_used())));
             assert!(s.tmem_alloc_cols() >= s.cfg.tmem_used());
         }
         for d in [32, 48, 192, 256] {
@@ -269,8 +376,51 @@ mod tests {
     }
 
     #[test]
+    fn plan_refuses_what_the_kernel_does_not_cover() {
+        use crate::arch::{B200, H200};
+        use crate::problem::Options;
+        use crate::tensor::Layout;
+        let problem = |dtype: DType, d: usize, opts: Options| {
+            let l = Layout::new("q", &[2, 300, 4, d], None).unwrap();
+            Problem::new(dtype, &l, &l, &l, &l, None, None, &opts).unwrap()
+        };
+        let ok = plan(&problem(DType::Bf16, 128, Options::new().causal()), &B200).unwrap();
+        assert_eq!(ok.grid, (2, 4, 2));
+        assert!(ok.spec.window && !ok.spec.softcap);
+        let name = |r: Result<Plan>| match r {
+            Err(Error::InvalidArgument { name, .. }) => name,
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            name(plan(&problem(DType::Bf16, 128, Options::new()), &H200)),
+            "--kernel"
+        );
+        assert_eq!(
+            name(plan(&problem(DType::F32, 128, Options::new()), &B200)),
+            "dtype"
+        );
+        assert_eq!(
+            name(plan(&problem(DType::Bf16, 256, Options::new()), &B200)),
+            "q"
+        );
+        assert_eq!(
+            name(plan(
+                &problem(DType::F16, 64, Options::new().scale(-1.0)),
+                &B200
+            )),
+            "scale"
+        );
+    }
+
+    #[test]
     fn the_register_split_fills_the_register_file() {
-        let wg = |name: &str| ROLES.iter().filter(|r| r.0 == name).map(|r| r.1 * 32).sum::<usize>();
+        let wg = |name: &str| {
+            ROLES
+                .iter()
+                .filter(|r| r.0 == name)
+                .map(|r| r.1 * 32)
+                .sum::<usize>()
+        };
         let regs = (wg("SOFTMAX0") + wg("SOFTMAX1")) * SOFTMAX_REGS
             + wg("CORRECTION") * CORRECTION_REGS
             + (wg("MMA") + wg("LOAD") + wg("IDLE")) * OTHER_REGS;

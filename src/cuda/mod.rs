@@ -28,7 +28,7 @@ use cudarc::driver::{
 
 use crate::arch::{self, ComputeCapability, Family, GpuArch};
 use crate::config::sm80::{self, Tiles};
-use crate::config::{sm90, KernelKind};
+use crate::config::{sm100_kernel, sm90, KernelKind};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 use crate::tensor::{Element, Layout};
@@ -89,6 +89,29 @@ pub enum KernelChoice {
     Sm80,
     /// The Hopper kernel (an error where it does not cover the problem or the GPU).
     Sm90,
+    /// The Blackwell kernel FA4Config plans (SM100 GPUs only; not yet run on hardware).
+    Sm100,
+}
+
+impl KernelChoice {
+    /// The choice `FA4_KERNEL` names (`auto`, `sm80`, `sm90`, `sm100`), `Auto` when unset, or an
+    /// error naming the variable.
+    pub fn from_env() -> Result<KernelChoice> {
+        match std::env::var("FA4_KERNEL") {
+            Err(std::env::VarError::NotPresent) => Ok(KernelChoice::Auto),
+            Ok(v) => match v.as_str() {
+                "" | "auto" => Ok(KernelChoice::Auto),
+                "sm80" => Ok(KernelChoice::Sm80),
+                "sm90" => Ok(KernelChoice::Sm90),
+                "sm100" => Ok(KernelChoice::Sm100),
+                other => Err(Error::invalid(
+                    "FA4_KERNEL",
+                    format!("expected auto, sm80, sm90 or sm100, got `{other}`"),
+                )),
+            },
+            Err(e) => Err(Error::invalid("FA4_KERNEL", e.to_string())),
+        }
+    }
 }
 
 /// A planned launch: which kernel, its spec and grid.
@@ -98,6 +121,8 @@ pub enum Planned {
     Sm80(sm80::Plan),
     /// The Hopper kernel.
     Sm90(sm90::Plan),
+    /// The Blackwell kernel (not yet run on hardware).
+    Sm100(sm100_kernel::Plan),
 }
 
 impl Planned {
@@ -106,6 +131,7 @@ impl Planned {
         match self {
             Planned::Sm80(_) => KernelKind::Sm80,
             Planned::Sm90(_) => KernelKind::Sm90,
+            Planned::Sm100(_) => KernelKind::Sm100,
         }
     }
 
@@ -114,6 +140,7 @@ impl Planned {
         match self {
             Planned::Sm80(p) => &p.spec,
             Planned::Sm90(p) => &p.spec,
+            Planned::Sm100(p) => &p.spec,
         }
     }
 
@@ -122,6 +149,7 @@ impl Planned {
         match self {
             Planned::Sm80(p) => p.grid,
             Planned::Sm90(p) => p.grid,
+            Planned::Sm100(p) => p.grid,
         }
     }
 
@@ -130,6 +158,7 @@ impl Planned {
         match self {
             Planned::Sm80(p) => p.spec.threads(),
             Planned::Sm90(p) => p.spec.threads(),
+            Planned::Sm100(p) => p.spec.threads(),
         }
     }
 }
@@ -243,7 +272,7 @@ impl CudaBackend {
             }),
             tiles: None,
             sm90_tiles: None,
-            choice: KernelChoice::Auto,
+            choice: KernelChoice::from_env()?,
         })
     }
 
@@ -331,6 +360,20 @@ impl CudaBackend {
     pub fn plan(&self, p: &Problem) -> Result<Planned> {
         let info = &self.dev.info;
         let hopper = match self.choice {
+            KernelChoice::Sm100 => {
+                if info.target != "sm_100" {
+                    return Err(Error::invalid(
+                        "--kernel",
+                        format!(
+                            "sm100 runs on SM100 (B200-class) GPUs; this is {} ({})",
+                            info.name, info.target
+                        ),
+                    ));
+                }
+                let mut plan = sm100_kernel::plan(p, &info.arch)?;
+                plan.spec.target = "sm_100a";
+                return Ok(Planned::Sm100(plan));
+            }
             KernelChoice::Sm80 => false,
             KernelChoice::Sm90 => true,
             KernelChoice::Auto => {
@@ -520,6 +563,30 @@ impl CudaBackend {
                     tq: map("q", q_ptr, p.q_layout(), t.block_m())?,
                     tk: map("k", k_ptr, p.k_layout(), t.block_n)?,
                     tv: map("v", v_ptr, p.v_layout(), t.block_n)?,
+                    p: params,
+                };
+                self.launch(&plan, &sp)
+            }
+            Planned::Sm100(sm100_plan) => {
+                let bf16 = sm100_plan.spec.bf16;
+                let map = |name: &str, ptr: u64, l: &Layout, box_rows: usize| {
+                    tma::encode_slabs(
+                        name,
+                        &tma::MapSpec {
+                            ptr,
+                            bf16,
+                            dims: l.dims,
+                            strides: l.strides,
+                            box_rows,
+                        },
+                    )
+                };
+                let cfg = &sm100_plan.spec.cfg;
+                // The kernel takes the Hopper params' layout (three maps, then FwdParams).
+                let sp = params::Sm90Params {
+                    tq: map("q", q_ptr, p.q_layout(), cfg.mma_m() as usize)?,
+                    tk: map("k", k_ptr, p.k_layout(), cfg.bn() as usize)?,
+                    tv: map("v", v_ptr, p.v_layout(), cfg.bn() as usize)?,
                     p: params,
                 };
                 self.launch(&plan, &sp)

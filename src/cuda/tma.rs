@@ -30,6 +30,30 @@ pub(crate) struct MapSpec {
     pub box_rows: usize,
 }
 
+/// Encodes the SM100 kernel's 4-D map of a tensor: dimensions (head_dim, rows, heads, batch),
+/// innermost first, boxes of (64, box_rows, 1, 1). The kernel loads a tile slab by slab; columns
+/// past `head_dim` (a padded depth such as 80 → 128) are outside the map and arrive as zeros.
+pub(crate) fn encode_slabs(name: &str, m: &MapSpec) -> Result<TmaMap> {
+    let [batch, rows, heads, head_dim] = m.dims;
+    let el = 2u64;
+    let batch_stride = if batch == 1 {
+        (m.strides[1] as u64 * el).max(16)
+    } else {
+        m.strides[0] as u64 * el
+    };
+    tiled(
+        name,
+        m,
+        &[head_dim as u64, rows as u64, heads as u64, batch as u64],
+        &[
+            m.strides[1] as u64 * el,
+            m.strides[2] as u64 * el,
+            batch_stride,
+        ],
+        &[SWIZZLE_ELEMS as u32, m.box_rows as u32, 1, 1],
+    )
+}
+
 /// Encodes a map, or the driver's error naming the tensor.
 pub(crate) fn encode(name: &str, m: &MapSpec) -> Result<TmaMap> {
     let [batch, rows, heads, head_dim] = m.dims;
@@ -56,23 +80,40 @@ pub(crate) fn encode(name: &str, m: &MapSpec) -> Result<TmaMap> {
         batch_stride,
     ];
     let box_dim: [u32; 5] = [SWIZZLE_ELEMS as u32, m.box_rows as u32, slabs as u32, 1, 1];
-    let element_strides: [u32; 5] = [1; 5];
+    tiled(name, m, &global_dim, &global_strides, &box_dim)
+}
+
+/// `cuTensorMapEncodeTiled` with the 128-byte swizzle: `dims` innermost first, byte `strides` of
+/// every dimension but the first, one `boxes` entry per dimension.
+fn tiled(
+    name: &str,
+    m: &MapSpec,
+    global_dim: &[u64],
+    global_strides: &[u64],
+    box_dim: &[u32],
+) -> Result<TmaMap> {
+    let rank = global_dim.len();
+    assert!(
+        global_strides.len() + 1 == rank && box_dim.len() == rank && rank <= 5,
+        "map arrays of one rank"
+    );
+    let element_strides = [1u32; 5];
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
     let dtype = if m.bf16 {
         CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
     } else {
         CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16
     };
-    // SAFETY: every pointer is to a live local array of the rank's length (5 dims, 4 strides,
-    // 5 box dims, 5 element strides) or to `map`; the driver only writes `map`. The address is
-    // not dereferenced here (the kernel reads through the map); the caller checked that the
+    // SAFETY: every pointer is to a live array of at least the rank's length (dims, box dims,
+    // element strides; rank − 1 strides) or to `map`; the driver only writes `map`. The address
+    // is not dereferenced here (the kernel reads through the map); the caller checked that the
     // buffer holds the layout's extent and is 16-byte aligned, and the planner that every
     // stride is a multiple of 16 bytes below 2^40.
     let r = unsafe {
         sys::cuTensorMapEncodeTiled(
             &mut map,
             dtype,
-            5,
+            rank as u32,
             m.ptr as *mut std::ffi::c_void,
             global_dim.as_ptr(),
             global_strides.as_ptr(),

@@ -660,12 +660,27 @@ fn varlen_case<T: fa4::Element>(cuda: &CudaBackend, d: usize, mask: fa4::Mask) -
 
 /// Known limit of both CUDA kernels (README), kept as a test to fix against: a NaN in V at key
 /// 100 under a causal mask must leave rows 0..99 finite (P = 0 there, but 0 · NaN is NaN in
-/// P·V), and a +inf score followed by more key blocks must give LSE +inf (the running sum can
-/// take 0 · inf). The CPU backend passes the same case (`tests/cpu_matrix.rs`). Run with
-/// `--ignored` on a GPU.
+/// P·V). The CPU backend passes the same case (`tests/cpu_matrix.rs`). Run with `--ignored` on
+/// a GPU.
 #[test]
-#[ignore = "known limit of the CUDA kernels with non-finite inputs (README); run with --ignored"]
+#[ignore = "known limit of the CUDA kernels (README: a NaN in V reaches rows that mask its key); run with --ignored on a GPU"]
 fn cuda_non_finite_keys_reach_only_their_rows() {
+    non_finite_case(true, false);
+}
+
+/// A +inf score followed by more key blocks gives LSE +inf (not NaN) in both kernels. Failed on
+/// the H200 in the sixth session (with the two-term softmax shift, since reverted); its report
+/// was cut off by the call's time limit, so which assertion failed is not known yet.
+#[test]
+#[ignore = "known limit, not yet passed on an H200 (docs/perf.md, sixth session); run with --ignored on a GPU"]
+fn cuda_infinite_score_then_more_blocks_gives_infinite_lse() {
+    non_finite_case(false, true);
+}
+
+/// Q, K, V of 300 rows, 2 heads, d64, causal: `nan_v` puts a NaN in V at key 100 (head 0),
+/// `inf_k` a +inf in K at key 0 (head 1) against a positive Q column, so head 1's rows see a +inf
+/// score in their first key block and then more blocks.
+fn non_finite_case(nan_v: bool, inf_k: bool) {
     let cuda = gpu();
     let (s, h, d) = (300, 2, 64);
     let mut rng = StdRng::seed_from_u64(5);
@@ -675,10 +690,14 @@ fn cuda_non_finite_keys_reach_only_their_rows() {
     for x in [&mut q, &mut k, &mut v] {
         random_fill(&mut rng, x, d, 2.0);
     }
-    v[100 * h * d] = bf16::NAN;
-    k[h * d + d] = bf16::INFINITY;
-    for x in q.iter_mut().skip(d).step_by(h * d) {
-        *x = bf16::from_f32(x.to_f32().abs() + 0.5);
+    if nan_v {
+        v[100 * h * d] = bf16::NAN;
+    }
+    if inf_k {
+        k[h * d + d] = bf16::INFINITY;
+        for x in q.iter_mut().skip(d).step_by(h * d) {
+            *x = bf16::from_f32(x.to_f32().abs() + 0.5);
+        }
     }
     let l = [1, s, h, d];
     let lo = fa4::tensor::Layout::new("q", &l, None).unwrap();
@@ -691,9 +710,93 @@ fn cuda_non_finite_keys_reach_only_their_rows() {
         let mut lse = vec![f32::NAN; h * s];
         b.forward_host(&p, &q, &k, &v, &mut o, Some(&mut lse))
             .unwrap();
+        if inf_k {
+            // Head 1's LSE: +inf on every row (each sees key 0).
+            let bad: Vec<usize> = (0..s).filter(|&i| lse[s + i] != f32::INFINITY).collect();
+            if let Some(&i) = bad.first() {
+                failures.push(format!(
+                    "{kernel:?}: {} rows of head 1 without LSE +inf, first row {i}: {}",
+                    bad.len(),
+                    lse[s + i]
+                ));
+            }
+        }
         let r = fa4::check::check(&p, &q, &k, &v, &o, Some(&lse)).unwrap();
         if !r.passed() {
             failures.push(format!("{kernel:?}: {r}"));
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Finite scores of any magnitude give finite O and LSE within the tolerance: a Q element of
+/// 1e12 (scores ~1e12), and a scale of 1e10 (exponents ~1e11), with and without a causal mask.
+/// The old exponent form `exp2(s·c − RN(m·c))` lost the row max's own exponent there (P = inf or
+/// 0: NaN rows, or O = 0 and LSE = −inf). Passed on the H200 with the two-term shift of issue
+/// 12, which was reverted because it cost 3–11% on ordinary inputs (docs/perf.md, sixth session):
+/// a known limit until a cheaper form lands.
+#[test]
+#[ignore = "known limit of the CUDA kernels with huge finite scores (issue 12); run with --ignored on a GPU"]
+fn cuda_huge_finite_scores_give_finite_answers() {
+    let cuda = gpu();
+    let mut failures = Vec::new();
+    for (d, big_q, scale, causal) in [
+        (64, 1e12f32, None, false),
+        (128, 1e12, None, true),
+        (64, 0.0, Some(1e10f32), false),
+        (128, 0.0, Some(1e10), true),
+        (256, 0.0, Some(3e8), true),
+    ] {
+        let (s, h) = (300, 2);
+        let mut rng = StdRng::seed_from_u64(11);
+        let mut q = vec![bf16::ZERO; s * h * d];
+        let mut k = vec![bf16::ZERO; s * h * d];
+        let mut v = vec![bf16::ZERO; s * h * d];
+        for x in [&mut q, &mut k, &mut v] {
+            random_fill(&mut rng, x, d, 2.0);
+        }
+        if big_q > 0.0 {
+            // Column 3 of every query row (both heads).
+            for x in q.iter_mut().skip(3).step_by(d) {
+                *x = bf16::from_f32(big_q);
+            }
+        }
+        let lo = fa4::tensor::Layout::new("q", &[1, s, h, d], None).unwrap();
+        let mut opts = if causal {
+            Options::new().causal()
+        } else {
+            Options::new()
+        };
+        if let Some(sc) = scale {
+            opts = opts.scale(sc);
+        }
+        let p = fa4::Problem::new(DType::Bf16, &lo, &lo, &lo, &lo, None, None, &opts).unwrap();
+        for kernel in [fa4::cuda::KernelChoice::Auto, fa4::cuda::KernelChoice::Sm80] {
+            let b = cuda.with_kernel(kernel);
+            let mut o = vec![bf16::NAN; s * h * d];
+            let mut lse = vec![f32::NAN; h * s];
+            b.forward_host(&p, &q, &k, &v, &mut o, Some(&mut lse))
+                .unwrap();
+            let case = format!("d{d} q {big_q:e} scale {scale:?} causal {causal} {kernel:?}");
+            let nonfinite = o.iter().filter(|x| !x.to_f32().is_finite()).count()
+                + lse.iter().filter(|x| !x.is_finite()).count();
+            if nonfinite > 0 {
+                failures.push(format!("{case}: {nonfinite} non-finite outputs"));
+                continue;
+            }
+            let r = fa4::check::check(&p, &q, &k, &v, &o, Some(&lse)).unwrap();
+            // LSE reaches ~1e11 here, where one f32 ulp is 2^13: judge it relative to its size.
+            let lse_max = lse.iter().fold(0f64, |m, &x| m.max(f64::from(x).abs()));
+            let lse_ok = r
+                .lse_err
+                .is_none_or(|e| e <= r.lse_bound.max(1e-6 * lse_max));
+            // (A first bad position without a column is an LSE, judged above.)
+            let o_ok = r.first_bad.is_none_or(|(pos, _, _)| pos.col.is_none())
+                && r.finiteness_mismatches == 0
+                && r.max_err <= r.bound;
+            if !(o_ok && lse_ok) {
+                failures.push(format!("{case}: {r} (max |LSE| {lse_max:e})"));
+            }
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

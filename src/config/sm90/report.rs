@@ -178,12 +178,13 @@ impl fmt::Display for Sm90Plan {
         for r in &self.roles {
             writeln!(
                 f,
-                "    wg{} warps {}-{} {:<8} {:>3} registers  {}",
+                "    wg{} {:<8} {:>3} registers  warps {}-{} (ROLE_{}): {}",
                 r.warpgroup,
-                4 * r.warpgroup,
-                4 * r.warpgroup + 3,
                 r.role,
                 r.registers,
+                4 * r.warpgroup,
+                4 * r.warpgroup + 3,
+                r.role.to_ascii_uppercase(),
                 r.work
             )?;
         }

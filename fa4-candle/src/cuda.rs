@@ -99,7 +99,6 @@ where
     backend
         .forward_device_views(&p, &qv, &kv, &vv, &mut out, lse_view.as_mut())
         .map_err(fa4_err)?;
-    drop(lse_view);
     if let Some(lse) = lse {
         let lse = CudaStorage::wrap_cuda_slice(lse, dev.clone());
         op.store_lse(&p, Storage::Cuda(lse));

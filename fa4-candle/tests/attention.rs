@@ -557,3 +557,91 @@ fn backward_through_the_op_is_an_error() -> R<()> {
     assert!(out.sum_all()?.backward().is_err());
     Ok(())
 }
+
+/// The same matrix on the GPU (f16/bf16): inputs made on the CPU, judged on the CPU against
+/// candle's attention there. Run on a GPU machine with
+/// `cargo test --release -p fa4-candle --features cuda -- --include-ignored`.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_matches_candle_attention() -> R<()> {
+    let gpu = Device::new_cuda(0)?;
+    let cpu = Device::Cpu;
+    for (n, c) in CASES
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.dtype != DType::F32)
+    {
+        let q = input(&[c.batch, c.sq, c.hq, c.d], n, c.dtype)?;
+        let k = input(&[c.batch, c.sk, c.hkv, c.d], n + 1, c.dtype)?;
+        let v = input(&[c.batch, c.sk, c.hkv, c.dv], n + 2, c.dtype)?;
+        let (o_ref, lse_ref) = candle_attention(&q, &k, &v, c, DType::F64)?;
+        let (o_lowp, _) = candle_attention(&q, &k, &v, c, c.dtype)?;
+        let (qg, kg, vg) = (q.to_device(&gpu)?, k.to_device(&gpu)?, v.to_device(&gpu)?);
+        let (out, lse) = attention_with_lse(&qg, &kg, &vg, &c.opts())?;
+        assert!(out.device().is_cuda() && lse.device().is_cuda());
+        let (out, lse) = (out.to_device(&cpu)?, lse.to_device(&cpu)?);
+        judge(
+            &format!("cuda {c:?}"),
+            c.dtype,
+            &out,
+            Some(&lse),
+            &o_ref,
+            &lse_ref,
+            &o_lowp,
+        )?;
+    }
+    // Strided views of a fused QKV tensor on the GPU, and varlen with CPU boundaries.
+    let (b, s, h, d) = (2, 40, 4, 64);
+    let qkv = input(&[b, s, 3 * h, d], 5, DType::BF16)?;
+    let (q, k, v) = (
+        qkv.narrow(2, 0, h)?,
+        qkv.narrow(2, h, h)?,
+        qkv.narrow(2, 2 * h, h)?,
+    );
+    let c = case(DType::BF16, b, s, s, (h, h), d).causal();
+    let (o_ref, lse_ref) = candle_attention(&q, &k, &v, &c, DType::F64)?;
+    let (o_lowp, _) = candle_attention(&q, &k, &v, &c, DType::BF16)?;
+    let g = qkv.to_device(&gpu)?;
+    let (qg, kg, vg) = (
+        g.narrow(2, 0, h)?,
+        g.narrow(2, h, h)?,
+        g.narrow(2, 2 * h, h)?,
+    );
+    let (out, lse) = attention_with_lse(&qg, &kg, &vg, &c.opts())?;
+    judge(
+        "cuda fused qkv views",
+        DType::BF16,
+        &out.to_device(&cpu)?,
+        Some(&lse.to_device(&cpu)?),
+        &o_ref,
+        &lse_ref,
+        &o_lowp,
+    )?;
+    // The same batch packed as varlen (two sequences of s rows), boundaries on the CPU.
+    let pack = |t: &Tensor| -> R<Tensor> { t.flatten(0, 1)?.contiguous()?.to_device(&gpu) };
+    let cu = Tensor::from_vec(vec![0u32, s as u32, 2 * s as u32], 3, &cpu)?;
+    let scale = c.opts().softmax_scale;
+    let out = flash_attn_varlen(
+        &pack(&q)?,
+        &pack(&k)?,
+        &pack(&v)?,
+        &cu,
+        &cu,
+        s,
+        s,
+        scale,
+        true,
+    )?;
+    let out = out.to_device(&cpu)?.reshape((b, s, h, d))?;
+    judge(
+        "cuda varlen",
+        DType::BF16,
+        &out,
+        None,
+        &o_ref,
+        &lse_ref,
+        &o_lowp,
+    )?;
+    Ok(())
+}

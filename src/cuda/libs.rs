@@ -38,12 +38,19 @@ fn nvrtc_dirs() -> Vec<PathBuf> {
     dirs
 }
 
+/// The file names a CUDA library goes by on Linux, unversioned first. fa4 keeps its own list
+/// rather than cudarc's `get_lib_name_candidates`, which exists only when cudarc loads
+/// libraries itself: a program that also links candle's CUDA backend builds cudarc with
+/// `dynamic-linking` instead (see the `fallback-dynamic-loading` note in Cargo.toml).
+fn lib_name_candidates(library: &str) -> Vec<String> {
+    let mut names = vec![format!("lib{library}.so")];
+    names.extend(["13", "12", "11", "10", "9", "1"].map(|v| format!("lib{library}.so.{v}")));
+    names
+}
+
 fn load(library: &str, extra_dirs: &[PathBuf], hint: &str) -> Result<()> {
-    let names = cudarc::get_lib_name_candidates(library);
+    let names = lib_name_candidates(library);
     let mut tried = Vec::new();
-    let mut names = names;
-    let mut seen = std::collections::HashSet::new();
-    names.retain(|n| seen.insert(n.clone()));
     for n in &names {
         if let Some(lib) = try_open(Path::new(n)) {
             std::mem::forget(lib);

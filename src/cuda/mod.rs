@@ -13,6 +13,7 @@
 
 pub mod bench;
 pub mod compile;
+mod external;
 mod libs;
 pub(crate) mod params;
 mod tma;
@@ -469,12 +470,12 @@ impl CudaBackend {
     pub(crate) fn forward_device_trusted<T: Element>(
         &self,
         p: &Problem,
-        q: &CudaSlice<T>,
-        k: &CudaSlice<T>,
-        v: &CudaSlice<T>,
-        cu_seqlens: Option<(&CudaSlice<i32>, &CudaSlice<i32>)>,
-        out: &mut CudaSlice<T>,
-        lse: Option<&mut CudaSlice<f32>>,
+        q: &impl DevicePtr<T>,
+        k: &impl DevicePtr<T>,
+        v: &impl DevicePtr<T>,
+        cu_seqlens: Option<(&impl DevicePtr<i32>, &impl DevicePtr<i32>)>,
+        out: &mut impl DevicePtrMut<T>,
+        lse: Option<&mut impl DevicePtrMut<f32>>,
     ) -> Result<()> {
         p.check_buffers(
             T::DTYPE,

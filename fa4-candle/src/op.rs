@@ -1,0 +1,280 @@
+//! The candle custom op: candle layouts to an fa4 [`Problem`], and the CPU forward.
+//!
+//! Everything fa4 validates (head counts, head dims, strides, lengths, scale, softcap) is
+//! validated once by [`Problem::new`], whose errors name the argument (`q`, `k`, `v`); this
+//! module adds what only the candle side knows (the varlen boundaries as tensors, the LSE
+//! hand-back) and turns fa4 errors into candle errors.
+
+use std::sync::{Arc, Mutex};
+
+use candle::backend::BackendStorage;
+use candle::op::BackpropOp;
+use candle::{CpuStorage, DType, Layout, Result, Shape, Storage, Tensor};
+use half::{bf16, f16};
+
+use fa4::problem::Problem;
+use fa4::tensor::Layout as Fa4Layout;
+use fa4::{Backend, Mask, Options};
+
+use crate::{AttnOptions, Varlen};
+
+/// An fa4 error as a candle error, keeping fa4's message (which names the argument).
+pub(crate) fn fa4_err(e: fa4::Error) -> candle::Error {
+    candle::Error::Msg(format!("fa4-candle: {e}"))
+}
+
+/// The varlen boundaries, read to the host and checked against the packed tensors.
+#[derive(Debug, Clone)]
+pub(crate) struct HostSeqlens {
+    pub(crate) q: Vec<i32>,
+    pub(crate) k: Vec<i32>,
+}
+
+impl HostSeqlens {
+    /// Reads and checks `seqlens_q`/`seqlens_k` (rank 1, integers, `batch + 1` entries from 0,
+    /// non-decreasing, ending at the packed totals) and the `max_seqlen_*` bounds.
+    pub(crate) fn read(vl: &Varlen<'_>, total_q: usize, total_k: usize) -> Result<Self> {
+        let q = read_cumulative("seqlens_q", vl.seqlens_q, total_q, "q")?;
+        let k = read_cumulative("seqlens_k", vl.seqlens_k, total_k, "k")?;
+        if q.len() != k.len() {
+            candle::bail!(
+                "fa4-candle: `seqlens_k` has {} entries but `seqlens_q` has {}: both are batch + 1",
+                k.len(),
+                q.len()
+            );
+        }
+        for (name, cu, bound) in [
+            ("max_seqlen_q", &q, vl.max_seqlen_q),
+            ("max_seqlen_k", &k, vl.max_seqlen_k),
+        ] {
+            let longest = cu.windows(2).map(|w| (w[1] - w[0]) as usize).max();
+            if let Some(longest) = longest.filter(|&l| l > bound) {
+                candle::bail!(
+                    "fa4-candle: `{name}` is {bound} but a sequence has {longest} rows; it must bound every sequence's length"
+                );
+            }
+        }
+        Ok(HostSeqlens { q, k })
+    }
+}
+
+fn read_cumulative(name: &str, t: &Tensor, total: usize, of: &str) -> Result<Vec<i32>> {
+    if t.rank() != 1 {
+        candle::bail!(
+            "fa4-candle: `{name}` must have rank 1 ([batch + 1] cumulative lengths), got shape {:?}",
+            t.dims()
+        );
+    }
+    if !t.dtype().is_int() {
+        candle::bail!(
+            "fa4-candle: `{name}` has dtype {:?}; cumulative lengths are integers (u32 as in candle-flash-attn)",
+            t.dtype()
+        );
+    }
+    let values: Vec<i64> = t.to_dtype(DType::I64)?.to_vec1()?;
+    if values.first() != Some(&0) {
+        candle::bail!(
+            "fa4-candle: `{name}` must start at 0 and hold batch + 1 entries, got {values:?}"
+        );
+    }
+    if let Some(w) = values.windows(2).find(|w| w[1] < w[0]) {
+        candle::bail!(
+            "fa4-candle: `{name}` must be non-decreasing, but {} follows {}",
+            w[1],
+            w[0]
+        );
+    }
+    let last = *values.last().unwrap_or(&0);
+    if last != total as i64 {
+        candle::bail!(
+            "fa4-candle: `{name}` ends at {last} but `{of}` has {total} rows; the last entry is the packed total"
+        );
+    }
+    values
+        .iter()
+        .map(|&x| i32::try_from(x))
+        .collect::<std::result::Result<Vec<_>, _>>()
+        .map_err(|_| candle::Error::Msg(format!("fa4-candle: `{name}` exceeds i32")))
+}
+
+/// Where the op leaves its LSE for the caller: candle's op API returns one tensor.
+type LseSlot = Arc<Mutex<Option<(Storage, Shape)>>>;
+
+/// The attention op: options, varlen boundaries, and (if asked) a slot for the LSE.
+pub(crate) struct Fa4Attn {
+    pub(crate) opts: Options,
+    pub(crate) seqlens: Option<HostSeqlens>,
+    lse: Option<LseSlot>,
+}
+
+impl Fa4Attn {
+    pub(crate) fn new(
+        opts: &AttnOptions,
+        seqlens: Option<HostSeqlens>,
+        want_lse: bool,
+    ) -> Result<Self> {
+        if !opts.softmax_scale.is_finite() {
+            candle::bail!(
+                "fa4-candle: `softmax_scale` must be finite, got {}",
+                opts.softmax_scale
+            );
+        }
+        let mask = match (opts.window_size_left, opts.window_size_right) {
+            (None, None) => Mask::None,
+            (None, Some(0)) => Mask::Causal,
+            (left, right) => Mask::Window { left, right },
+        };
+        let mut o = Options::new().mask(mask).scale(opts.softmax_scale);
+        if let Some(c) = opts.softcap {
+            if !(c.is_finite() && c > 0.0) {
+                candle::bail!("fa4-candle: `softcap` must be finite and > 0, got {c}");
+            }
+            o = o.softcap(c);
+        }
+        Ok(Fa4Attn {
+            opts: o,
+            seqlens,
+            lse: want_lse.then(LseSlot::default),
+        })
+    }
+
+    pub(crate) fn lse_slot(&self) -> Option<LseSlot> {
+        self.lse.clone()
+    }
+
+    pub(crate) fn wants_lse(&self) -> bool {
+        self.lse.is_some()
+    }
+
+    /// Validates the call as an fa4 problem on views that start at each layout's offset.
+    /// Returns the problem and the output's shape (contiguous).
+    pub(crate) fn problem(
+        &self,
+        dtype: fa4::DType,
+        ql: &Layout,
+        kl: &Layout,
+        vl: &Layout,
+    ) -> Result<(Problem, Shape)> {
+        let view = |name: &str, l: &Layout| -> Result<Fa4Layout> {
+            let dims = l.dims();
+            let strides = l.stride();
+            if dims.last().copied().unwrap_or(0) > 1 && strides.last() != Some(&1) {
+                candle::bail!(
+                    "fa4-candle: `{name}` must have a contiguous last dimension (strides {strides:?}); call .contiguous() on it"
+                );
+            }
+            Fa4Layout::new(name, dims, Some(strides)).map_err(fa4_err)
+        };
+        let (q, k, v) = (view("q", ql)?, view("k", kl)?, view("v", vl)?);
+        let mut out_dims = ql.dims().to_vec();
+        let last = out_dims.len() - 1;
+        out_dims[last] = *vl.dims().last().unwrap_or(&0);
+        let o = Fa4Layout::new("out", &out_dims, None).map_err(fa4_err)?;
+        let cu_q = self.seqlens.as_ref().map(|s| s.q.as_slice());
+        let cu_k = self.seqlens.as_ref().map(|s| s.k.as_slice());
+        let p = Problem::new(dtype, &q, &k, &v, &o, cu_q, cu_k, &self.opts).map_err(fa4_err)?;
+        Ok((p, Shape::from(out_dims)))
+    }
+
+    /// Leaves the LSE for [`take_lse`].
+    pub(crate) fn store_lse(&self, p: &Problem, storage: Storage) {
+        if let Some(slot) = &self.lse {
+            let shape = Shape::from(p.lse_shape());
+            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some((storage, shape));
+        }
+    }
+
+    fn cpu_t<T>(
+        &self,
+        q: &CpuStorage,
+        ql: &Layout,
+        k: &CpuStorage,
+        kl: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)>
+    where
+        T: fa4::Element + candle::WithDType,
+    {
+        let (p, out_shape) = self.problem(<T as fa4::Element>::DTYPE, ql, kl, vl)?;
+        // Borrowed views from each layout's offset: strides go to fa4 as they are, no copy.
+        let (qs, ks, vs) = (
+            cpu_view::<T>(q, ql, "q")?,
+            cpu_view::<T>(k, kl, "k")?,
+            cpu_view::<T>(v, vl, "v")?,
+        );
+        let mut out = vec![T::from_f32(0.0); out_shape.elem_count()];
+        let mut lse = self.wants_lse().then(|| vec![0f32; p.lse_len()]);
+        Backend::Cpu
+            .run(&p, qs, ks, vs, &mut out, lse.as_deref_mut())
+            .map_err(fa4_err)?;
+        if let Some(lse) = lse {
+            self.store_lse(&p, Storage::Cpu(CpuStorage::F32(lse)));
+        }
+        Ok((T::to_cpu_storage_owned(out), out_shape))
+    }
+}
+
+/// The elements of `s` from `l`'s offset on.
+fn cpu_view<'a, T: candle::WithDType>(
+    s: &'a CpuStorage,
+    l: &Layout,
+    name: &str,
+) -> Result<&'a [T]> {
+    match s.as_slice::<T>()?.get(l.start_offset()..) {
+        Some(view) => Ok(view),
+        None => candle::bail!("fa4-candle: `{name}` starts past its storage"),
+    }
+}
+
+/// The LSE the op left, as a tensor on the op's device.
+pub(crate) fn take_lse(slot: &LseSlot) -> Result<Tensor> {
+    let taken = slot.lock().unwrap_or_else(|e| e.into_inner()).take();
+    match taken {
+        Some((storage, shape)) => Ok(Tensor::from_storage(
+            storage,
+            shape,
+            BackpropOp::none(),
+            false,
+        )),
+        None => candle::bail!("fa4-candle: the attention op returned no LSE"),
+    }
+}
+
+impl candle::CustomOp3 for Fa4Attn {
+    fn name(&self) -> &'static str {
+        "fa4-attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        ql: &Layout,
+        k: &CpuStorage,
+        kl: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        match q.dtype() {
+            DType::F32 => self.cpu_t::<f32>(q, ql, k, kl, v, vl),
+            DType::F16 => self.cpu_t::<f16>(q, ql, k, kl, v, vl),
+            DType::BF16 => self.cpu_t::<bf16>(q, ql, k, kl, v, vl),
+            dt => candle::bail!(
+                "fa4-candle: `q` has dtype {dt:?}; the CPU computes f32, f16 and bf16"
+            ),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle::CudaStorage,
+        ql: &Layout,
+        k: &candle::CudaStorage,
+        kl: &Layout,
+        v: &candle::CudaStorage,
+        vl: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        crate::cuda::forward(self, q, ql, k, kl, v, vl)
+    }
+}

@@ -70,6 +70,7 @@
 
 pub mod arch;
 pub mod backend;
+pub mod backward;
 pub mod check;
 pub mod config;
 pub mod cpu;
@@ -82,6 +83,7 @@ pub mod problem;
 pub mod tensor;
 
 pub use backend::Backend;
+pub use backward::BackwardOptions;
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use mask::Mask;

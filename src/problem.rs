@@ -144,7 +144,7 @@ fn cu_seqlens(name: &str, cu: &[i32], total: usize) -> Result<Vec<usize>> {
 }
 
 /// True when no two distinct elements of the layout share an offset.
-fn non_overlapping(l: &Layout) -> bool {
+pub(crate) fn non_overlapping(l: &Layout) -> bool {
     let mut axes: Vec<(usize, usize)> = (0..3)
         .map(|a| (l.strides[a], l.dims[a]))
         .chain(std::iter::once((1, l.dims[3])))

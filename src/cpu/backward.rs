@@ -1,0 +1,521 @@
+//! The tiled CPU backward pass: dQ, dK and dV from Q, K, V, the forward's O and LSE, and dO.
+//!
+//! P is recomputed tile by tile from the forward's LSE (`P = exp(s − LSE)`), never stored
+//! whole, so memory is O(tile) per thread, as in the forward. Two passes, each over work items
+//! that own their output rows outright:
+//!
+//! 1. **dK, dV**: one item per (sequence, KV head, key block). It walks the query heads of its
+//!    KV head (GQA) and, for each, the query blocks the mask lets see its keys, and per tile
+//!    computes `S = Q·Kᵀ`, `P`, `dP = dO·Vᵀ`, `dX = P∘(dP − D)·(1 − tanh²)·scale`, then
+//!    `dV += Pᵀ·dO` and `dK += dXᵀ·Q`.
+//! 2. **dQ**: one item per (sequence, query head, query block), walking its key blocks and
+//!    recomputing `S`, `P`, `dP`, `dX` to form `dQ = dX·K`.
+//!
+//! `D_i = dO_i·O_i` is formed in f32 from the stored O when a query block is loaded (O(rows ·
+//! head_dim_v), a small fraction of a tile's products).
+//!
+//! **Determinism.** Every output element is summed by exactly one item, in a fixed order (query
+//! heads, then blocks, then rows; keys in order), so the result is the same bits on every run
+//! and for any thread count: the CPU backward is always deterministic and
+//! `BackwardOptions::deterministic` costs nothing here. The price is paid always: pass 2
+//! recomputes `S` and `dP`, 7 tile products where a pass that accumulated dQ across threads
+//! (with atomics, as the GPU kernels do) would need 5.
+//!
+//! Precision: f32 throughout (16-bit inputs are widened once per tile), P and dS kept in f32,
+//! results rounded to the storage dtype once, at the end. Non-finite inputs give what the
+//! formula gives: masked pairs are left out of every sum, so a NaN key reaches only the rows
+//! that attend to it (and through them the keys those rows attend to).
+
+use std::ops::Range;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use super::micro::{exp2, LOG2E};
+use super::plan::CpuTiles;
+use super::simd::{self, Isa, Kernel, Simd};
+use crate::mask::{SeqMask, TileKind};
+use crate::problem::{Problem, Sequence};
+use crate::tensor::{Element, Layout};
+
+/// The inputs of a backward call: the problem's tensors plus O, LSE and dO.
+pub(crate) struct BwdInputs<'a, T> {
+    pub q: &'a [T],
+    pub k: &'a [T],
+    pub v: &'a [T],
+    /// O, in the problem's O layout.
+    pub o: &'a [T],
+    /// LSE, in the problem's LSE layout.
+    pub lse: &'a [f32],
+    pub d_out: &'a [T],
+    /// dO's layout (O's dims, its own strides).
+    pub d_out_layout: Layout,
+}
+
+/// The outputs: dQ, dK, dV with their layouts (the dims of Q, K, V).
+pub(crate) struct BwdOutputs<'a, T> {
+    pub dq: &'a mut [T],
+    pub dq_layout: Layout,
+    pub dk: &'a mut [T],
+    pub dk_layout: Layout,
+    pub dv: &'a mut [T],
+    pub dv_layout: Layout,
+}
+
+/// A work item of either pass.
+#[derive(Debug, Clone, Copy)]
+enum Item {
+    /// Pass 1: keys `key0..key0 + keys` of KV head `head`.
+    Kv {
+        seq: usize,
+        head: usize,
+        key0: usize,
+        keys: usize,
+    },
+    /// Pass 2: query rows `row0..row0 + rows` of query head `head`.
+    Q {
+        seq: usize,
+        head: usize,
+        row0: usize,
+        rows: usize,
+    },
+}
+
+/// Per-thread scratch, O(tile), all f32.
+struct Scratch {
+    /// Q block, `block_m × d`.
+    q: Vec<f32>,
+    /// dO block, `block_m × dv`.
+    d_o: Vec<f32>,
+    /// LSE·log2e and D of the block's rows.
+    lse2: Vec<f32>,
+    dd: Vec<f32>,
+    /// K tile `block_n × d` and its transpose `d × block_n`.
+    k: Vec<f32>,
+    kt: Vec<f32>,
+    /// Vᵀ tile, `dv × block_n`.
+    vt: Vec<f32>,
+    /// Scores then P (`block_m × block_n`), dP then dX (same).
+    p: Vec<f32>,
+    dx: Vec<f32>,
+    /// Each row's allowed keys in the tile, local.
+    lo: Vec<usize>,
+    hi: Vec<usize>,
+    /// Accumulators: dK `block_n × d`, dV `block_n × dv` (pass 1) or dQ `block_m × d` (pass 2).
+    acc_a: Vec<f32>,
+    acc_b: Vec<f32>,
+}
+
+impl Scratch {
+    fn new(p: &Problem, t: CpuTiles) -> Scratch {
+        let (d, dv, m, n) = (p.head_dim(), p.head_dim_v(), t.block_m, t.block_n);
+        Scratch {
+            q: vec![0.0; m * d],
+            d_o: vec![0.0; m * dv],
+            lse2: vec![0.0; m],
+            dd: vec![0.0; m],
+            k: vec![0.0; n * d],
+            kt: vec![0.0; d * n],
+            vt: vec![0.0; dv * n],
+            p: vec![0.0; m * n],
+            dx: vec![0.0; m * n],
+            lo: vec![0; m],
+            hi: vec![0; m],
+            acc_a: vec![0.0; n.max(m) * d],
+            acc_b: vec![0.0; n * dv],
+        }
+    }
+}
+
+/// Where items write: the output slices (their layouts are in [`BwdOutputs`]' copy, `lay`).
+struct Outs<'c, T> {
+    dq: &'c mut [T],
+    dk: &'c mut [T],
+    dv: &'c mut [T],
+}
+
+/// What every worker of a pass shares.
+struct Ctx<'c, 'a, T> {
+    p: &'c Problem,
+    t: CpuTiles,
+    x: &'c BwdInputs<'a, T>,
+    /// Layouts of dQ, dK, dV.
+    lay: [Layout; 3],
+    items: Vec<Item>,
+    next: AtomicUsize,
+    /// Each finished item writes its rows under the lock (a small fraction of its work, and
+    /// safe for any output strides).
+    out: Mutex<Outs<'c, T>>,
+}
+
+struct Worker<'w, 'c, 'a, T>(&'w Ctx<'c, 'a, T>);
+
+impl<T: Element> Kernel for Worker<'_, '_, '_, T> {
+    type Output = ();
+
+    #[inline(always)]
+    fn run<S: Simd>(self) {
+        let cx = self.0;
+        let mut sc = Scratch::new(cx.p, cx.t);
+        loop {
+            let i = cx.next.fetch_add(1, Ordering::Relaxed);
+            let Some(&it) = cx.items.get(i) else { break };
+            match it {
+                Item::Kv { .. } => kv_item::<S, T>(cx, it, &mut sc),
+                Item::Q { .. } => q_item::<S, T>(cx, it, &mut sc),
+            }
+        }
+    }
+}
+
+/// Runs the backward of a validated problem whose buffers the caller checked.
+pub(crate) fn backward<T: Element>(
+    p: &Problem,
+    t: CpuTiles,
+    x: &BwdInputs<'_, T>,
+    out: &mut BwdOutputs<'_, T>,
+) {
+    backward_on(Isa::selected(), p, t, x, out)
+}
+
+/// [`backward`] with a given instruction set (the baseline if this CPU lacks it).
+pub(crate) fn backward_on<T: Element>(
+    isa: Isa,
+    p: &Problem,
+    t: CpuTiles,
+    x: &BwdInputs<'_, T>,
+    out: &mut BwdOutputs<'_, T>,
+) {
+    let max_q = p.sequences().iter().map(|s| s.q_len).max().unwrap_or(0);
+    let max_k = p.sequences().iter().map(|s| s.k_len).max().unwrap_or(0);
+    let t = CpuTiles {
+        block_m: t.block_m.min(max_q.max(1)),
+        block_n: t.block_n.min(max_k.max(1)),
+    };
+    // Keys of sequences without queries are owned by no item: dK = dV = 0 there. Zero all of
+    // dK and dV first; items overwrite the rows they own. Every dQ row is owned by pass 2.
+    zero(out.dk, &out.dk_layout);
+    zero(out.dv, &out.dv_layout);
+    let lay = [out.dq_layout, out.dk_layout, out.dv_layout];
+    for items in [kv_items(p, t), q_items(p, t)] {
+        if items.is_empty() {
+            continue;
+        }
+        let cx = Ctx {
+            p,
+            t,
+            x,
+            lay,
+            items,
+            next: AtomicUsize::new(0),
+            out: Mutex::new(Outs {
+                dq: &mut *out.dq,
+                dk: &mut *out.dk,
+                dv: &mut *out.dv,
+            }),
+        };
+        rayon::broadcast(|_| simd::dispatch_on(isa, Worker(&cx)));
+    }
+}
+
+/// Sets every element a layout reaches to zero.
+fn zero<T: Element>(data: &mut [T], l: &Layout) {
+    let [b, s, h, d] = l.dims;
+    for bi in 0..b {
+        for r in 0..s {
+            for hh in 0..h {
+                let off = l.offset(bi, r, hh);
+                data[off..off + d].fill(T::from_f32(0.0));
+            }
+        }
+    }
+}
+
+fn kv_items(p: &Problem, t: CpuTiles) -> Vec<Item> {
+    let mut out = Vec::new();
+    for (seq, s) in p.sequences().iter().enumerate() {
+        if s.q_len == 0 {
+            continue;
+        }
+        for key0 in (0..s.k_len).step_by(t.block_n) {
+            let keys = t.block_n.min(s.k_len - key0);
+            for head in 0..p.heads_kv() {
+                out.push(Item::Kv {
+                    seq,
+                    head,
+                    key0,
+                    keys,
+                });
+            }
+        }
+    }
+    out
+}
+
+fn q_items(p: &Problem, t: CpuTiles) -> Vec<Item> {
+    let mut out = Vec::new();
+    for (seq, s) in p.sequences().iter().enumerate() {
+        for row0 in (0..s.q_len).step_by(t.block_m) {
+            let rows = t.block_m.min(s.q_len - row0);
+            for head in 0..p.heads_q() {
+                out.push(Item::Q {
+                    seq,
+                    head,
+                    row0,
+                    rows,
+                });
+            }
+        }
+    }
+    out
+}
+
+/// `c[i][·] = Σ_p a[i][p] · b[p][·]`: `a` is `m × kd`, `b` is `kd × n`, `c` is `m × n`, all
+/// row-major. Written as rows of axpys so that it vectorises in any instruction set it is
+/// compiled for (mul then add, no reassociation: the same bits in every one).
+#[inline(always)]
+fn matmul(m: usize, kd: usize, n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
+    for i in 0..m {
+        let ci = &mut c[i * n..(i + 1) * n];
+        ci.fill(0.0);
+        for (p, &aip) in a[i * kd..(i + 1) * kd].iter().enumerate() {
+            axpy(ci, aip, &b[p * n..(p + 1) * n]);
+        }
+    }
+}
+
+/// `y += a · x`.
+#[inline(always)]
+fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
+    for (y, &x) in y.iter_mut().zip(x) {
+        *y += a * x;
+    }
+}
+
+/// Loads query rows `row0..row0 + m` of head `h`: Q, dO, LSE·log2e and `D = dO·O`.
+#[inline(always)]
+fn load_q<T: Element>(
+    cx: &Ctx<'_, '_, T>,
+    s: &Sequence,
+    h: usize,
+    row0: usize,
+    m: usize,
+    sc: &mut Scratch,
+) {
+    let p = cx.p;
+    let x = cx.x;
+    let (d, dv) = (p.head_dim(), p.head_dim_v());
+    for i in 0..m {
+        let r = s.q_start + row0 + i;
+        let qo = p.q_layout().offset(s.batch_index, r, h);
+        for (dst, e) in sc.q[i * d..(i + 1) * d].iter_mut().zip(&x.q[qo..qo + d]) {
+            *dst = e.to_f32();
+        }
+        let go = x.d_out_layout.offset(s.batch_index, r, h);
+        let oo = p.o_layout().offset(s.batch_index, r, h);
+        let mut dd = 0f32;
+        let row = &mut sc.d_o[i * dv..(i + 1) * dv];
+        for ((dst, g), o) in row
+            .iter_mut()
+            .zip(&x.d_out[go..go + dv])
+            .zip(&x.o[oo..oo + dv])
+        {
+            *dst = g.to_f32();
+            dd += *dst * o.to_f32();
+        }
+        sc.dd[i] = dd;
+        sc.lse2[i] = x.lse[p.lse_offset(s, h, row0 + i)] * LOG2E;
+    }
+}
+
+/// Loads keys `key0..key0 + n` of KV head `hk`: K, Kᵀ and Vᵀ.
+#[inline(always)]
+fn load_kv<T: Element>(
+    cx: &Ctx<'_, '_, T>,
+    s: &Sequence,
+    hk: usize,
+    key0: usize,
+    n: usize,
+    sc: &mut Scratch,
+) {
+    let p = cx.p;
+    let (d, dv) = (p.head_dim(), p.head_dim_v());
+    for j in 0..n {
+        let r = s.k_start + key0 + j;
+        let ko = p.k_layout().offset(s.batch_index, r, hk);
+        for (c, e) in cx.x.k[ko..ko + d].iter().enumerate() {
+            let val = e.to_f32();
+            sc.k[j * d + c] = val;
+            sc.kt[c * n + j] = val;
+        }
+        let vo = p.v_layout().offset(s.batch_index, r, hk);
+        for (c, e) in cx.x.v[vo..vo + dv].iter().enumerate() {
+            sc.vt[c * n + j] = e.to_f32();
+        }
+    }
+}
+
+/// Sets each row's allowed local keys `lo[i]..hi[i]` of the tile `rows × keys`.
+#[inline(always)]
+fn ranges(
+    mask: &SeqMask,
+    kind: TileKind,
+    rows: Range<usize>,
+    keys: Range<usize>,
+    sc: &mut Scratch,
+) {
+    for (i, r) in rows.enumerate() {
+        let (lo, hi) = if kind == TileKind::Free {
+            (0, keys.len())
+        } else {
+            let kr = mask.key_range(r);
+            let lo = kr.start.clamp(keys.start, keys.end) - keys.start;
+            let hi = kr.end.clamp(keys.start, keys.end) - keys.start;
+            (lo, hi.max(lo))
+        };
+        sc.lo[i] = lo;
+        sc.hi[i] = hi;
+    }
+}
+
+/// One tile of `m` loaded query rows × `n` loaded keys: `P` into `sc.p` and `dX` (the gradient
+/// of the raw products `q·k`) into `sc.dx`, both 0 outside each row's allowed keys.
+#[inline(always)]
+fn tile<S: Simd>(p: &Problem, m: usize, n: usize, sc: &mut Scratch) {
+    let (d, dv) = (p.head_dim(), p.head_dim_v());
+    let scale = p.scale();
+    let cap = p.softcap();
+    matmul(m, d, n, &sc.q, &sc.kt, &mut sc.p);
+    matmul(m, dv, n, &sc.d_o, &sc.vt, &mut sc.dx);
+    for i in 0..m {
+        let (lo, hi) = (sc.lo[i], sc.hi[i]);
+        let (lse2, dd) = (sc.lse2[i], sc.dd[i]);
+        let prow = &mut sc.p[i * n..(i + 1) * n];
+        let xrow = &mut sc.dx[i * n..(i + 1) * n];
+        prow[..lo].fill(0.0);
+        prow[hi..].fill(0.0);
+        xrow[..lo].fill(0.0);
+        xrow[hi..].fill(0.0);
+        let (prow, xrow) = (&mut prow[lo..hi], &mut xrow[lo..hi]);
+        match cap {
+            None => {
+                for (s, dp) in prow.iter_mut().zip(xrow.iter_mut()) {
+                    let pij = exp2::<S>(S::fmadd(*s * scale, LOG2E, -lse2));
+                    *s = pij;
+                    *dp = pij * (*dp - dd) * scale;
+                }
+            }
+            Some(c) => {
+                // s = c·tanh(x/c), ds/dx = 1 − tanh²(x/c).
+                for (s, dp) in prow.iter_mut().zip(xrow.iter_mut()) {
+                    let t = (*s * scale / c).tanh();
+                    let pij = exp2::<S>(S::fmadd(c * t, LOG2E, -lse2));
+                    *s = pij;
+                    *dp = pij * (*dp - dd) * (1.0 - t * t) * scale;
+                }
+            }
+        }
+    }
+}
+
+/// Pass 1: dK and dV of one key block of one KV head.
+#[inline(always)]
+fn kv_item<S: Simd, T: Element>(cx: &Ctx<'_, '_, T>, it: Item, sc: &mut Scratch) {
+    let Item::Kv {
+        seq,
+        head: hk,
+        key0,
+        keys: n,
+    } = it
+    else {
+        return;
+    };
+    let p = cx.p;
+    let s = &p.sequences()[seq];
+    let mask = p.seq_mask(s);
+    let (d, dv, g, bm) = (p.head_dim(), p.head_dim_v(), p.group(), cx.t.block_m);
+    let keys = key0..key0 + n;
+    load_kv(cx, s, hk, key0, n, sc);
+    sc.acc_a[..n * d].fill(0.0);
+    sc.acc_b[..n * dv].fill(0.0);
+    for h in hk * g..(hk + 1) * g {
+        for row0 in (0..s.q_len).step_by(bm) {
+            let m = bm.min(s.q_len - row0);
+            let rows = row0..row0 + m;
+            let kind = mask.tile_kind(rows.clone(), keys.clone());
+            if kind == TileKind::Masked {
+                continue;
+            }
+            load_q(cx, s, h, row0, m, sc);
+            ranges(&mask, kind, rows, keys.clone(), sc);
+            tile::<S>(p, m, n, sc);
+            for i in 0..m {
+                let (q_i, do_i) = (&sc.q[i * d..(i + 1) * d], &sc.d_o[i * dv..(i + 1) * dv]);
+                for j in sc.lo[i]..sc.hi[i] {
+                    axpy(&mut sc.acc_b[j * dv..(j + 1) * dv], sc.p[i * n + j], do_i);
+                    axpy(&mut sc.acc_a[j * d..(j + 1) * d], sc.dx[i * n + j], q_i);
+                }
+            }
+        }
+    }
+    let [_, kl, vl] = cx.lay;
+    // A poisoned lock only means another worker panicked; these rows are this item's own.
+    let mut out = cx.out.lock().unwrap_or_else(|e| e.into_inner());
+    for j in 0..n {
+        let r = s.k_start + key0 + j;
+        let o = kl.offset(s.batch_index, r, hk);
+        for (dst, &x) in out.dk[o..o + d].iter_mut().zip(&sc.acc_a[j * d..]) {
+            *dst = T::from_f32(x);
+        }
+        let o = vl.offset(s.batch_index, r, hk);
+        for (dst, &x) in out.dv[o..o + dv].iter_mut().zip(&sc.acc_b[j * dv..]) {
+            *dst = T::from_f32(x);
+        }
+    }
+}
+
+/// Pass 2: dQ of one query block of one query head.
+#[inline(always)]
+fn q_item<S: Simd, T: Element>(cx: &Ctx<'_, '_, T>, it: Item, sc: &mut Scratch) {
+    let Item::Q {
+        seq,
+        head: h,
+        row0,
+        rows: m,
+    } = it
+    else {
+        return;
+    };
+    let p = cx.p;
+    let s = &p.sequences()[seq];
+    let mask = p.seq_mask(s);
+    let (d, bn) = (p.head_dim(), cx.t.block_n);
+    let hk = h / p.group();
+    let rows = row0..row0 + m;
+    load_q(cx, s, h, row0, m, sc);
+    sc.acc_a[..m * d].fill(0.0);
+    for kb in mask.key_blocks(rows.clone(), bn) {
+        let keys = kb * bn..((kb + 1) * bn).min(s.k_len);
+        let kind = mask.tile_kind(rows.clone(), keys.clone());
+        if kind == TileKind::Masked {
+            continue;
+        }
+        let n = keys.len();
+        load_kv(cx, s, hk, keys.start, n, sc);
+        ranges(&mask, kind, rows.clone(), keys, sc);
+        tile::<S>(p, m, n, sc);
+        for i in 0..m {
+            let dq_i = &mut sc.acc_a[i * d..(i + 1) * d];
+            for j in sc.lo[i]..sc.hi[i] {
+                axpy(dq_i, sc.dx[i * n + j], &sc.k[j * d..(j + 1) * d]);
+            }
+        }
+    }
+    let [ql, _, _] = cx.lay;
+    let mut out = cx.out.lock().unwrap_or_else(|e| e.into_inner());
+    for i in 0..m {
+        let o = ql.offset(s.batch_index, s.q_start + row0 + i, h);
+        for (dst, &x) in out.dq[o..o + d].iter_mut().zip(&sc.acc_a[i * d..]) {
+            *dst = T::from_f32(x);
+        }
+    }
+}

@@ -43,6 +43,9 @@ pub struct CheckArgs {
     /// Which CUDA kernel family runs the matrix (`--backend cuda` only).
     #[arg(long, value_enum)]
     kernel: Option<super::KernelArg>,
+    /// Check the gradients of the backward pass instead (the gradient matrix, on the CPU).
+    #[arg(long)]
+    backward: bool,
 }
 
 pub fn run(args: CheckArgs) -> Result<ExitCode> {
@@ -101,6 +104,10 @@ pub fn run(args: CheckArgs) -> Result<ExitCode> {
     } else {
         dedup(&args.head_dim)
     };
+    if args.backward {
+        let auto = args.backend == BackendArg::Auto;
+        return super::backward::check(backend, auto, &dtypes, &head_dims, args.seed);
+    }
     let cases = matrix(&dtypes, &head_dims);
     let n = cases.len();
     let width = n.to_string().len();

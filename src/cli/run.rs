@@ -107,6 +107,8 @@ pub struct RunArgs {
     /// Skip the check against the float64 oracle.
     #[arg(long)]
     no_check: bool,
+    #[command(flatten)]
+    grad: super::backward::GradArgs,
 }
 
 /// Parses `LEFT,RIGHT`, each ≥ 0 or -1 (unbounded).
@@ -132,7 +134,7 @@ fn parse_window(s: &str) -> std::result::Result<Mask, String> {
 
 /// Whether to compare with the oracle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum CheckPolicy {
+pub(super) enum CheckPolicy {
     /// When it costs at most [`CHECK_LIMIT_MACS`].
     Affordable,
     Always,
@@ -148,7 +150,7 @@ fn check_cost(p: &Problem) -> f64 {
 }
 
 /// `None` to run the check, or why it is skipped.
-fn skip_reason(policy: CheckPolicy, cost: f64) -> Option<String> {
+pub(super) fn skip_reason(policy: CheckPolicy, cost: f64) -> Option<String> {
     match policy {
         CheckPolicy::Always => None,
         CheckPolicy::Never => Some("skipped (--no-check)".into()),
@@ -162,6 +164,7 @@ fn skip_reason(policy: CheckPolicy, cost: f64) -> Option<String> {
 
 pub fn run(args: RunArgs) -> Result<ExitCode> {
     let backend = args.backend.resolve()?;
+    let backend = super::backward::backend_for(&args.grad, args.backend, backend);
     if args.dtype == Some(DType::Fp8E4M3) {
         return Err(fp8());
     }
@@ -217,6 +220,7 @@ fn random(
             ));
         }
     }
+    args.grad.validate(false)?;
     let b = args.batch.unwrap_or(1);
     let sq = args.seqlen_q.unwrap_or(DEFAULT_SEQLEN);
     let sk = args.seqlen_k.unwrap_or(sq);
@@ -233,9 +237,9 @@ fn random(
     };
     let p = shapes.problem(dtype, None, opts)?;
     match dtype {
-        DType::F32 => random_typed::<f32>(p, seed, backend, policy),
-        DType::F16 => random_typed::<f16>(p, seed, backend, policy),
-        DType::Bf16 => random_typed::<bf16>(p, seed, backend, policy),
+        DType::F32 => random_typed::<f32>(p, seed, backend, policy, &args.grad),
+        DType::F16 => random_typed::<f16>(p, seed, backend, policy, &args.grad),
+        DType::Bf16 => random_typed::<bf16>(p, seed, backend, policy, &args.grad),
         DType::Fp8E4M3 => Err(fp8()),
     }
 }
@@ -245,6 +249,7 @@ fn random_typed<T: Element>(
     seed: u64,
     backend: &Backend,
     policy: CheckPolicy,
+    grad: &super::backward::GradArgs,
 ) -> Result<ExitCode> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut q = alloc("q", p.q_layout().numel(), T::NAN)?;
@@ -261,7 +266,13 @@ fn random_typed<T: Element>(
     let job = Job { p, q, k, v };
     let done = job.execute(backend)?;
     job.print(backend, &done, &[]);
-    Ok(job.verify(&done, policy))
+    let code = job.verify(&done, policy);
+    if grad.wanted()
+        && !super::backward::random_backward(job.forward(&done), backend, seed, policy)?
+    {
+        return Ok(ExitCode::from(1));
+    }
+    Ok(code)
 }
 
 // ---- inputs from files ----------------------------------------------------------------------
@@ -289,6 +300,7 @@ fn from_files(
             ));
         }
     }
+    args.grad.validate(true)?;
     let need = |flag: &str, path: &Option<PathBuf>, why: &str| {
         path.clone()
             .ok_or_else(|| Error::invalid(flag, why.to_string()))
@@ -388,9 +400,9 @@ fn from_files(
         o_shape: shapes.o(),
     };
     match dtype {
-        DType::F32 => files_typed::<f32>(p, [qa, ka, va], backend, policy, outputs),
-        DType::F16 => files_typed::<f16>(p, [qa, ka, va], backend, policy, outputs),
-        DType::Bf16 => files_typed::<bf16>(p, [qa, ka, va], backend, policy, outputs),
+        DType::F32 => files_typed::<f32>(p, [qa, ka, va], backend, policy, outputs, &args.grad),
+        DType::F16 => files_typed::<f16>(p, [qa, ka, va], backend, policy, outputs, &args.grad),
+        DType::Bf16 => files_typed::<bf16>(p, [qa, ka, va], backend, policy, outputs, &args.grad),
         DType::Fp8E4M3 => Err(fp8()),
     }
 }
@@ -435,6 +447,7 @@ fn files_typed<T: Element>(
     backend: &Backend,
     policy: CheckPolicy,
     outputs: Outputs<'_>,
+    grad: &super::backward::GradArgs,
 ) -> Result<ExitCode> {
     let job: Job<T> = Job {
         p,
@@ -457,7 +470,11 @@ fn files_typed<T: Element>(
         wrote.push(format!("LSE {shape:?} float32 to `{}`", path.display()));
     }
     job.print(backend, &done, &wrote);
-    Ok(job.verify(&done, policy))
+    let code = job.verify(&done, policy);
+    if !super::backward::files_backward(job.forward(&done), backend, grad, policy)? {
+        return Ok(ExitCode::from(1));
+    }
+    Ok(code)
 }
 
 // ---- shared -----------------------------------------------------------------------------------
@@ -541,6 +558,18 @@ struct Done<T> {
 }
 
 impl<T: Element> Job<T> {
+    /// The forward's inputs and outputs, for the backward.
+    fn forward<'a>(&'a self, done: &'a Done<T>) -> super::backward::Forward<'a, T> {
+        super::backward::Forward {
+            p: &self.p,
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            o: &done.o,
+            lse: &done.lse,
+        }
+    }
+
     /// Runs the backend once on NaN-poisoned outputs (an unwritten element fails the check).
     fn execute(&self, backend: &Backend) -> Result<Done<T>> {
         let mut o = alloc("out", self.p.o_layout().numel(), T::NAN)?;

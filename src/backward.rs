@@ -9,6 +9,32 @@
 //! Backends: the CPU computes it (always deterministic). The CUDA backend has no backward
 //! kernels yet and returns an error naming `backend`, rather than silently running the CPU
 //! path on a GPU caller's behalf.
+//!
+//! ```
+//! use fa4::{Backend, BackwardOptions, Options, Tensor, TensorMut};
+//!
+//! let shape = [1, 128, 4, 64]; // [batch, seqlen, heads, head_dim]
+//! let n = shape.iter().product();
+//! let x: Vec<f32> = (0..n).map(|i| ((i * 7919) % 13) as f32 * 0.1 - 0.6).collect();
+//! let (q, k, v, d_out) = (x.clone(), x.clone(), x.clone(), x.clone());
+//! let opts = Options::new().causal();
+//! let (mut o, mut lse) = (vec![0f32; n], vec![0f32; 4 * 128]);
+//! let (qt, kt, vt) = (Tensor::new(&q, &shape)?, Tensor::new(&k, &shape)?, Tensor::new(&v, &shape)?);
+//! Backend::Cpu.forward(&qt, &kt, &vt, &mut TensorMut::new(&mut o, &shape)?, Some(&mut lse), &opts)?;
+//! let (mut dq, mut dk, mut dv) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+//! Backend::Cpu.backward(
+//!     &qt, &kt, &vt,
+//!     &Tensor::new(&o, &shape)?,                   // the forward's O …
+//!     &lse,                                        // … and LSE, [batch, heads_q, seqlen_q]
+//!     &Tensor::new(&d_out, &shape)?,               // dO, O's shape
+//!     &mut TensorMut::new(&mut dq, &shape)?,
+//!     &mut TensorMut::new(&mut dk, &shape)?,
+//!     &mut TensorMut::new(&mut dv, &shape)?,
+//!     &BackwardOptions::new(opts).deterministic(true),
+//! )?;
+//! assert!(dq.iter().chain(&dk).chain(&dv).all(|g| g.is_finite()));
+//! # Ok::<(), fa4::Error>(())
+//! ```
 
 use crate::backend::Backend;
 use crate::cpu::{BwdInputs, BwdOutputs, CpuBackend};

@@ -12,7 +12,10 @@
 //!    recomputing `S`, `P`, `dP`, `dX` to form `dQ = dX·K`.
 //!
 //! `D_i = dO_i·O_i` is formed in f32 from the stored O when a query block is loaded (O(rows ·
-//! head_dim_v), a small fraction of a tile's products).
+//! head_dim_v), a small fraction of a tile's products). The products run on the forward's
+//! register-blocked microkernels (the `cols` family: A given transposed, so Q, dO, K and V are
+//! transposed on load and dX before the dQ product); on partial tiles whose operands hold a
+//! non-finite value, per-row sums over each row's own keys replace them (see below).
 //!
 //! **Determinism.** Every output element is summed by exactly one item, in a fixed order (query
 //! heads, then blocks, then rows; keys in order), so the result is the same bits on every run
@@ -23,8 +26,10 @@
 //!
 //! Precision: f32 throughout (16-bit inputs are widened once per tile), P and dS kept in f32,
 //! results rounded to the storage dtype once, at the end. Non-finite inputs give what the
-//! formula gives: masked pairs are left out of every sum, so a NaN key reaches only the rows
-//! that attend to it (and through them the keys those rows attend to).
+//! formula gives: masked pairs are left out of every sum (a product over a whole tile would add
+//! `0 · NaN` for them), so a NaN key reaches only the rows that attend to it (and through them
+//! the keys those rows attend to). The bits depend on the instruction set (FMA), not on the
+//! thread count.
 
 use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -32,7 +37,7 @@ use std::sync::Mutex;
 
 use super::micro::{exp2, LOG2E};
 use super::plan::CpuTiles;
-use super::simd::{self, Isa, Kernel, Simd};
+use super::simd::{self, Init, Isa, Kernel, Simd};
 use crate::mask::{SeqMask, TileKind};
 use crate::problem::{Problem, Sequence};
 use crate::tensor::{Element, Layout};
@@ -82,10 +87,12 @@ enum Item {
 
 /// Per-thread scratch, O(tile), all f32.
 struct Scratch {
-    /// Q block, `block_m × d`.
+    /// Q block, `block_m × d`, and its transpose.
     q: Vec<f32>,
-    /// dO block, `block_m × dv`.
+    qt: Vec<f32>,
+    /// dO block, `block_m × dv`, and its transpose.
     d_o: Vec<f32>,
+    d_ot: Vec<f32>,
     /// LSE·log2e and D of the block's rows.
     lse2: Vec<f32>,
     dd: Vec<f32>,
@@ -97,6 +104,8 @@ struct Scratch {
     /// Scores then P (`block_m × block_n`), dP then dX (same).
     p: Vec<f32>,
     dx: Vec<f32>,
+    /// dXᵀ, `block_n × block_m` (pass 2).
+    dxt: Vec<f32>,
     /// Each row's allowed keys in the tile, local.
     lo: Vec<usize>,
     hi: Vec<usize>,
@@ -110,7 +119,9 @@ impl Scratch {
         let (d, dv, m, n) = (p.head_dim(), p.head_dim_v(), t.block_m, t.block_n);
         Scratch {
             q: vec![0.0; m * d],
+            qt: vec![0.0; d * m],
             d_o: vec![0.0; m * dv],
+            d_ot: vec![0.0; dv * m],
             lse2: vec![0.0; m],
             dd: vec![0.0; m],
             k: vec![0.0; n * d],
@@ -118,6 +129,7 @@ impl Scratch {
             vt: vec![0.0; dv * n],
             p: vec![0.0; m * n],
             dx: vec![0.0; m * n],
+            dxt: vec![0.0; n * m],
             lo: vec![0; m],
             hi: vec![0; m],
             acc_a: vec![0.0; n.max(m) * d],
@@ -269,16 +281,53 @@ fn q_items(p: &Problem, t: CpuTiles) -> Vec<Item> {
     out
 }
 
-/// `c[i][·] = Σ_p a[i][p] · b[p][·]`: `a` is `m × kd`, `b` is `kd × n`, `c` is `m × n`, all
-/// row-major. Written as rows of axpys so that it vectorises in any instruction set it is
-/// compiled for (mul then add, no reassociation: the same bits in every one).
+/// `C[r][j] (init)= Σ_{p<k} A[p·lda + r] · B[p·ldb + j]` for `r < m`, `j < n`: A by columns
+/// (its transpose stored row-major), with the forward's register-blocked microkernels. `init`
+/// is [`Init::Zero`] (overwrite) or [`Init::Add`] (accumulate into C).
 #[inline(always)]
-fn matmul(m: usize, kd: usize, n: usize, a: &[f32], b: &[f32], c: &mut [f32]) {
-    for i in 0..m {
-        let ci = &mut c[i * n..(i + 1) * n];
-        ci.fill(0.0);
-        for (p, &aip) in a[i * kd..(i + 1) * kd].iter().enumerate() {
-            axpy(ci, aip, &b[p * n..(p + 1) * n]);
+#[allow(clippy::too_many_arguments)]
+fn gemm<S: Simd>(
+    m: usize,
+    n: usize,
+    k: usize,
+    a: &[f32],
+    lda: usize,
+    b: &[f32],
+    ldb: usize,
+    c: &mut [f32],
+    ldc: usize,
+    init: Init,
+) {
+    let mut r0 = 0;
+    while r0 + S::MR <= m {
+        let (a, c) = (&a[r0..], &mut c[r0 * ldc..]);
+        let mut c0 = 0;
+        while c0 + S::NR <= n {
+            S::cols_mn(k, a, lda, &b[c0..], ldb, &mut c[c0..], ldc, init);
+            c0 += S::NR;
+        }
+        while c0 + S::LANES <= n {
+            S::cols_mw(k, a, lda, &b[c0..], ldb, &mut c[c0..], ldc, init);
+            c0 += S::LANES;
+        }
+        for c0 in c0..n {
+            S::cols_m1(k, a, lda, &b[c0..], ldb, &mut c[c0..], ldc, init);
+        }
+        r0 += S::MR;
+    }
+    for r in r0..m {
+        let (a, c) = (&a[r..], &mut c[r * ldc..]);
+        let mut c0 = 0;
+        while c0 + S::NR <= n {
+            S::cols_1n(k, a, lda, &b[c0..], ldb, &mut c[c0..], ldc, init);
+            c0 += S::NR;
+        }
+        while c0 + S::LANES <= n {
+            S::cols_1w(k, a, lda, &b[c0..], ldb, &mut c[c0..], ldc, init);
+            c0 += S::LANES;
+        }
+        for c0 in c0..n {
+            S::cols_11(k, a, lda, &b[c0..], ldb, &mut c[c0..], ldc, init);
         }
     }
 }
@@ -291,7 +340,14 @@ fn axpy(y: &mut [f32], a: f32, x: &[f32]) {
     }
 }
 
-/// Loads query rows `row0..row0 + m` of head `h`: Q, dO, LSE·log2e and `D = dO·O`.
+/// Whether every element of the first `len` of `x` is finite.
+#[inline(always)]
+fn all_finite(x: &[f32], len: usize) -> bool {
+    x[..len].iter().all(|v| v.is_finite())
+}
+
+/// Loads query rows `row0..row0 + m` of head `h`: Q and Qᵀ, dO and dOᵀ, LSE·log2e and
+/// `D = dO·O`.
 #[inline(always)]
 fn load_q<T: Element>(
     cx: &Ctx<'_, '_, T>,
@@ -307,20 +363,23 @@ fn load_q<T: Element>(
     for i in 0..m {
         let r = s.q_start + row0 + i;
         let qo = p.q_layout().offset(s.batch_index, r, h);
-        for (dst, e) in sc.q[i * d..(i + 1) * d].iter_mut().zip(&x.q[qo..qo + d]) {
-            *dst = e.to_f32();
+        for (c, e) in x.q[qo..qo + d].iter().enumerate() {
+            let val = e.to_f32();
+            sc.q[i * d + c] = val;
+            sc.qt[c * m + i] = val;
         }
         let go = x.d_out_layout.offset(s.batch_index, r, h);
         let oo = p.o_layout().offset(s.batch_index, r, h);
         let mut dd = 0f32;
-        let row = &mut sc.d_o[i * dv..(i + 1) * dv];
-        for ((dst, g), o) in row
-            .iter_mut()
-            .zip(&x.d_out[go..go + dv])
+        for (c, (g, o)) in x.d_out[go..go + dv]
+            .iter()
             .zip(&x.o[oo..oo + dv])
+            .enumerate()
         {
-            *dst = g.to_f32();
-            dd += *dst * o.to_f32();
+            let g = g.to_f32();
+            sc.d_o[i * dv + c] = g;
+            sc.d_ot[c * m + i] = g;
+            dd += g * o.to_f32();
         }
         sc.dd[i] = dd;
         sc.lse2[i] = x.lse[p.lse_offset(s, h, row0 + i)] * LOG2E;
@@ -378,14 +437,15 @@ fn ranges(
 }
 
 /// One tile of `m` loaded query rows × `n` loaded keys: `P` into `sc.p` and `dX` (the gradient
-/// of the raw products `q·k`) into `sc.dx`, both 0 outside each row's allowed keys.
+/// of the raw products `q·k`) into `sc.dx`, both `m × n` and 0 outside each row's allowed keys.
 #[inline(always)]
 fn tile<S: Simd>(p: &Problem, m: usize, n: usize, sc: &mut Scratch) {
     let (d, dv) = (p.head_dim(), p.head_dim_v());
     let scale = p.scale();
     let cap = p.softcap();
-    matmul(m, d, n, &sc.q, &sc.kt, &mut sc.p);
-    matmul(m, dv, n, &sc.d_o, &sc.vt, &mut sc.dx);
+    // S = Q·Kᵀ and dP = dO·Vᵀ, A given transposed.
+    gemm::<S>(m, n, d, &sc.qt, m, &sc.kt, n, &mut sc.p, n, Init::Zero);
+    gemm::<S>(m, n, dv, &sc.d_ot, m, &sc.vt, n, &mut sc.dx, n, Init::Zero);
     for i in 0..m {
         let (lo, hi) = (sc.lo[i], sc.hi[i]);
         let (lse2, dd) = (sc.lse2[i], sc.dd[i]);
@@ -448,11 +508,30 @@ fn kv_item<S: Simd, T: Element>(cx: &Ctx<'_, '_, T>, it: Item, sc: &mut Scratch)
             load_q(cx, s, h, row0, m, sc);
             ranges(&mask, kind, rows, keys.clone(), sc);
             tile::<S>(p, m, n, sc);
-            for i in 0..m {
-                let (q_i, do_i) = (&sc.q[i * d..(i + 1) * d], &sc.d_o[i * dv..(i + 1) * dv]);
-                for j in sc.lo[i]..sc.hi[i] {
-                    axpy(&mut sc.acc_b[j * dv..(j + 1) * dv], sc.p[i * n + j], do_i);
-                    axpy(&mut sc.acc_a[j * d..(j + 1) * d], sc.dx[i * n + j], q_i);
+            // Masked pairs hold P = dX = 0, but 0 · NaN is NaN: where a partial tile's Q or dO
+            // is not all finite, each row adds only its own keys.
+            if kind == TileKind::Free || (all_finite(&sc.q, m * d) && all_finite(&sc.d_o, m * dv)) {
+                // dV += Pᵀ·dO, dK += dXᵀ·Q.
+                gemm::<S>(
+                    n,
+                    dv,
+                    m,
+                    &sc.p,
+                    n,
+                    &sc.d_o,
+                    dv,
+                    &mut sc.acc_b,
+                    dv,
+                    Init::Add,
+                );
+                gemm::<S>(n, d, m, &sc.dx, n, &sc.q, d, &mut sc.acc_a, d, Init::Add);
+            } else {
+                for i in 0..m {
+                    let (q_i, do_i) = (&sc.q[i * d..(i + 1) * d], &sc.d_o[i * dv..(i + 1) * dv]);
+                    for j in sc.lo[i]..sc.hi[i] {
+                        axpy(&mut sc.acc_b[j * dv..(j + 1) * dv], sc.p[i * n + j], do_i);
+                        axpy(&mut sc.acc_a[j * d..(j + 1) * d], sc.dx[i * n + j], q_i);
+                    }
                 }
             }
         }
@@ -503,10 +582,21 @@ fn q_item<S: Simd, T: Element>(cx: &Ctx<'_, '_, T>, it: Item, sc: &mut Scratch) 
         load_kv(cx, s, hk, keys.start, n, sc);
         ranges(&mask, kind, rows.clone(), keys, sc);
         tile::<S>(p, m, n, sc);
-        for i in 0..m {
-            let dq_i = &mut sc.acc_a[i * d..(i + 1) * d];
-            for j in sc.lo[i]..sc.hi[i] {
-                axpy(dq_i, sc.dx[i * n + j], &sc.k[j * d..(j + 1) * d]);
+        if kind == TileKind::Free || all_finite(&sc.k, n * d) {
+            // dQ += dX·K, with dX transposed for the microkernel (O(tile), against the
+            // product's O(tile · head_dim)).
+            for i in 0..m {
+                for j in 0..n {
+                    sc.dxt[j * m + i] = sc.dx[i * n + j];
+                }
+            }
+            gemm::<S>(m, d, n, &sc.dxt, m, &sc.k, d, &mut sc.acc_a, d, Init::Add);
+        } else {
+            for i in 0..m {
+                let dq_i = &mut sc.acc_a[i * d..(i + 1) * d];
+                for j in sc.lo[i]..sc.hi[i] {
+                    axpy(dq_i, sc.dx[i * n + j], &sc.k[j * d..(j + 1) * d]);
+                }
             }
         }
     }

@@ -6,7 +6,7 @@
 //!   batch × heads × query blocks, f32 accumulation, fully masked tiles skipped, register-blocked
 //!   GEMM microkernels and a polynomial `exp2`, compiled for AVX-512, AVX2 + FMA or the baseline
 //!   and chosen at run time ([`Isa`]); tiles from [`plan::plan`].
-//! - [`CpuBackend::backward`] (through [`crate::Backend::backward`]): the tiled backward pass,
+//! - the backward (through [`crate::Backend::backward`], in `backward.rs`): tiled, two passes,
 //!   P recomputed from the forward's LSE, deterministic; [`reference_grad`] is its float64
 //!   oracle (`docs/backward.md`).
 //! - [`materialized`]: the materialised evaluation (whole score matrix), `fa4 bench`'s peer.

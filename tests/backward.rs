@@ -372,3 +372,107 @@ fn bad_inputs_name_the_argument() {
     );
     assert_eq!(name_of(r), "cu_seqlens_q");
 }
+
+#[test]
+fn strided_views_give_the_bits_of_contiguous_ones() {
+    // dO a view into a wider buffer (its own strides, not O's), dQ/dK/dV likewise.
+    let (b, sq, sk, hq, hkv, d) = (2, 37, 41, 4, 2, 24);
+    let mut rng = StdRng::seed_from_u64(11);
+    let mut draw = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random_range(-2.0..2.0)).collect() };
+    let (qs, ks) = ([b, sq, hq, d], [b, sk, hkv, d]);
+    let (q, k, v) = (
+        draw(b * sq * hq * d),
+        draw(b * sk * hkv * d),
+        draw(b * sk * hkv * d),
+    );
+    let d_out = draw(b * sq * hq * d);
+    let opts = Options::new().causal();
+    let (qt, kt, vt) = (
+        Tensor::new(&q, &qs).unwrap(),
+        Tensor::new(&k, &ks).unwrap(),
+        Tensor::new(&v, &ks).unwrap(),
+    );
+    let mut o = vec![0f32; q.len()];
+    let mut lse = vec![0f32; b * hq * sq];
+    let cpu = Backend::Cpu;
+    cpu.forward(
+        &qt,
+        &kt,
+        &vt,
+        &mut TensorMut::new(&mut o, &qs).unwrap(),
+        Some(&mut lse),
+        &opts,
+    )
+    .unwrap();
+    let ot = Tensor::new(&o, &qs).unwrap();
+    let bopts: BackwardOptions = opts.into();
+
+    let (mut dq, mut dk, mut dv) = (
+        vec![0f32; q.len()],
+        vec![0f32; k.len()],
+        vec![0f32; v.len()],
+    );
+    cpu.backward(
+        &qt,
+        &kt,
+        &vt,
+        &ot,
+        &lse,
+        &Tensor::new(&d_out, &qs).unwrap(),
+        &mut TensorMut::new(&mut dq, &qs).unwrap(),
+        &mut TensorMut::new(&mut dk, &ks).unwrap(),
+        &mut TensorMut::new(&mut dv, &ks).unwrap(),
+        &bopts,
+    )
+    .unwrap();
+
+    // Padded: each row of heads followed by 5 spare elements, poisoned.
+    let pad = |s: [usize; 4]| [s[1] * (s[2] * s[3] + 5), s[2] * s[3] + 5, s[3], 1];
+    let (qp, kp) = (pad(qs), pad(ks));
+    let mut d_out_w = vec![f32::NAN; b * qp[0]];
+    for bi in 0..b {
+        for r in 0..sq {
+            for h in 0..hq {
+                let src = ((bi * sq + r) * hq + h) * d;
+                let dst = bi * qp[0] + r * qp[1] + h * qp[2];
+                d_out_w[dst..dst + d].copy_from_slice(&d_out[src..src + d]);
+            }
+        }
+    }
+    let (mut dq_w, mut dk_w, mut dv_w) = (
+        vec![f32::NAN; b * qp[0]],
+        vec![f32::NAN; b * kp[0]],
+        vec![f32::NAN; b * kp[0]],
+    );
+    cpu.backward(
+        &qt,
+        &kt,
+        &vt,
+        &ot,
+        &lse,
+        &Tensor::strided(&d_out_w, &qs, Some(&qp)).unwrap(),
+        &mut TensorMut::strided(&mut dq_w, &qs, Some(&qp)).unwrap(),
+        &mut TensorMut::strided(&mut dk_w, &ks, Some(&kp)).unwrap(),
+        &mut TensorMut::strided(&mut dv_w, &ks, Some(&kp)).unwrap(),
+        &bopts,
+    )
+    .unwrap();
+    let gather = |w: &[f32], s: [usize; 4], st: [usize; 4]| -> Vec<u32> {
+        let mut out = Vec::new();
+        for bi in 0..s[0] {
+            for r in 0..s[1] {
+                for h in 0..s[2] {
+                    let o = bi * st[0] + r * st[1] + h * st[2];
+                    out.extend(w[o..o + s[3]].iter().map(|x| x.to_bits()));
+                }
+            }
+        }
+        out
+    };
+    let bits = |x: &[f32]| x.iter().map(|x| x.to_bits()).collect::<Vec<u32>>();
+    assert!(gather(&dq_w, qs, qp) == bits(&dq));
+    assert!(gather(&dk_w, ks, kp) == bits(&dk));
+    assert!(gather(&dv_w, ks, kp) == bits(&dv));
+    // The padding was not written.
+    assert!(dq_w[qp[1] - 5..qp[1]].iter().all(|x| x.is_nan()));
+}

@@ -94,6 +94,9 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    /// Time the backward pass (dQ, dK, dV; FLOPs 2.5 × the forward's) beside the forward.
+    #[arg(long)]
+    backward: bool,
     /// CUDA-only flags (`--backend cuda`).
     #[command(flatten)]
     cuda: super::bench_cuda::CudaBenchArgs,
@@ -151,6 +154,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(flag) = args.decode.stray() {
         return Err(Error::invalid(flag, "belongs to `fa4 bench --decode`"));
     }
+    if args.decode.wanted() && args.backward {
+        return Err(Error::invalid(
+            "--backward",
+            "`fa4 bench --decode` times the forward only; drop one of --decode and --backward",
+        ));
+    }
     if args.decode.wanted() && args.backend == BackendArg::Cuda {
         return Err(Error::invalid(
             "--backend",
@@ -159,6 +168,12 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     match args.backend {
         BackendArg::Cpu | BackendArg::Auto => {}
+        BackendArg::Cuda if args.backward => {
+            return Err(Error::invalid(
+                "--backward",
+                "the CUDA backend has no backward kernels yet; use --backend cpu",
+            ))
+        }
         BackendArg::Cuda => {
             return super::bench_cuda::run(
                 &args.cuda,
@@ -195,6 +210,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .map_err(|e| Error::invalid("--threads", e.to_string()))?;
     if args.decode.wanted() {
         return pool.install(|| decode_bench::run(&args));
+    }
+    if args.backward {
+        let masks: &[bool] = match args.causal {
+            CausalArg::Both => &[false, true],
+            CausalArg::On => &[true],
+            CausalArg::Off => &[false],
+        };
+        let grid = super::backward::BenchGrid {
+            seqlens: &args.seqlens,
+            head_dims: &args.head_dims,
+            masks,
+            dtype: args.dtype,
+            batch: args.batch,
+            heads: args.heads,
+            reps: args.reps,
+            warmup: args.warmup,
+            json: args.json,
+        };
+        return pool.install(|| super::backward::bench(&grid));
     }
     pool.install(|| bench(&args))
 }

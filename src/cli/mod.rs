@@ -8,6 +8,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use fa4::Backend;
 
+mod backward;
 mod bench;
 mod bench_cuda;
 mod check;

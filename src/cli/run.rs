@@ -124,6 +124,9 @@ pub struct RunArgs {
     /// Decode over a paged KV cache (`src/cli/decode.rs`).
     #[command(flatten)]
     paged: decode::PagedRunArgs,
+    /// The backward pass (`src/cli/backward.rs`).
+    #[command(flatten)]
+    grad: super::backward::GradArgs,
 }
 
 /// Parses `LEFT,RIGHT`, each ≥ 0 or -1 (unbounded).
@@ -150,7 +153,7 @@ fn parse_window(s: &str) -> std::result::Result<Mask, String> {
 
 /// Whether to compare with the oracle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum CheckPolicy {
+pub(super) enum CheckPolicy {
     /// When it costs at most [`CHECK_LIMIT_MACS`].
     Affordable,
     Always,
@@ -166,7 +169,7 @@ fn check_cost(p: &Problem) -> f64 {
 }
 
 /// `None` to run the check, or why it is skipped.
-fn skip_reason(policy: CheckPolicy, cost: f64) -> Option<String> {
+pub(super) fn skip_reason(policy: CheckPolicy, cost: f64) -> Option<String> {
     match policy {
         CheckPolicy::Always => None,
         CheckPolicy::Never => Some("skipped (--no-check)".into()),
@@ -222,6 +225,12 @@ fn run_in_pool(args: RunArgs) -> Result<ExitCode> {
         _ => CheckPolicy::Affordable,
     };
     if args.paged.wanted() {
+        if let Some(flag) = args.grad.first_given() {
+            return Err(Error::invalid(
+                flag,
+                "the paged (decode) run has no backward; drop the backward flags or the paged ones",
+            ));
+        }
         return decode::run(&args, &backend.resolve()?, &opts, policy);
     }
     if args.q.is_some() || args.k.is_some() || args.v.is_some() {
@@ -252,6 +261,7 @@ fn random(
             ));
         }
     }
+    args.grad.validate(false)?;
     let b = args.batch.unwrap_or(1);
     let sq = args.seqlen_q.unwrap_or(DEFAULT_SEQLEN);
     let sk = args.seqlen_k.unwrap_or(sq);
@@ -296,7 +306,9 @@ fn random(
     // storage type, LSE, and the problem's per-sequence records.
     let (bf, sqf, skf, hqf, hkvf) = (b as f64, sq as f64, sk as f64, hq as f64, hkv as f64);
     let elem = dtype.size_bytes() as f64;
-    let bytes = elem * bf * (sqf * hqf * (d + dv) as f64 + skf * hkvf * (d + dv) as f64)
+    // A backward doubles the tensors: dO, dQ, dK and dV beside O, Q, K and V.
+    let tensors = if args.grad.wanted() { 2.0 } else { 1.0 };
+    let bytes = tensors * elem * bf * (sqf * hqf * (d + dv) as f64 + skf * hkvf * (d + dv) as f64)
         + 4.0 * bf * hqf * sqf
         + bf * std::mem::size_of::<fa4::problem::Sequence>() as f64;
     memory::ensure(size_flag, "the problem", bytes)?;
@@ -317,9 +329,9 @@ fn random(
         )
     })?;
     match dtype {
-        DType::F32 => random_typed::<f32>(p, seed, backend, policy),
-        DType::F16 => random_typed::<f16>(p, seed, backend, policy),
-        DType::Bf16 => random_typed::<bf16>(p, seed, backend, policy),
+        DType::F32 => random_typed::<f32>(p, seed, backend, policy, &args.grad),
+        DType::F16 => random_typed::<f16>(p, seed, backend, policy, &args.grad),
+        DType::Bf16 => random_typed::<bf16>(p, seed, backend, policy, &args.grad),
         DType::Fp8E4M3 => Err(fp8()),
     }
 }
@@ -329,6 +341,7 @@ fn random_typed<T: Element>(
     seed: u64,
     backend: BackendArg,
     policy: CheckPolicy,
+    grad: &super::backward::GradArgs,
 ) -> Result<ExitCode> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut q = alloc("q", p.q_layout().numel(), T::NAN)?;
@@ -344,10 +357,19 @@ fn random_typed<T: Element>(
     );
     let job = Job { p, q, k, v };
     let skip = job.check_plan(policy)?;
-    let backend = backend.resolve()?;
+    let backend = super::backward::resolve_backend(grad, backend)?;
     let done = job.execute(&backend)?;
     job.print(&backend, &done, &[]);
-    Ok(job.verify(&done, skip))
+    let code = job.verify(&done, skip);
+    if grad.wanted() {
+        let f = job.forward(&done);
+        let d_out = super::backward::random_d_out(&job.p, seed);
+        let grads = super::backward::compute(&f, &backend, d_out)?;
+        if !grads.report(&f, &[], policy) {
+            return Ok(ExitCode::from(1));
+        }
+    }
+    Ok(code)
 }
 
 // ---- inputs from files ----------------------------------------------------------------------
@@ -375,6 +397,7 @@ fn from_files(
             ));
         }
     }
+    args.grad.validate(true)?;
     let need = |flag: &str, path: &Option<PathBuf>, why: &str| {
         path.clone()
             .ok_or_else(|| Error::invalid(flag, why.to_string()))
@@ -422,6 +445,8 @@ fn from_files(
     if let Some(l) = &args.lse {
         outputs.push(("--lse", l));
     }
+    inputs.extend(args.grad.input());
+    outputs.extend(args.grad.outputs());
     distinct_outputs(&inputs, &outputs)?;
 
     const FLOATS: [NpyDType; 2] = [NpyDType::F32, NpyDType::F16];
@@ -497,8 +522,14 @@ fn from_files(
     let (ql, kl, vl, ol) = (p.q_layout(), p.k_layout(), p.v_layout(), p.o_layout());
     let elem = dtype.size_bytes() as f64;
     let n = |x: usize| x as f64;
-    let bytes = elem * (n(ql.numel()) + n(kl.numel()) + n(vl.numel()) + n(ol.numel()))
+    let mut bytes = elem * (n(ql.numel()) + n(kl.numel()) + n(vl.numel()) + n(ol.numel()))
         + 8.0 * (n(ol.numel()) + n(p.lse_len()));
+    // A backward adds dO and dQ, dK, dV in the storage type, and each gradient's float32 copy
+    // while it is staged.
+    if args.grad.wanted() {
+        bytes += elem * (n(ol.numel()) + n(ql.numel()) + n(kl.numel()) + n(vl.numel()))
+            + 4.0 * n(ql.numel().max(kl.numel()).max(vl.numel()));
+    }
     memory::ensure("--q", "the run", bytes)?;
     let outputs = Outputs {
         out: &out,
@@ -506,9 +537,9 @@ fn from_files(
         o_shape: shapes.o(),
     };
     match dtype {
-        DType::F32 => files_typed::<f32>(p, [qa, ka, va], backend, policy, outputs),
-        DType::F16 => files_typed::<f16>(p, [qa, ka, va], backend, policy, outputs),
-        DType::Bf16 => files_typed::<bf16>(p, [qa, ka, va], backend, policy, outputs),
+        DType::F32 => files_typed::<f32>(p, [qa, ka, va], backend, policy, outputs, &args.grad),
+        DType::F16 => files_typed::<f16>(p, [qa, ka, va], backend, policy, outputs, &args.grad),
+        DType::Bf16 => files_typed::<bf16>(p, [qa, ka, va], backend, policy, outputs, &args.grad),
         DType::Fp8E4M3 => Err(fp8()),
     }
 }
@@ -553,6 +584,7 @@ fn files_typed<T: Element>(
     backend: BackendArg,
     policy: CheckPolicy,
     outputs: Outputs<'_>,
+    grad: &super::backward::GradArgs,
 ) -> Result<ExitCode> {
     let job: Job<T> = Job {
         p,
@@ -561,7 +593,8 @@ fn files_typed<T: Element>(
         v: convert(va),
     };
     let skip = job.check_plan(policy)?;
-    let backend = backend.resolve()?;
+    let d_out = super::backward::read_d_out::<T>(&job.p, grad)?;
+    let backend = super::backward::resolve_backend(grad, backend)?;
     let done = job.execute(&backend)?;
     // O is written as float32: exact for every storage dtype. Both files are written under
     // temporary names first and renamed only when both are complete: a failed or interrupted
@@ -579,11 +612,33 @@ fn files_typed<T: Element>(
         staged.push(npy::stage(path, "--lse", &shape, &done.lse)?);
         wrote.push(format!("LSE {shape:?} float32 to `{}`", path.display()));
     }
+    // The gradients are computed before anything is committed, so that O, LSE, dQ, dK and dV
+    // are renamed into place together or not at all.
+    let grads = match d_out {
+        Some(d_out) => Some(super::backward::compute(
+            &job.forward(&done),
+            &backend,
+            d_out,
+        )?),
+        None => None,
+    };
+    let mut grad_wrote = Vec::new();
+    if let Some(g) = &grads {
+        let (s, w) = g.stage(&job.p, grad)?;
+        staged.extend(s);
+        grad_wrote = w;
+    }
     for s in staged {
         s.commit()?;
     }
     job.print(&backend, &done, &wrote);
-    Ok(job.verify(&done, skip))
+    let code = job.verify(&done, skip);
+    if let Some(g) = &grads {
+        if !g.report(&job.forward(&done), &grad_wrote, policy) {
+            return Ok(ExitCode::from(1));
+        }
+    }
+    Ok(code)
 }
 
 /// Renames a library error's argument (`k`, `cu_seqlens_q`) to the flag the user typed
@@ -740,6 +795,18 @@ struct Done<T> {
 }
 
 impl<T: Element> Job<T> {
+    /// The forward's inputs and outputs, for the backward.
+    fn forward<'a>(&'a self, done: &'a Done<T>) -> super::backward::Forward<'a, T> {
+        super::backward::Forward {
+            p: &self.p,
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            o: &done.o,
+            lse: &done.lse,
+        }
+    }
+
     /// Runs the backend once on NaN-poisoned outputs (an unwritten element fails the check).
     fn execute(&self, backend: &Backend) -> Result<Done<T>> {
         let mut o = alloc("out", self.p.o_layout().numel(), T::NAN)?;

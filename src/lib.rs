@@ -73,6 +73,7 @@ pub mod backend;
 pub mod check;
 pub mod combine;
 pub mod config;
+pub mod cp;
 pub mod cpu;
 pub mod cuda;
 pub mod dtype;

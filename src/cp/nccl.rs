@@ -1,0 +1,1 @@
+//! NCCL (in progress).

@@ -93,6 +93,9 @@ pub struct BenchArgs {
     /// CUDA-only flags (`--backend cuda`).
     #[command(flatten)]
     cuda: super::bench_cuda::CudaBenchArgs,
+    /// Context parallelism (`--cp N`: scaling against one call).
+    #[command(flatten)]
+    cp: super::cp::CpArgs,
 }
 
 /// One shape's measurements.
@@ -141,6 +144,26 @@ struct Report {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
+    if let Some(n) = args.cp.cp {
+        let masks: &[bool] = match args.causal {
+            CausalArg::Both => &[false, true],
+            CausalArg::On => &[true],
+            CausalArg::Off => &[false],
+        };
+        let plan = super::cp::BenchPlan {
+            backend: args.backend,
+            seqlens: &args.seqlens,
+            head_dims: &args.head_dims,
+            masks,
+            dtype: args.dtype,
+            batch: args.batch,
+            heads: args.heads,
+            reps: args.reps,
+            warmup: args.warmup,
+            json: args.json,
+        };
+        return super::cp::bench(&args.cp, n, &plan);
+    }
     match args.backend {
         BackendArg::Cpu | BackendArg::Auto => {}
         BackendArg::Cuda => {

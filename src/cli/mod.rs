@@ -11,6 +11,7 @@ use fa4::Backend;
 mod bench;
 mod bench_cuda;
 mod check;
+mod cp;
 mod plan;
 mod run;
 

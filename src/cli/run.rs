@@ -107,6 +107,9 @@ pub struct RunArgs {
     /// Skip the check against the float64 oracle.
     #[arg(long)]
     no_check: bool,
+    /// Context parallelism (`--cp N`, `--cp-split`).
+    #[command(flatten)]
+    cp: super::cp::CpArgs,
 }
 
 /// Parses `LEFT,RIGHT`, each ≥ 0 or -1 (unbounded).
@@ -233,9 +236,9 @@ fn random(
     };
     let p = shapes.problem(dtype, None, opts)?;
     match dtype {
-        DType::F32 => random_typed::<f32>(p, seed, backend, policy),
-        DType::F16 => random_typed::<f16>(p, seed, backend, policy),
-        DType::Bf16 => random_typed::<bf16>(p, seed, backend, policy),
+        DType::F32 => random_typed::<f32>(p, seed, backend, policy, &args.cp),
+        DType::F16 => random_typed::<f16>(p, seed, backend, policy, &args.cp),
+        DType::Bf16 => random_typed::<bf16>(p, seed, backend, policy, &args.cp),
         DType::Fp8E4M3 => Err(fp8()),
     }
 }
@@ -245,6 +248,7 @@ fn random_typed<T: Element>(
     seed: u64,
     backend: &Backend,
     policy: CheckPolicy,
+    cp: &super::cp::CpArgs,
 ) -> Result<ExitCode> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut q = alloc("q", p.q_layout().numel(), T::NAN)?;
@@ -259,7 +263,7 @@ fn random_typed<T: Element>(
         p.head_dim_v(),
     );
     let job = Job { p, q, k, v };
-    let done = job.execute(backend)?;
+    let done = job.execute(backend, cp)?;
     job.print(backend, &done, &[]);
     Ok(job.verify(&done, policy))
 }
@@ -388,9 +392,9 @@ fn from_files(
         o_shape: shapes.o(),
     };
     match dtype {
-        DType::F32 => files_typed::<f32>(p, [qa, ka, va], backend, policy, outputs),
-        DType::F16 => files_typed::<f16>(p, [qa, ka, va], backend, policy, outputs),
-        DType::Bf16 => files_typed::<bf16>(p, [qa, ka, va], backend, policy, outputs),
+        DType::F32 => files_typed::<f32>(p, [qa, ka, va], backend, policy, outputs, &args.cp),
+        DType::F16 => files_typed::<f16>(p, [qa, ka, va], backend, policy, outputs, &args.cp),
+        DType::Bf16 => files_typed::<bf16>(p, [qa, ka, va], backend, policy, outputs, &args.cp),
         DType::Fp8E4M3 => Err(fp8()),
     }
 }
@@ -435,6 +439,7 @@ fn files_typed<T: Element>(
     backend: &Backend,
     policy: CheckPolicy,
     outputs: Outputs<'_>,
+    cp: &super::cp::CpArgs,
 ) -> Result<ExitCode> {
     let job: Job<T> = Job {
         p,
@@ -442,7 +447,7 @@ fn files_typed<T: Element>(
         k: convert(ka),
         v: convert(va),
     };
-    let done = job.execute(backend)?;
+    let done = job.execute(backend, cp)?;
     // O is written as float32: exact for every storage dtype.
     let o: Vec<f32> = done.o.iter().map(|x| x.to_f32()).collect();
     npy::write(outputs.out, "--out", &outputs.o_shape, &o)?;
@@ -538,11 +543,22 @@ struct Done<T> {
     o: Vec<T>,
     lse: Vec<f32>,
     elapsed: Duration,
+    /// Lines about how it was computed (`--cp`).
+    notes: Vec<String>,
 }
 
 impl<T: Element> Job<T> {
     /// Runs the backend once on NaN-poisoned outputs (an unwritten element fails the check).
-    fn execute(&self, backend: &Backend) -> Result<Done<T>> {
+    fn execute(&self, backend: &Backend, cp: &super::cp::CpArgs) -> Result<Done<T>> {
+        if let Some(n) = cp.cp {
+            let c = super::cp::execute(cp, n, backend, &self.p, &self.q, &self.k, &self.v)?;
+            return Ok(Done {
+                o: c.o,
+                lse: c.lse,
+                elapsed: c.elapsed,
+                notes: c.notes,
+            });
+        }
         let mut o = alloc("out", self.p.o_layout().numel(), T::NAN)?;
         let mut lse = alloc("lse", self.p.lse_len(), f32::NAN)?;
         // Start the CPU thread pool outside the timed call.
@@ -553,6 +569,7 @@ impl<T: Element> Job<T> {
             o,
             lse,
             elapsed: t0.elapsed(),
+            notes: Vec::new(),
         })
     }
 
@@ -573,6 +590,9 @@ impl<T: Element> Job<T> {
             "n/a GFLOP/s".into()
         };
         println!("time     {:.3} ms, {rate} (one call)", secs * 1e3);
+        for n in &done.notes {
+            println!("cp       {n}");
+        }
         for w in wrote {
             println!("wrote    {w}");
         }

@@ -31,6 +31,21 @@ pub struct Timings {
     pub exchange_s: Vec<f64>,
     /// Wall time of each step: the longer of the two, plus the hand-over.
     pub step_s: Vec<f64>,
+    /// `rank_compute_s[t][r]`: rank `r`'s share of step `t`'s compute.
+    pub rank_compute_s: Vec<Vec<f64>>,
+}
+
+impl Timings {
+    /// The time `N` real ranks would take with these per-rank times, each on its own copy of
+    /// this machine: every step lasts as long as its slowest rank or its exchange, whichever is
+    /// longer (the exchange overlaps the compute).
+    pub fn projected_s(&self) -> f64 {
+        self.rank_compute_s
+            .iter()
+            .zip(&self.exchange_s)
+            .map(|(c, &x)| c.iter().copied().fold(x, f64::max))
+            .sum()
+    }
 }
 
 /// Rank-local outputs: `o[r]` `[batch, len_r, heads_q, head_dim_v]`, `lse[r]`
@@ -108,8 +123,10 @@ where
                 })
             });
             let t0 = Instant::now();
+            let mut per_rank = Vec::with_capacity(n);
             let mut res = Ok(());
             for r in 0..n {
+                let tr = Instant::now();
                 res = res.and_then(|()| {
                     rank_step(
                         ring,
@@ -122,8 +139,9 @@ where
                         &mut acc_lse[r],
                     )
                 });
+                per_rank.push(tr.elapsed().as_secs_f64());
             }
-            let compute = res.map(|()| t0.elapsed().as_secs_f64());
+            let compute = res.map(|()| (t0.elapsed().as_secs_f64(), per_rank));
             let exchange = match exchange {
                 Some(h) => h.join().unwrap_or_else(|_| {
                     Err(Error::invalid("transport", "the exchange thread panicked"))
@@ -132,7 +150,9 @@ where
             };
             (compute, exchange)
         });
-        timings.compute_s.push(compute?);
+        let (compute, per_rank) = compute?;
+        timings.compute_s.push(compute);
+        timings.rank_compute_s.push(per_rank);
         timings.exchange_s.push(exchange?);
         std::mem::swap(&mut cur, &mut next);
         timings.step_s.push(t0.elapsed().as_secs_f64());

@@ -1,1 +1,421 @@
-//! CUDA ring (in progress).
+//! The ring on GPUs: one process driving `N` devices, K/V blocks moved by NCCL on a
+//! communication stream per device while the block in hand is computed on the compute stream.
+//!
+//! Per rank and step `t`:
+//!
+//! 1. communication stream: wait until the compute of step `t − 1` has finished reading the
+//!    spare buffers, then (one NCCL group for all ranks, send and receive together) send the
+//!    block in hand to rank `r + 1` and receive rank `r − 1`'s into the spare buffers; record
+//!    `received[t]`;
+//! 2. compute stream (the backend's): wait for `received[t − 1]`, run the step's calls (one
+//!    per (query piece, key piece) product, each a plain fa4 forward on whole pieces) into that
+//!    step's partial O and LSE buffers; record `computed[t]`;
+//! 3. host: copy step `t − 1`'s partials back on a third stream and fold them into the rank's
+//!    running result with [`crate::combine`], while the GPU runs step `t`.
+//!
+//! Each rank's Q, K and V are kept per piece (a zigzag rank has two) because the kernels take
+//! whole buffers: a call on the second piece then needs no offset. So a zigzag step after the
+//! first is two calls here (one fused call on the CPU). Partial O are in the storage dtype (the
+//! kernels' output), so the merge adds up to `N` roundings of it; the LSE are f32.
+//!
+//! The merge on the host is the known bottleneck of this first version (it reads every partial
+//! O back over PCIe): the scaling targets need the merge on the device. This path has not run
+//! yet (no multi-GPU machine was lent); `bench/cp_device.sh` is what runs it.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::{CudaEvent, CudaSlice, CudaStream};
+
+use crate::cuda::CudaBackend;
+use crate::error::{Error, Result};
+use crate::problem::{Options, Problem};
+use crate::tensor::{Element, Layout};
+
+use super::cpu::{merge_into, LocalOutputs, Shape};
+use super::nccl::NcclRing;
+use super::transport::Transport;
+use super::{Operand, Ring};
+
+/// Times of a GPU ring, milliseconds, from CUDA events.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GpuTimings {
+    /// `compute_ms[r][t]`: rank `r`'s calls of step `t` on its compute stream.
+    pub compute_ms: Vec<Vec<f64>>,
+    /// `exchange_ms[r][t]`: rank `r`'s send/recv of the block for step `t + 1`.
+    pub exchange_ms: Vec<Vec<f64>>,
+    /// Wall time of the whole ring (host clock, inputs already on the devices, merge included).
+    pub total_ms: f64,
+    /// Wall time of the host merges that did not overlap GPU work (the last step's).
+    pub tail_merge_ms: f64,
+}
+
+fn err(op: &str) -> impl Fn(cudarc::driver::DriverError) -> Error + '_ {
+    move |e| Error::cuda(op, e)
+}
+
+/// Rows `rows` of every batch entry of a local `[b, len, heads, dim]` buffer, contiguous.
+fn piece_rows<T: Copy>(
+    local: &[T],
+    b: usize,
+    len: usize,
+    row: usize,
+    rows: std::ops::Range<usize>,
+) -> Vec<T> {
+    let mut out = Vec::with_capacity(b * rows.len() * row);
+    for bi in 0..b {
+        out.extend_from_slice(&local[(bi * len + rows.start) * row..(bi * len + rows.end) * row]);
+    }
+    out
+}
+
+struct RankState<T> {
+    q: Vec<CudaSlice<T>>,
+    comm: Arc<CudaStream>,
+    copy: Arc<CudaStream>,
+    /// `parts[t][j]`: O and LSE of product `j` of step `t`.
+    parts: Vec<Vec<(CudaSlice<T>, CudaSlice<f32>)>>,
+    computed: Vec<CudaEvent>,
+    timing: Vec<(CudaEvent, CudaEvent, CudaEvent, CudaEvent)>,
+    acc_o: Vec<f32>,
+    acc_lse: Vec<f32>,
+}
+
+/// Computes the whole problem of `ring` on `backends` (rank `r` on `backends[r]`, distinct
+/// devices) from host inputs laid out as the problem says, writing O and LSE on the host.
+///
+/// Needs `seqlen_q == seqlen_k` (every product is then a whole piece against a whole piece),
+/// f16 or bf16 (the CUDA kernels), and NCCL ≥ 2.7 ([`super::nccl`]).
+#[allow(clippy::too_many_arguments)]
+pub fn forward<T: Element>(
+    ring: &Ring,
+    backends: &[CudaBackend],
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &mut [T],
+    lse: Option<&mut [f32]>,
+) -> Result<GpuTimings> {
+    let n = ring.ranks();
+    let p = ring.problem();
+    if backends.len() != n {
+        return Err(Error::invalid(
+            "cp",
+            format!("{n} ranks need {n} GPUs, {} given", backends.len()),
+        ));
+    }
+    let mut ordinals: Vec<usize> = backends.iter().map(|b| b.info().ordinal).collect();
+    ordinals.sort_unstable();
+    ordinals.dedup();
+    if ordinals.len() != n {
+        return Err(Error::invalid("cp", "every rank needs its own GPU"));
+    }
+    let (qs, ks) = (ring.schedule().q_split(), ring.schedule().k_split());
+    if qs.len() != ks.len() {
+        return Err(Error::invalid(
+            "seqlen_k",
+            format!(
+                "the GPU ring needs seqlen_q == seqlen_k (got {} and {}); the CPU ring takes both",
+                qs.len(),
+                ks.len()
+            ),
+        ));
+    }
+    p.check_buffers(
+        T::DTYPE,
+        q.len(),
+        k.len(),
+        v.len(),
+        out.len(),
+        lse.as_deref().map(<[f32]>::len),
+    )?;
+    let (b, hq, hkv, d, dv) = (
+        ring.batch(),
+        p.heads_q(),
+        p.heads_kv(),
+        p.head_dim(),
+        p.head_dim_v(),
+    );
+    let (lq, lk, lv) = (
+        ring.shard(Operand::Q, q)?,
+        ring.shard(Operand::K, k)?,
+        ring.shard(Operand::V, v)?,
+    );
+    // Block buffers per rank: (K, V) of each piece in order.
+    let counts: Vec<Vec<usize>> = (0..n)
+        .map(|r| {
+            ks.pieces(r)
+                .iter()
+                .flat_map(|pc| {
+                    let m = b * pc.global.len() * hkv;
+                    [m * d, m * dv]
+                })
+                .collect()
+        })
+        .collect();
+    let spare_len: Vec<usize> = (0..counts[0].len())
+        .map(|i| counts.iter().map(|c| c[i]).max().unwrap_or(0).max(1))
+        .collect();
+
+    let mut ranks: Vec<RankState<T>> = Vec::with_capacity(n);
+    let mut cur: Vec<Vec<CudaSlice<T>>> = Vec::with_capacity(n);
+    let mut next: Vec<Vec<CudaSlice<T>>> = Vec::with_capacity(n);
+    for (r, be) in backends.iter().enumerate() {
+        let ctx = be.context();
+        let lenq = ring.q_len(r);
+        let q_pieces = qs
+            .pieces(r)
+            .iter()
+            .map(|pc| be.upload(&piece_rows(&lq[r], b, lenq, hq * d, pc.local())))
+            .collect::<Result<Vec<_>>>()?;
+        let lenk = ring.k_len(r);
+        let mut blk = Vec::new();
+        for pc in ks.pieces(r) {
+            // A zero-length piece still gets a one-element buffer (NCCL sends 0 bytes of it).
+            let up = |x: Vec<T>| {
+                if x.is_empty() {
+                    be.alloc::<T>(1)
+                } else {
+                    be.upload(&x)
+                }
+            };
+            blk.push(up(piece_rows(&lk[r], b, lenk, hkv * d, pc.local()))?);
+            blk.push(up(piece_rows(&lv[r], b, lenk, hkv * dv, pc.local()))?);
+        }
+        cur.push(blk);
+        next.push(
+            spare_len
+                .iter()
+                .map(|&m| be.alloc::<T>(m))
+                .collect::<Result<Vec<_>>>()?,
+        );
+        let mut parts = Vec::with_capacity(n);
+        for t in 0..n {
+            let step = ring.schedule().step(r, t);
+            parts.push(
+                step.products
+                    .iter()
+                    .map(|pr| {
+                        let rows = pr.q_global.len();
+                        Ok((
+                            be.alloc::<T>((b * rows * hq * dv).max(1))?,
+                            be.alloc::<f32>(b * hq * rows)?,
+                        ))
+                    })
+                    .collect::<Result<Vec<_>>>()?,
+            );
+        }
+        let ev = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+        let timing = (0..n)
+            .map(|_| Ok((ev()?, ev()?, ev()?, ev()?)))
+            .collect::<std::result::Result<Vec<_>, cudarc::driver::DriverError>>()
+            .map_err(err("cuEventCreate"))?;
+        ranks.push(RankState {
+            q: q_pieces,
+            comm: ctx.new_stream().map_err(err("cuStreamCreate"))?,
+            copy: ctx.new_stream().map_err(err("cuStreamCreate"))?,
+            parts,
+            computed: Vec::new(),
+            timing,
+            acc_o: vec![0.0; b * lenq * hq * dv],
+            acc_lse: vec![f32::NEG_INFINITY; b * lenq * hq],
+        });
+    }
+    for be in backends {
+        be.synchronize()?;
+    }
+    let mut transport: NcclRing<T> = NcclRing::all(
+        ranks.iter().map(|s| s.comm.clone()).collect(),
+        counts.clone(),
+    )?;
+
+    let t_start = std::time::Instant::now();
+    let mut received: Vec<Option<CudaEvent>> = (0..n).map(|_| None).collect();
+    for t in 0..n {
+        // 1. The exchange for step t + 1, once step t − 1's compute is done with the spares.
+        if t + 1 < n {
+            for st in &ranks {
+                if t >= 1 {
+                    st.comm
+                        .wait(&st.computed[t - 1])
+                        .map_err(err("cuStreamWaitEvent"))?;
+                }
+                st.timing[t]
+                    .2
+                    .record(&st.comm)
+                    .map_err(err("cuEventRecord"))?;
+            }
+            transport.shift(t, &cur, &mut next)?;
+            for (r, st) in ranks.iter().enumerate() {
+                st.timing[t]
+                    .3
+                    .record(&st.comm)
+                    .map_err(err("cuEventRecord"))?;
+                received[r] = Some(st.comm.record_event(None).map_err(err("cuEventRecord"))?);
+            }
+        }
+        // 2. The step's calls on each compute stream.
+        for (r, (st, be)) in ranks.iter_mut().zip(backends).enumerate() {
+            let stream = be.stream();
+            st.timing[t]
+                .0
+                .record(stream)
+                .map_err(err("cuEventRecord"))?;
+            let step = ring.schedule().step(r, t);
+            let src_pieces = ks.pieces(step.source);
+            for (j, pr) in step.products.iter().enumerate() {
+                let qi = qs
+                    .pieces(r)
+                    .iter()
+                    .position(|pc| pc.local() == pr.q_local)
+                    .ok_or_else(|| Error::invalid("cp", "a product is not a whole query piece"))?;
+                let ki = src_pieces
+                    .iter()
+                    .position(|pc| pc.local() == pr.k_local)
+                    .ok_or_else(|| Error::invalid("cp", "a product is not a whole key piece"))?;
+                let (rows, keys) = (pr.q_global.len(), pr.k_global.len());
+                let lay = |name: &str, s: usize, h: usize, dim: usize| {
+                    Layout::new(name, &[b, s, h, dim], None)
+                };
+                let mut opts = Options::new().mask(pr.kind.mask()).scale(p.scale());
+                if let Some(c) = p.softcap() {
+                    opts = opts.softcap(c);
+                }
+                let cp = Problem::new(
+                    T::DTYPE,
+                    &lay("q", rows, hq, d)?,
+                    &lay("k", keys, hkv, d)?,
+                    &lay("v", keys, hkv, dv)?,
+                    &lay("out", rows, hq, dv)?,
+                    None,
+                    None,
+                    &opts,
+                )?;
+                let (po, pl) = &mut st.parts[t][j];
+                be.forward_device(
+                    &cp,
+                    &st.q[qi],
+                    &cur[r][2 * ki],
+                    &cur[r][2 * ki + 1],
+                    None,
+                    po,
+                    Some(pl),
+                )?;
+            }
+            st.timing[t]
+                .1
+                .record(stream)
+                .map_err(err("cuEventRecord"))?;
+            st.computed
+                .push(stream.record_event(None).map_err(err("cuEventRecord"))?);
+            // The next step's compute reads the received block.
+            if let Some(ev) = received[r].take() {
+                stream.wait(&ev).map_err(err("cuStreamWaitEvent"))?;
+            }
+        }
+        // 3. Merge step t − 1 on the host while the GPUs run step t.
+        if t >= 1 {
+            merge_step(ring, &mut ranks, t - 1)?;
+        }
+        std::mem::swap(&mut cur, &mut next);
+    }
+    let tail = std::time::Instant::now();
+    merge_step(ring, &mut ranks, n - 1)?;
+    let tail_merge_ms = tail.elapsed().as_secs_f64() * 1e3;
+    for be in backends {
+        be.synchronize()?;
+    }
+    let total_ms = t_start.elapsed().as_secs_f64() * 1e3;
+    let mut timings = GpuTimings {
+        total_ms,
+        tail_merge_ms,
+        ..Default::default()
+    };
+    for st in &ranks {
+        let ms = |a: &CudaEvent, z: &CudaEvent| a.elapsed_ms(z).map(f64::from).unwrap_or(0.0);
+        timings
+            .compute_ms
+            .push(st.timing.iter().map(|e| ms(&e.0, &e.1)).collect());
+        timings
+            .exchange_ms
+            .push(st.timing[..n - 1].iter().map(|e| ms(&e.2, &e.3)).collect());
+    }
+    drop(transport);
+    let local = LocalOutputs {
+        o: ranks
+            .iter()
+            .map(|s| s.acc_o.iter().map(|&x| T::from_f32(x)).collect())
+            .collect(),
+        lse: ranks
+            .iter()
+            .enumerate()
+            .map(|(r, s)| {
+                let len = ring.q_len(r);
+                let mut l = vec![0f32; b * hq * len];
+                for bi in 0..b {
+                    for i in 0..len {
+                        for h in 0..hq {
+                            l[(bi * hq + h) * len + i] = s.acc_lse[(bi * len + i) * hq + h];
+                        }
+                    }
+                }
+                l
+            })
+            .collect(),
+    };
+    ring.gather(&local, out, lse)?;
+    Ok(timings)
+}
+
+/// Copies step `t`'s partials of every rank back (after its compute) and merges them.
+fn merge_step<T: Element>(ring: &Ring, ranks: &mut [RankState<T>], t: usize) -> Result<()> {
+    let p = ring.problem();
+    let (b, hq, dv) = (ring.batch(), p.heads_q(), p.head_dim_v());
+    for (r, st) in ranks.iter_mut().enumerate() {
+        st.copy
+            .wait(&st.computed[t])
+            .map_err(err("cuStreamWaitEvent"))?;
+        let step = ring.schedule().step(r, t);
+        for (j, pr) in step.products.iter().enumerate() {
+            let rows = pr.q_global.len();
+            let (po, pl) = &st.parts[t][j];
+            let mut o = vec![T::from_f32(0.0); po.len()];
+            let mut l = vec![0f32; pl.len()];
+            st.copy.memcpy_dtoh(po, &mut o).map_err(err("download"))?;
+            st.copy.memcpy_dtoh(pl, &mut l).map_err(err("download"))?;
+            st.copy.synchronize().map_err(err("synchronize"))?;
+            let o32: Vec<f32> = o[..b * rows * hq * dv].iter().map(|x| x.to_f32()).collect();
+            merge_into(
+                &mut st.acc_o,
+                &mut st.acc_lse,
+                Shape {
+                    lq: ring.q_len(r),
+                    hq,
+                    dv,
+                },
+                pr.q_local.clone(),
+                &o32,
+                &l,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// Opens `n` CUDA devices for a ring, or says that there are fewer (naming `--cp`).
+pub fn open_devices(n: usize) -> Result<Vec<CudaBackend>> {
+    let first = CudaBackend::new(0)?;
+    let count = cudarc::driver::CudaContext::device_count()
+        .map_err(|e| Error::cuda("cuDeviceGetCount", e))? as usize;
+    if count < n {
+        return Err(Error::invalid(
+            "--cp",
+            format!("{n} ranks need {n} CUDA GPUs, this machine has {count}"),
+        ));
+    }
+    let mut out = vec![first];
+    for i in 1..n {
+        out.push(CudaBackend::new(i)?);
+    }
+    Ok(out)
+}

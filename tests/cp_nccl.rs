@@ -75,3 +75,65 @@ fn the_nccl_library_loads() {
     let id = cp::nccl::unique_id().unwrap();
     assert_ne!(id.0, [0u8; 128]);
 }
+
+#[test]
+#[ignore = "needs 2+ CUDA GPUs and NCCL"]
+fn one_rank_per_thread_with_a_shared_unique_id() {
+    // The one-process-per-GPU form, with threads standing in for processes: each joins the
+    // communicator named by one id and computes its own rank.
+    let n = 2;
+    let l = |h: usize| Layout::new("t", &[1, 512, h, 128], None).unwrap();
+    let p = Problem::new(
+        bf16::DTYPE,
+        &l(8),
+        &l(8),
+        &l(8),
+        &l(8),
+        None,
+        None,
+        &Options::new().causal(),
+    )
+    .unwrap();
+    let mut rng = StdRng::seed_from_u64(3);
+    let mut q = vec![bf16::NAN; p.q_layout().numel()];
+    let mut k = q.clone();
+    let mut v = q.clone();
+    random_qkv(&mut rng, &mut q, &mut k, &mut v, 128, 128);
+    let ring = Ring::new(&p, n, SplitKind::Zigzag).unwrap();
+    let (sq, sk, sv) = (
+        ring.shard(cp::Operand::Q, &q).unwrap(),
+        ring.shard(cp::Operand::K, &k).unwrap(),
+        ring.shard(cp::Operand::V, &v).unwrap(),
+    );
+    let id = cp::nccl::unique_id().unwrap();
+    let results: Vec<_> = std::thread::scope(|s| {
+        let handles: Vec<_> = (0..n)
+            .map(|r| {
+                let (ring, sq, sk, sv) = (&ring, &sq, &sk, &sv);
+                s.spawn(move || {
+                    let gpu = fa4::cuda::CudaBackend::new(r).unwrap();
+                    cp::cuda::forward_rank(
+                        ring,
+                        r,
+                        &gpu,
+                        &id,
+                        sq[r].clone(),
+                        sk[r].clone(),
+                        sv[r].clone(),
+                    )
+                    .unwrap()
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let local = cp::cpu::LocalOutputs {
+        o: results.iter().map(|r| r.0.clone()).collect(),
+        lse: results.iter().map(|r| r.1.clone()).collect(),
+    };
+    let mut o = vec![bf16::NAN; p.o_layout().numel()];
+    let mut lse = vec![f32::NAN; p.lse_len()];
+    ring.gather(&local, &mut o, Some(&mut lse)).unwrap();
+    let report = check::check(&p, &q, &k, &v, &o, Some(&lse));
+    assert!(report.passed(), "{report}");
+}

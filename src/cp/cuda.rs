@@ -70,6 +70,8 @@ fn piece_rows<T: Copy>(
 }
 
 struct RankState<T> {
+    /// The global rank.
+    rank: usize,
     q: Vec<CudaSlice<T>>,
     comm: Arc<CudaStream>,
     copy: Arc<CudaStream>,
@@ -81,11 +83,47 @@ struct RankState<T> {
     acc_lse: Vec<f32>,
 }
 
+/// Checks what every GPU ring needs: `seqlen_q == seqlen_k` (every product is then a whole
+/// piece against a whole piece).
+fn check_ring(ring: &Ring) -> Result<()> {
+    let (qs, ks) = (ring.schedule().q_split(), ring.schedule().k_split());
+    if qs.len() != ks.len() {
+        return Err(Error::invalid(
+            "seqlen_k",
+            format!(
+                "the GPU ring needs seqlen_q == seqlen_k (got {} and {}); the CPU ring takes both",
+                qs.len(),
+                ks.len()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Elements of each buffer of each rank's K/V block: `(K, V)` of each piece in order.
+pub fn block_counts(ring: &Ring) -> Vec<Vec<usize>> {
+    let p = ring.problem();
+    let (b, hkv, d, dv) = (ring.batch(), p.heads_kv(), p.head_dim(), p.head_dim_v());
+    let ks = ring.schedule().k_split();
+    (0..ring.ranks())
+        .map(|r| {
+            ks.pieces(r)
+                .iter()
+                .flat_map(|pc| {
+                    let m = b * pc.global.len() * hkv;
+                    [m * d, m * dv]
+                })
+                .collect()
+        })
+        .collect()
+}
+
 /// Computes the whole problem of `ring` on `backends` (rank `r` on `backends[r]`, distinct
-/// devices) from host inputs laid out as the problem says, writing O and LSE on the host.
+/// devices, one process driving them all) from host inputs laid out as the problem says,
+/// writing O and LSE on the host.
 ///
-/// Needs `seqlen_q == seqlen_k` (every product is then a whole piece against a whole piece),
-/// f16 or bf16 (the CUDA kernels), and NCCL ≥ 2.7 ([`super::nccl`]).
+/// Needs `seqlen_q == seqlen_k`, f16 or bf16 (the CUDA kernels), and NCCL ≥ 2.7
+/// ([`super::nccl`]).
 #[allow(clippy::too_many_arguments)]
 pub fn forward<T: Element>(
     ring: &Ring,
@@ -97,7 +135,6 @@ pub fn forward<T: Element>(
     lse: Option<&mut [f32]>,
 ) -> Result<GpuTimings> {
     let n = ring.ranks();
-    let p = ring.problem();
     if backends.len() != n {
         return Err(Error::invalid(
             "cp",
@@ -110,18 +147,8 @@ pub fn forward<T: Element>(
     if ordinals.len() != n {
         return Err(Error::invalid("cp", "every rank needs its own GPU"));
     }
-    let (qs, ks) = (ring.schedule().q_split(), ring.schedule().k_split());
-    if qs.len() != ks.len() {
-        return Err(Error::invalid(
-            "seqlen_k",
-            format!(
-                "the GPU ring needs seqlen_q == seqlen_k (got {} and {}); the CPU ring takes both",
-                qs.len(),
-                ks.len()
-            ),
-        ));
-    }
-    p.check_buffers(
+    check_ring(ring)?;
+    ring.problem().check_buffers(
         T::DTYPE,
         q.len(),
         k.len(),
@@ -129,6 +156,85 @@ pub fn forward<T: Element>(
         out.len(),
         lse.as_deref().map(<[f32]>::len),
     )?;
+    let (lq, lk, lv) = (
+        ring.shard(Operand::Q, q)?,
+        ring.shard(Operand::K, k)?,
+        ring.shard(Operand::V, v)?,
+    );
+    let locals: Vec<usize> = (0..n).collect();
+    let (local, timings) = run_local(ring, &locals, backends, &lq, &lk, &lv, |streams, counts| {
+        NcclRing::all(streams, counts)
+    })?;
+    ring.gather(&local, out, lse)?;
+    Ok(timings)
+}
+
+/// One rank of a ring with one process per GPU: this process computes rank `rank` on
+/// `backend` from its local Q, K and V (as [`Ring::shard`] cuts them), the communicator named
+/// by `id` (from [`super::nccl::unique_id`] on one rank, handed to all by the caller). Returns
+/// the rank's O `[batch, q_len, heads_q, head_dim_v]` and LSE `[batch, heads_q, q_len]`.
+#[allow(clippy::too_many_arguments)]
+pub fn forward_rank<T: Element>(
+    ring: &Ring,
+    rank: usize,
+    backend: &CudaBackend,
+    id: &super::nccl::UniqueId,
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+) -> Result<(Vec<T>, Vec<f32>, GpuTimings)> {
+    let n = ring.ranks();
+    if rank >= n {
+        return Err(Error::invalid(
+            "rank",
+            format!("{rank} is not below the ring's {n} ranks"),
+        ));
+    }
+    check_ring(ring)?;
+    for (name, which, x) in [
+        ("q", Operand::Q, &q),
+        ("k", Operand::K, &k),
+        ("v", Operand::V, &v),
+    ] {
+        if x.len() != ring.local_numel(which, rank) {
+            return Err(Error::invalid(
+                name,
+                format!(
+                    "rank {rank}'s buffer holds {} elements, expected {}",
+                    x.len(),
+                    ring.local_numel(which, rank)
+                ),
+            ));
+        }
+    }
+    let (mut local, timings) = run_local(
+        ring,
+        &[rank],
+        std::slice::from_ref(backend),
+        &[q],
+        &[k],
+        &[v],
+        |mut streams, counts| NcclRing::rank(streams.remove(0), id, rank, n, counts),
+    )?;
+    Ok((local.o.remove(0), local.lse.remove(0), timings))
+}
+
+/// The ring for the ranks `locals` of this process (`backends[i]` and the inputs `q[i]`, …
+/// belong to rank `locals[i]`); `transport` makes the NCCL ring from the local communication
+/// streams and the block counts.
+#[allow(clippy::too_many_arguments)]
+fn run_local<T: Element>(
+    ring: &Ring,
+    locals: &[usize],
+    backends: &[CudaBackend],
+    lq: &[Vec<T>],
+    lk: &[Vec<T>],
+    lv: &[Vec<T>],
+    transport: impl FnOnce(Vec<Arc<CudaStream>>, Vec<Vec<usize>>) -> Result<NcclRing<T>>,
+) -> Result<(LocalOutputs<T>, GpuTimings)> {
+    let n = ring.ranks();
+    let p = ring.problem();
+    let (qs, ks) = (ring.schedule().q_split(), ring.schedule().k_split());
     let (b, hq, hkv, d, dv) = (
         ring.batch(),
         p.heads_q(),
@@ -136,37 +242,21 @@ pub fn forward<T: Element>(
         p.head_dim(),
         p.head_dim_v(),
     );
-    let (lq, lk, lv) = (
-        ring.shard(Operand::Q, q)?,
-        ring.shard(Operand::K, k)?,
-        ring.shard(Operand::V, v)?,
-    );
-    // Block buffers per rank: (K, V) of each piece in order.
-    let counts: Vec<Vec<usize>> = (0..n)
-        .map(|r| {
-            ks.pieces(r)
-                .iter()
-                .flat_map(|pc| {
-                    let m = b * pc.global.len() * hkv;
-                    [m * d, m * dv]
-                })
-                .collect()
-        })
-        .collect();
+    let counts = block_counts(ring);
     let spare_len: Vec<usize> = (0..counts[0].len())
         .map(|i| counts.iter().map(|c| c[i]).max().unwrap_or(0).max(1))
         .collect();
 
-    let mut ranks: Vec<RankState<T>> = Vec::with_capacity(n);
-    let mut cur: Vec<Vec<CudaSlice<T>>> = Vec::with_capacity(n);
-    let mut next: Vec<Vec<CudaSlice<T>>> = Vec::with_capacity(n);
-    for (r, be) in backends.iter().enumerate() {
+    let mut ranks: Vec<RankState<T>> = Vec::with_capacity(locals.len());
+    let mut cur: Vec<Vec<CudaSlice<T>>> = Vec::with_capacity(locals.len());
+    let mut next: Vec<Vec<CudaSlice<T>>> = Vec::with_capacity(locals.len());
+    for (i, (&r, be)) in locals.iter().zip(backends).enumerate() {
         let ctx = be.context();
         let lenq = ring.q_len(r);
         let q_pieces = qs
             .pieces(r)
             .iter()
-            .map(|pc| be.upload(&piece_rows(&lq[r], b, lenq, hq * d, pc.local())))
+            .map(|pc| be.upload(&piece_rows(&lq[i], b, lenq, hq * d, pc.local())))
             .collect::<Result<Vec<_>>>()?;
         let lenk = ring.k_len(r);
         let mut blk = Vec::new();
@@ -179,8 +269,8 @@ pub fn forward<T: Element>(
                     be.upload(&x)
                 }
             };
-            blk.push(up(piece_rows(&lk[r], b, lenk, hkv * d, pc.local()))?);
-            blk.push(up(piece_rows(&lv[r], b, lenk, hkv * dv, pc.local()))?);
+            blk.push(up(piece_rows(&lk[i], b, lenk, hkv * d, pc.local()))?);
+            blk.push(up(piece_rows(&lv[i], b, lenk, hkv * dv, pc.local()))?);
         }
         cur.push(blk);
         next.push(
@@ -211,6 +301,7 @@ pub fn forward<T: Element>(
             .collect::<std::result::Result<Vec<_>, cudarc::driver::DriverError>>()
             .map_err(err("cuEventCreate"))?;
         ranks.push(RankState {
+            rank: r,
             q: q_pieces,
             comm: ctx.new_stream().map_err(err("cuStreamCreate"))?,
             copy: ctx.new_stream().map_err(err("cuStreamCreate"))?,
@@ -224,13 +315,10 @@ pub fn forward<T: Element>(
     for be in backends {
         be.synchronize()?;
     }
-    let mut transport: NcclRing<T> = NcclRing::all(
-        ranks.iter().map(|s| s.comm.clone()).collect(),
-        counts.clone(),
-    )?;
+    let mut transport = transport(ranks.iter().map(|s| s.comm.clone()).collect(), counts)?;
 
     let t_start = std::time::Instant::now();
-    let mut received: Vec<Option<CudaEvent>> = (0..n).map(|_| None).collect();
+    let mut received: Vec<Option<CudaEvent>> = (0..locals.len()).map(|_| None).collect();
     for t in 0..n {
         // 1. The exchange for step t + 1, once step t − 1's compute is done with the spares.
         if t + 1 < n {
@@ -246,16 +334,17 @@ pub fn forward<T: Element>(
                     .map_err(err("cuEventRecord"))?;
             }
             transport.shift(t, &cur, &mut next)?;
-            for (r, st) in ranks.iter().enumerate() {
+            for (i, st) in ranks.iter().enumerate() {
                 st.timing[t]
                     .3
                     .record(&st.comm)
                     .map_err(err("cuEventRecord"))?;
-                received[r] = Some(st.comm.record_event(None).map_err(err("cuEventRecord"))?);
+                received[i] = Some(st.comm.record_event(None).map_err(err("cuEventRecord"))?);
             }
         }
         // 2. The step's calls on each compute stream.
-        for (r, (st, be)) in ranks.iter_mut().zip(backends).enumerate() {
+        for (i, (st, be)) in ranks.iter_mut().zip(backends).enumerate() {
+            let r = st.rank;
             let stream = be.stream();
             st.timing[t]
                 .0
@@ -295,8 +384,8 @@ pub fn forward<T: Element>(
                 be.forward_device(
                     &cp,
                     &st.q[qi],
-                    &cur[r][2 * ki],
-                    &cur[r][2 * ki + 1],
+                    &cur[i][2 * ki],
+                    &cur[i][2 * ki + 1],
                     None,
                     po,
                     Some(pl),
@@ -309,7 +398,7 @@ pub fn forward<T: Element>(
             st.computed
                 .push(stream.record_event(None).map_err(err("cuEventRecord"))?);
             // The next step's compute reads the received block.
-            if let Some(ev) = received[r].take() {
+            if let Some(ev) = received[i].take() {
                 stream.wait(&ev).map_err(err("cuStreamWaitEvent"))?;
             }
         }
@@ -348,9 +437,8 @@ pub fn forward<T: Element>(
             .collect(),
         lse: ranks
             .iter()
-            .enumerate()
-            .map(|(r, s)| {
-                let len = ring.q_len(r);
+            .map(|s| {
+                let len = ring.q_len(s.rank);
                 let mut l = vec![0f32; b * hq * len];
                 for bi in 0..b {
                     for i in 0..len {
@@ -363,19 +451,18 @@ pub fn forward<T: Element>(
             })
             .collect(),
     };
-    ring.gather(&local, out, lse)?;
-    Ok(timings)
+    Ok((local, timings))
 }
 
-/// Copies step `t`'s partials of every rank back (after its compute) and merges them.
+/// Copies step `t`'s partials of every local rank back (after its compute) and merges them.
 fn merge_step<T: Element>(ring: &Ring, ranks: &mut [RankState<T>], t: usize) -> Result<()> {
     let p = ring.problem();
     let (b, hq, dv) = (ring.batch(), p.heads_q(), p.head_dim_v());
-    for (r, st) in ranks.iter_mut().enumerate() {
+    for st in ranks.iter_mut() {
         st.copy
             .wait(&st.computed[t])
             .map_err(err("cuStreamWaitEvent"))?;
-        let step = ring.schedule().step(r, t);
+        let step = ring.schedule().step(st.rank, t);
         for (j, pr) in step.products.iter().enumerate() {
             let rows = pr.q_global.len();
             let (po, pl) = &st.parts[t][j];
@@ -389,7 +476,7 @@ fn merge_step<T: Element>(ring: &Ring, ranks: &mut [RankState<T>], t: usize) -> 
                 &mut st.acc_o,
                 &mut st.acc_lse,
                 Shape {
-                    lq: ring.q_len(r),
+                    lq: ring.q_len(st.rank),
                     hq,
                     dv,
                 },

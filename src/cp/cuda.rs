@@ -156,6 +156,10 @@ pub fn forward<T: Element>(
         out.len(),
         lse.as_deref().map(<[f32]>::len),
     )?;
+    if ring.problem().o_layout().numel() == 0 {
+        // Nothing to compute or write (batch 0 or no query rows).
+        return Ok(GpuTimings::default());
+    }
     let (lq, lk, lv) = (
         ring.shard(Operand::Q, q)?,
         ring.shard(Operand::K, k)?,
@@ -207,6 +211,10 @@ pub fn forward_rank<T: Element>(
             ));
         }
     }
+    if ring.problem().o_layout().numel() == 0 {
+        // Batch 0 or no query rows: the rank's O and LSE are empty.
+        return Ok((Vec::new(), Vec::new(), GpuTimings::default()));
+    }
     let (mut local, timings) = run_local(
         ring,
         &[rank],
@@ -253,22 +261,23 @@ fn run_local<T: Element>(
     for (i, (&r, be)) in locals.iter().zip(backends).enumerate() {
         let ctx = be.context();
         let lenq = ring.q_len(r);
+        // A zero-length piece still gets a one-element buffer (never read; NCCL sends 0 bytes
+        // of it), as the driver refuses zero-byte allocations.
+        let up = |x: Vec<T>| {
+            if x.is_empty() {
+                be.alloc::<T>(1)
+            } else {
+                be.upload(&x)
+            }
+        };
         let q_pieces = qs
             .pieces(r)
             .iter()
-            .map(|pc| be.upload(&piece_rows(&lq[i], b, lenq, hq * d, pc.local())))
+            .map(|pc| up(piece_rows(&lq[i], b, lenq, hq * d, pc.local())))
             .collect::<Result<Vec<_>>>()?;
         let lenk = ring.k_len(r);
         let mut blk = Vec::new();
         for pc in ks.pieces(r) {
-            // A zero-length piece still gets a one-element buffer (NCCL sends 0 bytes of it).
-            let up = |x: Vec<T>| {
-                if x.is_empty() {
-                    be.alloc::<T>(1)
-                } else {
-                    be.upload(&x)
-                }
-            };
             blk.push(up(piece_rows(&lk[i], b, lenk, hkv * d, pc.local()))?);
             blk.push(up(piece_rows(&lv[i], b, lenk, hkv * dv, pc.local()))?);
         }
@@ -497,7 +506,10 @@ pub fn open_devices(n: usize) -> Result<Vec<CudaBackend>> {
     if count < n {
         return Err(Error::invalid(
             "--cp",
-            format!("{n} ranks need {n} CUDA GPUs, this machine has {count}"),
+            format!(
+                "{n} ranks need {n} CUDA GPUs, this machine has {count} (--backend cpu \
+                 simulates the ranks)"
+            ),
         ));
     }
     let mut out = vec![first];

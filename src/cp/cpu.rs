@@ -1,7 +1,7 @@
 //! The ring on the CPU: `N` simulated ranks in one process, one step of the loop per ring step,
-//! K/V blocks exchanged through memory ([`InMemory`], or any host [`Transport`]) on a second
-//! thread while the ranks compute the block in hand, partial results merged with
-//! [`crate::combine::combine_row`].
+//! K/V blocks exchanged through memory ([`InMemory`](super::InMemory), or any host
+//! [`Transport`]) on a second thread while the ranks compute the block in hand, partial results
+//! merged with [`crate::combine::combine_row`].
 //!
 //! Every rank's Q, K and V are widened to f32 once (exact for f16 and bf16), the calls run the
 //! CPU backend in f32 and the partial O stay f32 until the last merge, so the only rounding to

@@ -9,6 +9,7 @@
 //! | planners | [`config`] | pure functions from a problem's shape to a kernel plan: [`config::sm100::FA4Config`] (Blackwell, the seed), [`config::sm90`] (the Hopper kernel, and which kernel a problem gets), [`config::sm80`] (the Ampere-class kernel), [`cpu::plan`] |
 //! | problem | [`problem`], [`mask`], [`tensor`] | shapes, strides, dtypes, mask, scale, softcap, varlen: validated once, trusted after |
 //! | backends | [`Backend`], [`cpu`], [`cuda`] | one API for the CPU and the GPU; CUDA kernels compiled at run time by NVRTC and cached on disk |
+//! | parallelism | [`cp`], [`combine`] | context parallelism (ring attention over N ranks: zigzag split, ring schedule, NCCL or simulated transport) and the exact merge of partial results |
 //! | oracle | [`cpu::reference`], [`cpu::reference_grad`], [`check`] | the float64 evaluation, the tolerance rule, the correctness matrix |
 //! | errors | [`error`] | one error enum; bad input is an error naming the argument, never a panic |
 //!
@@ -75,6 +76,7 @@ pub mod backward;
 pub mod check;
 pub mod combine;
 pub mod config;
+pub mod cp;
 pub mod cpu;
 pub mod cuda;
 pub mod dtype;

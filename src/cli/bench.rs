@@ -103,6 +103,9 @@ pub struct BenchArgs {
     /// Decode over a paged KV cache (`src/cli/decode_bench.rs`).
     #[command(flatten)]
     decode: decode_bench::DecodeBenchArgs,
+    /// Context parallelism (`--cp N`: scaling against one call).
+    #[command(flatten)]
+    cp: super::cp::CpArgs,
 }
 
 /// One shape's measurements.
@@ -165,6 +168,39 @@ pub fn run(args: BenchArgs) -> Result<()> {
             "--backend",
             "cuda: the GPU decode kernels are not written yet; `fa4 bench --decode` runs on the CPU",
         ));
+    }
+    if args.cp.cp.is_some() {
+        for (flag, given) in [
+            ("--decode", args.decode.wanted()),
+            ("--backward", args.backward),
+        ] {
+            if given {
+                return Err(Error::invalid(
+                    flag,
+                    "`fa4 bench --cp` times the contiguous forward only; drop --cp or this flag",
+                ));
+            }
+        }
+    }
+    if let Some(n) = args.cp.cp {
+        let masks: &[bool] = match args.causal {
+            CausalArg::Both => &[false, true],
+            CausalArg::On => &[true],
+            CausalArg::Off => &[false],
+        };
+        let plan = super::cp::BenchPlan {
+            backend: args.backend,
+            seqlens: &args.seqlens,
+            head_dims: &args.head_dims,
+            masks,
+            dtype: args.dtype,
+            batch: args.batch,
+            heads: args.heads,
+            reps: args.reps,
+            warmup: args.warmup,
+            json: args.json,
+        };
+        return super::with_threads(args.threads, || super::cp::bench(&args.cp, n, &plan));
     }
     match args.backend {
         BackendArg::Cpu | BackendArg::Auto => {}

@@ -12,6 +12,7 @@ mod backward;
 mod bench;
 mod bench_cuda;
 mod check;
+mod cp;
 mod memory;
 mod plan;
 mod progress;

@@ -127,6 +127,9 @@ pub struct RunArgs {
     /// The backward pass (`src/cli/backward.rs`).
     #[command(flatten)]
     grad: super::backward::GradArgs,
+    /// Context parallelism (`--cp N`, `--cp-split`).
+    #[command(flatten)]
+    cp: super::cp::CpArgs,
 }
 
 /// Parses `LEFT,RIGHT`, each ≥ 0 or -1 (unbounded).
@@ -224,11 +227,26 @@ fn run_in_pool(args: RunArgs) -> Result<ExitCode> {
         (_, true) => CheckPolicy::Never,
         _ => CheckPolicy::Affordable,
     };
+    if args.cp.cp.is_some() {
+        if let Some(flag) = args.grad.first_given() {
+            return Err(Error::invalid(
+                flag,
+                "the context-parallel ring (--cp) has no backward yet; drop --cp or the \
+                 backward flags",
+            ));
+        }
+    }
     if args.paged.wanted() {
         if let Some(flag) = args.grad.first_given() {
             return Err(Error::invalid(
                 flag,
                 "the paged (decode) run has no backward; drop the backward flags or the paged ones",
+            ));
+        }
+        if args.cp.cp.is_some() {
+            return Err(Error::invalid(
+                "--cp",
+                "belongs to a contiguous run; the paged (decode) run has no context parallelism",
             ));
         }
         return decode::run(&args, &backend.resolve()?, &opts, policy);
@@ -329,9 +347,9 @@ fn random(
         )
     })?;
     match dtype {
-        DType::F32 => random_typed::<f32>(p, seed, backend, policy, &args.grad),
-        DType::F16 => random_typed::<f16>(p, seed, backend, policy, &args.grad),
-        DType::Bf16 => random_typed::<bf16>(p, seed, backend, policy, &args.grad),
+        DType::F32 => random_typed::<f32>(p, seed, backend, policy, &args.grad, &args.cp),
+        DType::F16 => random_typed::<f16>(p, seed, backend, policy, &args.grad, &args.cp),
+        DType::Bf16 => random_typed::<bf16>(p, seed, backend, policy, &args.grad, &args.cp),
         DType::Fp8E4M3 => Err(fp8()),
     }
 }
@@ -342,6 +360,7 @@ fn random_typed<T: Element>(
     backend: BackendArg,
     policy: CheckPolicy,
     grad: &super::backward::GradArgs,
+    cp: &super::cp::CpArgs,
 ) -> Result<ExitCode> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut q = alloc("q", p.q_layout().numel(), T::NAN)?;
@@ -357,8 +376,11 @@ fn random_typed<T: Element>(
     );
     let job = Job { p, q, k, v };
     let skip = job.check_plan(policy)?;
+    if let Some(n) = cp.cp {
+        super::cp::validate(cp, n, &job.p)?;
+    }
     let backend = super::backward::resolve_backend(grad, backend)?;
-    let done = job.execute(&backend)?;
+    let done = job.execute(&backend, cp)?;
     job.print(&backend, &done, &[]);
     let code = job.verify(&done, skip);
     if grad.wanted() {
@@ -537,9 +559,33 @@ fn from_files(
         o_shape: shapes.o(),
     };
     match dtype {
-        DType::F32 => files_typed::<f32>(p, [qa, ka, va], backend, policy, outputs, &args.grad),
-        DType::F16 => files_typed::<f16>(p, [qa, ka, va], backend, policy, outputs, &args.grad),
-        DType::Bf16 => files_typed::<bf16>(p, [qa, ka, va], backend, policy, outputs, &args.grad),
+        DType::F32 => files_typed::<f32>(
+            p,
+            [qa, ka, va],
+            backend,
+            policy,
+            outputs,
+            &args.grad,
+            &args.cp,
+        ),
+        DType::F16 => files_typed::<f16>(
+            p,
+            [qa, ka, va],
+            backend,
+            policy,
+            outputs,
+            &args.grad,
+            &args.cp,
+        ),
+        DType::Bf16 => files_typed::<bf16>(
+            p,
+            [qa, ka, va],
+            backend,
+            policy,
+            outputs,
+            &args.grad,
+            &args.cp,
+        ),
         DType::Fp8E4M3 => Err(fp8()),
     }
 }
@@ -585,6 +631,7 @@ fn files_typed<T: Element>(
     policy: CheckPolicy,
     outputs: Outputs<'_>,
     grad: &super::backward::GradArgs,
+    cp: &super::cp::CpArgs,
 ) -> Result<ExitCode> {
     let job: Job<T> = Job {
         p,
@@ -593,9 +640,12 @@ fn files_typed<T: Element>(
         v: convert(va),
     };
     let skip = job.check_plan(policy)?;
+    if let Some(n) = cp.cp {
+        super::cp::validate(cp, n, &job.p)?;
+    }
     let d_out = super::backward::read_d_out::<T>(&job.p, grad)?;
     let backend = super::backward::resolve_backend(grad, backend)?;
-    let done = job.execute(&backend)?;
+    let done = job.execute(&backend, cp)?;
     // O is written as float32: exact for every storage dtype. Both files are written under
     // temporary names first and renamed only when both are complete: a failed or interrupted
     // run leaves neither half-written.
@@ -792,6 +842,8 @@ struct Done<T> {
     o: Vec<T>,
     lse: Vec<f32>,
     elapsed: Duration,
+    /// Lines about how it was computed (`--cp`).
+    notes: Vec<String>,
 }
 
 impl<T: Element> Job<T> {
@@ -808,7 +860,16 @@ impl<T: Element> Job<T> {
     }
 
     /// Runs the backend once on NaN-poisoned outputs (an unwritten element fails the check).
-    fn execute(&self, backend: &Backend) -> Result<Done<T>> {
+    fn execute(&self, backend: &Backend, cp: &super::cp::CpArgs) -> Result<Done<T>> {
+        if let Some(n) = cp.cp {
+            let c = super::cp::execute(cp, n, backend, &self.p, &self.q, &self.k, &self.v)?;
+            return Ok(Done {
+                o: c.o,
+                lse: c.lse,
+                elapsed: c.elapsed,
+                notes: c.notes,
+            });
+        }
         let mut o = alloc("out", self.p.o_layout().numel(), T::NAN)?;
         let mut lse = alloc("lse", self.p.lse_len(), f32::NAN)?;
         // Start the CPU thread pool outside the timed call.
@@ -826,7 +887,12 @@ impl<T: Element> Job<T> {
         let elapsed = t0.elapsed();
         progress.finish();
         result?;
-        Ok(Done { o, lse, elapsed })
+        Ok(Done {
+            o,
+            lse,
+            elapsed,
+            notes: Vec::new(),
+        })
     }
 
     /// `Ok(None)` to run the check, `Ok(Some(why))` to skip it, decided before anything is
@@ -887,6 +953,9 @@ impl<T: Element> Job<T> {
             "n/a GFLOP/s".into()
         };
         println!("time     {:.3} ms, {rate} (one call)", secs * 1e3);
+        for n in &done.notes {
+            println!("cp       {n}");
+        }
         for w in wrote {
             println!("wrote    {w}");
         }

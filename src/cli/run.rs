@@ -646,9 +646,9 @@ fn files_typed<T: Element>(
     let d_out = super::backward::read_d_out::<T>(&job.p, grad)?;
     let backend = super::backward::resolve_backend(grad, backend)?;
     let done = job.execute(&backend, cp)?;
-    // O is written as float32: exact for every storage dtype. Both files are written under
-    // temporary names first and renamed only when both are complete: a failed or interrupted
-    // run leaves neither half-written.
+    // O is written as float32: exact for every storage dtype. Every output (O, LSE, and the
+    // gradients of a backward) is written under a temporary name first and renamed only when
+    // all are complete: a failed or interrupted run leaves none half-written.
     let o: Vec<f32> = done.o.iter().map(|x| x.to_f32()).collect();
     let mut staged = vec![npy::stage(outputs.out, "--out", &outputs.o_shape, &o)?];
     drop(o);

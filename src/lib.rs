@@ -9,7 +9,8 @@
 //! | planners | [`config`] | pure functions from a problem's shape to a kernel plan: [`config::sm100::FA4Config`] (Blackwell, the seed), [`config::sm90`] (the Hopper kernel, and which kernel a problem gets), [`config::sm80`] (the Ampere-class kernel), [`cpu::plan`] |
 //! | problem | [`problem`], [`mask`], [`tensor`] | shapes, strides, dtypes, mask, scale, softcap, varlen: validated once, trusted after |
 //! | backends | [`Backend`], [`cpu`], [`cuda`] | one API for the CPU and the GPU; CUDA kernels compiled at run time by NVRTC and cached on disk |
-//! | oracle | [`cpu::reference`], [`check`] | the float64 evaluation, the tolerance rule, the correctness matrix |
+//! | parallelism | [`cp`], [`combine`] | context parallelism (ring attention over N ranks: zigzag split, ring schedule, NCCL or simulated transport) and the exact merge of partial results |
+//! | oracle | [`cpu::reference`], [`cpu::reference_grad`], [`check`] | the float64 evaluation, the tolerance rule, the correctness matrix |
 //! | errors | [`error`] | one error enum; bad input is an error naming the argument, never a panic |
 //!
 //! ## Features
@@ -20,6 +21,7 @@
 //! | head dims | 1–1024, `head_dim_v` free | multiples of 8 up to 256, `head_dim_v == head_dim` |
 //! | fixed and varlen batches, zero-length sequences, strided views | yes | yes (strides in multiples of 8 elements) |
 //! | GQA/MQA, causal (bottom-right), local window, softcap, custom scale, LSE | yes | yes |
+//! | backward: dQ, dK, dV ([`Backend::backward`], `docs/backward.md`) | yes, every feature above, deterministic | not yet (an error) |
 //!
 //! On Hopper GPUs the CUDA backend runs fp16/bf16 problems with head dim 64, 128 or 256, a
 //! fixed-length batch and a positive scale on the Hopper kernel (TMA, `wgmma`, warp
@@ -70,9 +72,11 @@
 
 pub mod arch;
 pub mod backend;
+pub mod backward;
 pub mod check;
 pub mod combine;
 pub mod config;
+pub mod cp;
 pub mod cpu;
 pub mod cuda;
 pub mod dtype;
@@ -84,6 +88,7 @@ pub mod problem;
 pub mod tensor;
 
 pub use backend::Backend;
+pub use backward::BackwardOptions;
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use mask::Mask;

@@ -155,7 +155,7 @@ fn cu_seqlens(name: &str, cu: &[i32], total: usize) -> Result<Vec<usize>> {
 
 /// True when no two distinct elements of the layout share an offset (an empty layout has no
 /// elements, so none overlap whatever its strides).
-fn non_overlapping(l: &Layout) -> bool {
+pub(crate) fn non_overlapping(l: &Layout) -> bool {
     if l.dims.contains(&0) {
         return true;
     }

@@ -236,16 +236,16 @@ pub fn matrix(dtypes: &[DType], head_dims: &[usize]) -> Vec<Case> {
     out
 }
 
-struct Data<T> {
-    q: Vec<T>,
-    k: Vec<T>,
-    v: Vec<T>,
-    o: Vec<T>,
-    lse: Vec<f32>,
+pub(super) struct Data<T> {
+    pub(super) q: Vec<T>,
+    pub(super) k: Vec<T>,
+    pub(super) v: Vec<T>,
+    pub(super) o: Vec<T>,
+    pub(super) lse: Vec<f32>,
 }
 
 /// The problem of a case and buffers for it (strided cases pad each row by one head's width).
-fn setup<T: Element>(case: &Case, seed: u64) -> Result<(Problem, Data<T>)> {
+pub(super) fn setup<T: Element>(case: &Case, seed: u64) -> Result<(Problem, Data<T>)> {
     let (b, sq, sk, cu) = match &case.seqlens {
         Seqlens::Fixed { batch, q, k } => (*batch, *q, *k, None),
         Seqlens::Varlen { q, k } => {

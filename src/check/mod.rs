@@ -344,6 +344,7 @@ pub fn random_fill<T: Element, R: Rng>(rng: &mut R, data: &mut [T], row_len: usi
     }
 }
 
+pub mod grad;
 mod matrix;
 pub use matrix::{matrix, run_case, Case, Seqlens};
 

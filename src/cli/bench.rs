@@ -94,12 +94,18 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
+    /// Time the backward pass (dQ, dK, dV; FLOPs 2.5 × the forward's) beside the forward.
+    #[arg(long)]
+    backward: bool,
     /// CUDA-only flags (`--backend cuda`).
     #[command(flatten)]
     cuda: super::bench_cuda::CudaBenchArgs,
     /// Decode over a paged KV cache (`src/cli/decode_bench.rs`).
     #[command(flatten)]
     decode: decode_bench::DecodeBenchArgs,
+    /// Context parallelism (`--cp N`: scaling against one call).
+    #[command(flatten)]
+    cp: super::cp::CpArgs,
 }
 
 /// One shape's measurements.
@@ -151,14 +157,59 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(flag) = args.decode.stray() {
         return Err(Error::invalid(flag, "belongs to `fa4 bench --decode`"));
     }
+    if args.decode.wanted() && args.backward {
+        return Err(Error::invalid(
+            "--backward",
+            "`fa4 bench --decode` times the forward only; drop one of --decode and --backward",
+        ));
+    }
     if args.decode.wanted() && args.backend == BackendArg::Cuda {
         return Err(Error::invalid(
             "--backend",
             "cuda: the GPU decode kernels are not written yet; `fa4 bench --decode` runs on the CPU",
         ));
     }
+    if args.cp.cp.is_some() {
+        for (flag, given) in [
+            ("--decode", args.decode.wanted()),
+            ("--backward", args.backward),
+        ] {
+            if given {
+                return Err(Error::invalid(
+                    flag,
+                    "`fa4 bench --cp` times the contiguous forward only; drop --cp or this flag",
+                ));
+            }
+        }
+    }
+    if let Some(n) = args.cp.cp {
+        let masks: &[bool] = match args.causal {
+            CausalArg::Both => &[false, true],
+            CausalArg::On => &[true],
+            CausalArg::Off => &[false],
+        };
+        let plan = super::cp::BenchPlan {
+            backend: args.backend,
+            seqlens: &args.seqlens,
+            head_dims: &args.head_dims,
+            masks,
+            dtype: args.dtype,
+            batch: args.batch,
+            heads: args.heads,
+            reps: args.reps,
+            warmup: args.warmup,
+            json: args.json,
+        };
+        return super::with_threads(args.threads, || super::cp::bench(&args.cp, n, &plan));
+    }
     match args.backend {
         BackendArg::Cpu | BackendArg::Auto => {}
+        BackendArg::Cuda if args.backward => {
+            return Err(Error::invalid(
+                "--backward",
+                "the CUDA backend has no backward kernels yet; use --backend cpu",
+            ))
+        }
         BackendArg::Cuda => {
             return super::bench_cuda::run(
                 &args.cuda,
@@ -195,6 +246,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .map_err(|e| Error::invalid("--threads", e.to_string()))?;
     if args.decode.wanted() {
         return pool.install(|| decode_bench::run(&args));
+    }
+    if args.backward {
+        let masks: &[bool] = match args.causal {
+            CausalArg::Both => &[false, true],
+            CausalArg::On => &[true],
+            CausalArg::Off => &[false],
+        };
+        let grid = super::backward::BenchGrid {
+            seqlens: &args.seqlens,
+            head_dims: &args.head_dims,
+            masks,
+            dtype: args.dtype,
+            batch: args.batch,
+            heads: args.heads,
+            reps: args.reps,
+            warmup: args.warmup,
+            json: args.json,
+        };
+        return pool.install(|| super::backward::bench(&grid));
     }
     pool.install(|| bench(&args))
 }

@@ -47,6 +47,9 @@ pub struct CheckArgs {
     /// Worker threads of the CPU backend and of the float64 oracle [default: all cores].
     #[arg(long, allow_negative_numbers = true)]
     threads: Option<usize>,
+    /// Check the gradients of the backward pass instead (the gradient matrix, on the CPU).
+    #[arg(long)]
+    backward: bool,
 }
 
 pub fn run(args: CheckArgs) -> Result<ExitCode> {
@@ -110,6 +113,10 @@ fn run_in_pool(args: CheckArgs) -> Result<ExitCode> {
     } else {
         dedup(&args.head_dim)
     };
+    if args.backward {
+        let auto = args.backend == BackendArg::Auto;
+        return super::backward::check(backend, auto, &dtypes, &head_dims, args.seed);
+    }
     let cases = matrix(&dtypes, &head_dims);
     let n = cases.len();
     let width = n.to_string().len();

@@ -8,9 +8,11 @@ use clap::{Parser, Subcommand, ValueEnum};
 
 use fa4::Backend;
 
+mod backward;
 mod bench;
 mod bench_cuda;
 mod check;
+mod cp;
 mod memory;
 mod plan;
 mod progress;

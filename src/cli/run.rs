@@ -124,6 +124,12 @@ pub struct RunArgs {
     /// Decode over a paged KV cache (`src/cli/decode.rs`).
     #[command(flatten)]
     paged: decode::PagedRunArgs,
+    /// The backward pass (`src/cli/backward.rs`).
+    #[command(flatten)]
+    grad: super::backward::GradArgs,
+    /// Context parallelism (`--cp N`, `--cp-split`).
+    #[command(flatten)]
+    cp: super::cp::CpArgs,
 }
 
 /// Parses `LEFT,RIGHT`, each ≥ 0 or -1 (unbounded).
@@ -150,7 +156,7 @@ fn parse_window(s: &str) -> std::result::Result<Mask, String> {
 
 /// Whether to compare with the oracle.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum CheckPolicy {
+pub(super) enum CheckPolicy {
     /// When it costs at most [`CHECK_LIMIT_MACS`].
     Affordable,
     Always,
@@ -166,7 +172,7 @@ fn check_cost(p: &Problem) -> f64 {
 }
 
 /// `None` to run the check, or why it is skipped.
-fn skip_reason(policy: CheckPolicy, cost: f64) -> Option<String> {
+pub(super) fn skip_reason(policy: CheckPolicy, cost: f64) -> Option<String> {
     match policy {
         CheckPolicy::Always => None,
         CheckPolicy::Never => Some("skipped (--no-check)".into()),
@@ -221,7 +227,28 @@ fn run_in_pool(args: RunArgs) -> Result<ExitCode> {
         (_, true) => CheckPolicy::Never,
         _ => CheckPolicy::Affordable,
     };
+    if args.cp.cp.is_some() {
+        if let Some(flag) = args.grad.first_given() {
+            return Err(Error::invalid(
+                flag,
+                "the context-parallel ring (--cp) has no backward yet; drop --cp or the \
+                 backward flags",
+            ));
+        }
+    }
     if args.paged.wanted() {
+        if let Some(flag) = args.grad.first_given() {
+            return Err(Error::invalid(
+                flag,
+                "the paged (decode) run has no backward; drop the backward flags or the paged ones",
+            ));
+        }
+        if args.cp.cp.is_some() {
+            return Err(Error::invalid(
+                "--cp",
+                "belongs to a contiguous run; the paged (decode) run has no context parallelism",
+            ));
+        }
         return decode::run(&args, &backend.resolve()?, &opts, policy);
     }
     if args.q.is_some() || args.k.is_some() || args.v.is_some() {
@@ -252,6 +279,7 @@ fn random(
             ));
         }
     }
+    args.grad.validate(false)?;
     let b = args.batch.unwrap_or(1);
     let sq = args.seqlen_q.unwrap_or(DEFAULT_SEQLEN);
     let sk = args.seqlen_k.unwrap_or(sq);
@@ -296,7 +324,9 @@ fn random(
     // storage type, LSE, and the problem's per-sequence records.
     let (bf, sqf, skf, hqf, hkvf) = (b as f64, sq as f64, sk as f64, hq as f64, hkv as f64);
     let elem = dtype.size_bytes() as f64;
-    let bytes = elem * bf * (sqf * hqf * (d + dv) as f64 + skf * hkvf * (d + dv) as f64)
+    // A backward doubles the tensors: dO, dQ, dK and dV beside O, Q, K and V.
+    let tensors = if args.grad.wanted() { 2.0 } else { 1.0 };
+    let bytes = tensors * elem * bf * (sqf * hqf * (d + dv) as f64 + skf * hkvf * (d + dv) as f64)
         + 4.0 * bf * hqf * sqf
         + bf * std::mem::size_of::<fa4::problem::Sequence>() as f64;
     memory::ensure(size_flag, "the problem", bytes)?;
@@ -317,9 +347,9 @@ fn random(
         )
     })?;
     match dtype {
-        DType::F32 => random_typed::<f32>(p, seed, backend, policy),
-        DType::F16 => random_typed::<f16>(p, seed, backend, policy),
-        DType::Bf16 => random_typed::<bf16>(p, seed, backend, policy),
+        DType::F32 => random_typed::<f32>(p, seed, backend, policy, &args.grad, &args.cp),
+        DType::F16 => random_typed::<f16>(p, seed, backend, policy, &args.grad, &args.cp),
+        DType::Bf16 => random_typed::<bf16>(p, seed, backend, policy, &args.grad, &args.cp),
         DType::Fp8E4M3 => Err(fp8()),
     }
 }
@@ -329,6 +359,8 @@ fn random_typed<T: Element>(
     seed: u64,
     backend: BackendArg,
     policy: CheckPolicy,
+    grad: &super::backward::GradArgs,
+    cp: &super::cp::CpArgs,
 ) -> Result<ExitCode> {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut q = alloc("q", p.q_layout().numel(), T::NAN)?;
@@ -344,10 +376,22 @@ fn random_typed<T: Element>(
     );
     let job = Job { p, q, k, v };
     let skip = job.check_plan(policy)?;
-    let backend = backend.resolve()?;
-    let done = job.execute(&backend)?;
+    if let Some(n) = cp.cp {
+        super::cp::validate(cp, n, &job.p)?;
+    }
+    let backend = super::backward::resolve_backend(grad, backend)?;
+    let done = job.execute(&backend, cp)?;
     job.print(&backend, &done, &[]);
-    Ok(job.verify(&done, skip))
+    let code = job.verify(&done, skip);
+    if grad.wanted() {
+        let f = job.forward(&done);
+        let d_out = super::backward::random_d_out(&job.p, seed);
+        let grads = super::backward::compute(&f, &backend, d_out)?;
+        if !grads.report(&f, &[], policy) {
+            return Ok(ExitCode::from(1));
+        }
+    }
+    Ok(code)
 }
 
 // ---- inputs from files ----------------------------------------------------------------------
@@ -375,6 +419,7 @@ fn from_files(
             ));
         }
     }
+    args.grad.validate(true)?;
     let need = |flag: &str, path: &Option<PathBuf>, why: &str| {
         path.clone()
             .ok_or_else(|| Error::invalid(flag, why.to_string()))
@@ -422,6 +467,8 @@ fn from_files(
     if let Some(l) = &args.lse {
         outputs.push(("--lse", l));
     }
+    inputs.extend(args.grad.input());
+    outputs.extend(args.grad.outputs());
     distinct_outputs(&inputs, &outputs)?;
 
     const FLOATS: [NpyDType; 2] = [NpyDType::F32, NpyDType::F16];
@@ -497,8 +544,14 @@ fn from_files(
     let (ql, kl, vl, ol) = (p.q_layout(), p.k_layout(), p.v_layout(), p.o_layout());
     let elem = dtype.size_bytes() as f64;
     let n = |x: usize| x as f64;
-    let bytes = elem * (n(ql.numel()) + n(kl.numel()) + n(vl.numel()) + n(ol.numel()))
+    let mut bytes = elem * (n(ql.numel()) + n(kl.numel()) + n(vl.numel()) + n(ol.numel()))
         + 8.0 * (n(ol.numel()) + n(p.lse_len()));
+    // A backward adds dO and dQ, dK, dV in the storage type, and each gradient's float32 copy
+    // while it is staged.
+    if args.grad.wanted() {
+        bytes += elem * (n(ol.numel()) + n(ql.numel()) + n(kl.numel()) + n(vl.numel()))
+            + 4.0 * n(ql.numel().max(kl.numel()).max(vl.numel()));
+    }
     memory::ensure("--q", "the run", bytes)?;
     let outputs = Outputs {
         out: &out,
@@ -506,9 +559,33 @@ fn from_files(
         o_shape: shapes.o(),
     };
     match dtype {
-        DType::F32 => files_typed::<f32>(p, [qa, ka, va], backend, policy, outputs),
-        DType::F16 => files_typed::<f16>(p, [qa, ka, va], backend, policy, outputs),
-        DType::Bf16 => files_typed::<bf16>(p, [qa, ka, va], backend, policy, outputs),
+        DType::F32 => files_typed::<f32>(
+            p,
+            [qa, ka, va],
+            backend,
+            policy,
+            outputs,
+            &args.grad,
+            &args.cp,
+        ),
+        DType::F16 => files_typed::<f16>(
+            p,
+            [qa, ka, va],
+            backend,
+            policy,
+            outputs,
+            &args.grad,
+            &args.cp,
+        ),
+        DType::Bf16 => files_typed::<bf16>(
+            p,
+            [qa, ka, va],
+            backend,
+            policy,
+            outputs,
+            &args.grad,
+            &args.cp,
+        ),
         DType::Fp8E4M3 => Err(fp8()),
     }
 }
@@ -553,6 +630,8 @@ fn files_typed<T: Element>(
     backend: BackendArg,
     policy: CheckPolicy,
     outputs: Outputs<'_>,
+    grad: &super::backward::GradArgs,
+    cp: &super::cp::CpArgs,
 ) -> Result<ExitCode> {
     let job: Job<T> = Job {
         p,
@@ -561,11 +640,15 @@ fn files_typed<T: Element>(
         v: convert(va),
     };
     let skip = job.check_plan(policy)?;
-    let backend = backend.resolve()?;
-    let done = job.execute(&backend)?;
-    // O is written as float32: exact for every storage dtype. Both files are written under
-    // temporary names first and renamed only when both are complete: a failed or interrupted
-    // run leaves neither half-written.
+    if let Some(n) = cp.cp {
+        super::cp::validate(cp, n, &job.p)?;
+    }
+    let d_out = super::backward::read_d_out::<T>(&job.p, grad)?;
+    let backend = super::backward::resolve_backend(grad, backend)?;
+    let done = job.execute(&backend, cp)?;
+    // O is written as float32: exact for every storage dtype. Every output (O, LSE, and the
+    // gradients of a backward) is written under a temporary name first and renamed only when
+    // all are complete: a failed or interrupted run leaves none half-written.
     let o: Vec<f32> = done.o.iter().map(|x| x.to_f32()).collect();
     let mut staged = vec![npy::stage(outputs.out, "--out", &outputs.o_shape, &o)?];
     drop(o);
@@ -579,11 +662,33 @@ fn files_typed<T: Element>(
         staged.push(npy::stage(path, "--lse", &shape, &done.lse)?);
         wrote.push(format!("LSE {shape:?} float32 to `{}`", path.display()));
     }
+    // The gradients are computed before anything is committed, so that O, LSE, dQ, dK and dV
+    // are renamed into place together or not at all.
+    let grads = match d_out {
+        Some(d_out) => Some(super::backward::compute(
+            &job.forward(&done),
+            &backend,
+            d_out,
+        )?),
+        None => None,
+    };
+    let mut grad_wrote = Vec::new();
+    if let Some(g) = &grads {
+        let (s, w) = g.stage(&job.p, grad)?;
+        staged.extend(s);
+        grad_wrote = w;
+    }
     for s in staged {
         s.commit()?;
     }
     job.print(&backend, &done, &wrote);
-    Ok(job.verify(&done, skip))
+    let code = job.verify(&done, skip);
+    if let Some(g) = &grads {
+        if !g.report(&job.forward(&done), &grad_wrote, policy) {
+            return Ok(ExitCode::from(1));
+        }
+    }
+    Ok(code)
 }
 
 /// Renames a library error's argument (`k`, `cu_seqlens_q`) to the flag the user typed
@@ -737,11 +842,34 @@ struct Done<T> {
     o: Vec<T>,
     lse: Vec<f32>,
     elapsed: Duration,
+    /// Lines about how it was computed (`--cp`).
+    notes: Vec<String>,
 }
 
 impl<T: Element> Job<T> {
+    /// The forward's inputs and outputs, for the backward.
+    fn forward<'a>(&'a self, done: &'a Done<T>) -> super::backward::Forward<'a, T> {
+        super::backward::Forward {
+            p: &self.p,
+            q: &self.q,
+            k: &self.k,
+            v: &self.v,
+            o: &done.o,
+            lse: &done.lse,
+        }
+    }
+
     /// Runs the backend once on NaN-poisoned outputs (an unwritten element fails the check).
-    fn execute(&self, backend: &Backend) -> Result<Done<T>> {
+    fn execute(&self, backend: &Backend, cp: &super::cp::CpArgs) -> Result<Done<T>> {
+        if let Some(n) = cp.cp {
+            let c = super::cp::execute(cp, n, backend, &self.p, &self.q, &self.k, &self.v)?;
+            return Ok(Done {
+                o: c.o,
+                lse: c.lse,
+                elapsed: c.elapsed,
+                notes: c.notes,
+            });
+        }
         let mut o = alloc("out", self.p.o_layout().numel(), T::NAN)?;
         let mut lse = alloc("lse", self.p.lse_len(), f32::NAN)?;
         // Start the CPU thread pool outside the timed call.
@@ -759,7 +887,12 @@ impl<T: Element> Job<T> {
         let elapsed = t0.elapsed();
         progress.finish();
         result?;
-        Ok(Done { o, lse, elapsed })
+        Ok(Done {
+            o,
+            lse,
+            elapsed,
+            notes: Vec::new(),
+        })
     }
 
     /// `Ok(None)` to run the check, `Ok(Some(why))` to skip it, decided before anything is
@@ -820,6 +953,9 @@ impl<T: Element> Job<T> {
             "n/a GFLOP/s".into()
         };
         println!("time     {:.3} ms, {rate} (one call)", secs * 1e3);
+        for n in &done.notes {
+            println!("cp       {n}");
+        }
         for w in wrote {
             println!("wrote    {w}");
         }

@@ -13,6 +13,7 @@
 
 pub mod bench;
 pub mod compile;
+pub mod decode;
 mod libs;
 pub(crate) mod params;
 mod tma;

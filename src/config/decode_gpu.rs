@@ -4,7 +4,7 @@
 //! split count comes from [`super::decode::plan`].
 //!
 //! The split kernel's CTA is one (sequence · KV head, tile of packed rows, split): grid
-//! `(batch · heads_kv, row tiles, num_splits)`. Its 4 warps split each block of keys, each
+//! `(batch · heads_kv, row tiles, num_splits)`. Its warps split each block of keys, each
 //! holding all the tile's rows (see the kernel's header); the rows are `16 · m_tiles`, the
 //! fewest MMA tiles that hold the packed rows of the longest query sequence, up to
 //! [`DecodeTiles::gpu`]'s `block_m`.
@@ -17,10 +17,21 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::paged::PagedProblem;
 
-/// Warps of the split kernel (each owns `block_n / 4` keys of every block).
-pub const NUM_WARPS: usize = 4;
-/// Depth of the split kernel's K/V ring: one block computed while the next one lands.
-pub const STAGES: usize = 2;
+/// Most warps of the split kernel: each owns `block_n / warps` keys of every block, at least 16
+/// (one k16 step of P·V), so 128-key blocks get 8 warps and the 64-key blocks of d256 get 4.
+/// More warps issue the cp.async gather faster: on the H200 (d128, 3 stages, bf16) 8 warps read
+/// 2.1–3.4 TB/s on the issue's grid where 4 read 1.7–2.5 (same run, `examples/decode_bench.rs`).
+pub const MAX_WARPS: usize = 8;
+
+/// Warps of the split kernel for a key block.
+pub fn warps_for(block_n: usize) -> usize {
+    (block_n / 16).clamp(1, MAX_WARPS)
+}
+/// Deepest K/V ring of the split kernel. A decode CTA computes little per key block, so its
+/// speed is the bytes it has in flight: the planner takes the deepest ring that fits the GPU's
+/// shared memory, up to this. Measured on the H200 (d128, 128-key blocks, 1 CTA per SM, 4
+/// warps): 2 stages read 1.6–2.4 TB/s on the issue's grid (pages 16–256), 3 stages 1.7–2.5.
+pub const MAX_STAGES: usize = 4;
 /// Warps (one per workspace row) per CTA of the combine kernel.
 pub const COMBINE_WARPS: usize = 4;
 /// Threads per CTA of the append kernel (one CTA per new row).
@@ -41,6 +52,8 @@ pub struct SplitKvSpec {
     pub m_tiles: usize,
     /// Keys per block.
     pub block_n: usize,
+    /// Depth of the K/V ring (cp.async groups in flight + 1).
+    pub stages: usize,
     /// A window (or causal) mask.
     pub window: bool,
     /// Softcap.
@@ -54,11 +67,11 @@ impl SplitKvSpec {
     }
     /// Threads per CTA.
     pub fn threads(&self) -> usize {
-        NUM_WARPS * 32
+        warps_for(self.block_n) * 32
     }
     /// Dynamic shared memory: the Q tile and the K/V ring, 16-bit.
     pub fn smem_bytes(&self) -> usize {
-        2 * self.head_dim * (self.block_m() + 2 * STAGES * self.block_n)
+        smem_bytes(self.head_dim, self.m_tiles, self.block_n, self.stages)
     }
     /// The entry point.
     pub fn entry(&self) -> &'static str {
@@ -70,9 +83,9 @@ impl SplitKvSpec {
             .int("HEAD_DIM", self.head_dim)
             .int("BLOCK_M", self.block_m())
             .int("BLOCK_N", self.block_n)
-            .int("NUM_WARPS", NUM_WARPS)
+            .int("NUM_WARPS", warps_for(self.block_n))
             .int("M_TILES", self.m_tiles)
-            .int("STAGES", STAGES)
+            .int("STAGES", self.stages)
             .flag("IS_BF16", self.bf16)
             .flag("HAS_WINDOW", self.window)
             .flag("HAS_SOFTCAP", self.softcap)
@@ -86,12 +99,13 @@ impl fmt::Display for SplitKvSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "decode splitkv {} {} d{} {}x{}{}{}",
+            "decode splitkv {} {} d{} {}x{} {} stages{}{}",
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
             self.head_dim,
             self.block_m(),
             self.block_n,
+            self.stages,
             if self.window { " window" } else { "" },
             if self.softcap { " softcap" } else { "" }
         )
@@ -153,6 +167,23 @@ impl fmt::Display for AppendSpec {
     }
 }
 
+/// Shared memory of a split kernel: the Q tile and the K/V ring, 16-bit.
+fn smem_bytes(head_dim: usize, m_tiles: usize, block_n: usize, stages: usize) -> usize {
+    2 * head_dim * (16 * m_tiles + 2 * stages * block_n)
+}
+
+/// The deepest K/V ring (2..=[`MAX_STAGES`]) within `max_smem` bytes per CTA, if any.
+pub fn stages_for(
+    head_dim: usize,
+    m_tiles: usize,
+    block_n: usize,
+    max_smem: usize,
+) -> Option<usize> {
+    (2..=MAX_STAGES)
+        .rev()
+        .find(|&s| smem_bytes(head_dim, m_tiles, block_n, s) <= max_smem)
+}
+
 /// A planned GPU decode call.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GpuDecodePlan {
@@ -166,11 +197,12 @@ pub struct GpuDecodePlan {
     pub combine: CombineSpec,
 }
 
-/// Plans a validated paged problem for a GPU of `sm_count` SMs and an NVRTC target; errors
-/// name what the kernels do not cover.
+/// Plans a validated paged problem for a GPU of `sm_count` SMs and `max_smem` bytes of shared
+/// memory per CTA, and an NVRTC target; errors name what the kernels do not cover.
 pub fn plan(
     p: &PagedProblem,
     sm_count: usize,
+    max_smem: usize,
     target: &'static str,
     num_splits: Option<usize>,
 ) -> Result<GpuDecodePlan> {
@@ -237,12 +269,22 @@ pub fn plan(
         .ok()
         .filter(|&y| y <= 65535)
         .ok_or_else(|| too_big("row tiles"))?;
+    let stages = stages_for(d, m_tiles, tiles.block_n, max_smem).ok_or_else(|| {
+        Error::invalid(
+            "device",
+            format!(
+                "the GPU decode kernel needs {} bytes of shared memory per CTA, the GPU gives {max_smem}",
+                smem_bytes(d, m_tiles, tiles.block_n, 2)
+            ),
+        )
+    })?;
     let spec = SplitKvSpec {
         target,
         bf16,
         head_dim: d,
         m_tiles,
         block_n: tiles.block_n,
+        stages,
         window: p.options().get_mask().is_restrictive(),
         softcap: p.softcap().is_some(),
     };
@@ -258,12 +300,16 @@ pub fn plan(
     })
 }
 
-/// Every split-kernel variant the planner can emit for a target (for NVRTC tests).
-pub fn all_specs(target: &'static str) -> Vec<SplitKvSpec> {
+/// Every split-kernel variant the planner can emit for a target whose CTAs get `max_smem` bytes
+/// of shared memory (for NVRTC tests).
+pub fn all_specs(target: &'static str, max_smem: usize) -> Vec<SplitKvSpec> {
     let mut out = Vec::new();
     for d in HEAD_DIMS {
         let full = DecodeTiles::gpu(d);
         for m_tiles in 1..=full.block_m / 16 {
+            let Some(stages) = stages_for(d, m_tiles, full.block_n, max_smem) else {
+                continue;
+            };
             for bf16 in [false, true] {
                 for window in [false, true] {
                     for softcap in [false, true] {
@@ -273,6 +319,7 @@ pub fn all_specs(target: &'static str) -> Vec<SplitKvSpec> {
                             head_dim: d,
                             m_tiles,
                             block_n: full.block_n,
+                            stages,
                             window,
                             softcap,
                         });

@@ -260,7 +260,13 @@ impl CudaBackend {
     /// planner's over this GPU's SMs), the kernel variant and its grid.
     pub fn plan_paged(&self, p: &PagedProblem, num_splits: Option<usize>) -> Result<GpuDecodePlan> {
         let info = self.info();
-        decode_gpu::plan(p, info.sm_count as usize, info.target, num_splits)
+        decode_gpu::plan(
+            p,
+            info.sm_count as usize,
+            info.max_smem_per_block as usize,
+            info.target,
+            num_splits,
+        )
     }
 
     /// Uploads a problem's validated page table, `seqlens_k` and query offsets.

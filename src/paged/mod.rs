@@ -61,9 +61,11 @@
 //! ```
 //!
 //! What runs where: the CPU backend ([`Backend::Cpu`]) runs everything here (paged gather, GQA
-//! packing, split-KV merged by [`crate::combine`]); the GPU decode kernels are not written yet,
-//! and [`Backend::forward_paged`] on [`Backend::Cuda`] is an error naming `backend` (no silent
-//! fallback to the CPU: a caller that asked for the GPU should know it did not get it).
+//! packing, split-KV merged by [`crate::combine`]); [`Backend::Cuda`] runs the GPU decode
+//! kernels (fp16/bf16, head dims 64/128/256; see [`crate::cuda::decode`] and
+//! [`crate::config::decode_gpu`]) and refuses other problems with an error naming the argument
+//! (no silent fallback to the CPU: a caller that asked for the GPU should know it did not get
+//! it).
 
 mod cpu;
 pub mod random;
@@ -699,8 +701,8 @@ impl Backend {
     /// - `out`: Q's shape with `head_dim_v`, written
     /// - `lse`: `[batch, heads_q, seqlen_q]` or `[heads_q, total_q]` f32, written if given
     ///
-    /// Returns the plan that ran (split count and why). CPU only for now: on
-    /// [`Backend::Cuda`] it is an error naming `backend`.
+    /// Returns the plan that ran (split count and why). On [`Backend::Cuda`] the GPU decode
+    /// kernels run it (fp16/bf16, head dims 64/128/256, else an error naming the argument).
     pub fn forward_paged<T: Element>(
         &self,
         q: &Tensor<'_, T>,

@@ -35,8 +35,7 @@ constexpr float LN2 = 0.6931471805599453f;
 static_assert(BLOCK_M == 16 * M_TILES, "a tile is M_TILES MMA tiles of 16 rows");
 static_assert(KEYS_W % 16 == 0, "each warp's keys are whole k16 steps of P·V");
 static_assert(HEAD_DIM % 64 == 0, "the swizzle permutes 8 chunks: rows are whole 128-byte groups");
-static_assert(NUM_THREADS % CHUNKS == 0 && BLOCK_N % ROW_STEP == 0 && BLOCK_M % ROW_STEP == 0,
-              "tile copies split evenly over the threads");
+static_assert(NUM_THREADS % CHUNKS == 0 && BLOCK_N % ROW_STEP == 0, "K/V copies split evenly over the threads");
 static_assert(STAGES >= 2, "the K/V ring needs at least double buffering");
 
 constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;   // (BLOCK_M, HEAD_DIM) 16-bit
@@ -102,9 +101,8 @@ __device__ __forceinline__ void load_q_tile(const DecodeParams& d, const Seq& s,
     const bool packed = p.cu_seqlens_q != nullptr;
     const u32 flip = p.negate_q ? SIGN_BITS : 0u;
     const int c = tid % CHUNKS;
-#pragma unroll
-    for (int i = 0; i < BLOCK_M / ROW_STEP; ++i) {
-        const int r = tid / CHUNKS + i * ROW_STEP;
+    // A pass of the threads may cover more rows than the tile has (d64: 32 rows of 256 threads).
+    for (int r = tid / CHUNKS; r < BLOCK_M; r += ROW_STEP) {
         u32 x[4] = {0u, 0u, 0u, 0u};
         if (r < valid) {
             const int pr = m0 + r;

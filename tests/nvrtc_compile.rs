@@ -167,3 +167,83 @@ fn every_sm100_variant_compiles_for_sm100a() {
         .collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// Every decode kernel variant (split-KV, combine, append) compiles for sm_80, sm_90a and
+/// sm_100a, and the split kernel spills little: its O accumulator is sized to the register file
+/// (`DecodeTiles::gpu`). Measured with NVRTC 13.0: the one-MMA-tile variants of d64 and d128
+/// (every decode shape up to 16 packed rows) spill nothing; 32 rows of d128 spill 40–64 bytes
+/// and d256 with softcap 12 bytes (L1-resident stack traffic, once per key block).
+#[test]
+fn every_decode_variant_compiles_for_every_target_with_little_spilling() {
+    use fa4::config::decode_gpu::{all_specs, AppendSpec, CombineSpec, HEAD_DIMS};
+    let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    if let Err(e) = nvrtc_version() {
+        if required {
+            panic!("FA4_REQUIRE_NVRTC=1 but {e}");
+        }
+        let _ = writeln!(std::io::stderr(), "nvrtc_compile (decode): skipped: {e}");
+        return;
+    }
+    const SPILL_LIMIT: usize = 128;
+    let targets = ["sm_80", "sm_90a", "sm_100a"];
+    let split: Vec<_> = [(A100, targets[0]), (H200, targets[1]), (B200, targets[2])]
+        .iter()
+        .flat_map(|(arch, t)| {
+            all_specs(
+                t,
+                (arch.smem_per_sm - arch.smem_reserved_per_block) as usize,
+            )
+        })
+        .collect();
+    assert_eq!(
+        split.len(),
+        3 * 5 * 8,
+        "d64/d128 × 2 row tiles, d256 × 1, × dtype × mask × softcap"
+    );
+    let mut failures: Vec<String> = split
+        .par_iter()
+        .filter_map(
+            |spec| match compile_with_log(spec, &["--ptxas-options=-v"]) {
+                Err(e) => Some(e.to_string()),
+                Ok((_, log)) => {
+                    // "N bytes spill stores": at most SPILL_LIMIT, and none for one MMA tile
+                    // of d64/d128.
+                    let limit = if spec.m_tiles == 1 && spec.head_dim <= 128 {
+                        0
+                    } else {
+                        SPILL_LIMIT
+                    };
+                    let bad: Vec<&str> = log
+                        .lines()
+                        .filter(|l| {
+                            l.split(" bytes spill stores")
+                                .next()
+                                .and_then(|x| x.rsplit(' ').next())
+                                .and_then(|n| n.parse::<usize>().ok())
+                                .is_some_and(|n| n > limit)
+                        })
+                        .collect();
+                    (!bad.is_empty()).then(|| format!("{spec}: {}", bad.join("; ")))
+                }
+            },
+        )
+        .collect();
+    for target in targets {
+        for bf16 in [false, true] {
+            for head_dim in HEAD_DIMS {
+                let spec = CombineSpec {
+                    target,
+                    bf16,
+                    head_dim,
+                };
+                if let Err(e) = compile_uncached(&spec) {
+                    failures.push(e.to_string());
+                }
+            }
+        }
+        if let Err(e) = compile_uncached(&AppendSpec { target }) {
+            failures.push(e.to_string());
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

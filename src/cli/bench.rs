@@ -166,7 +166,8 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.decode.wanted() && args.backend == BackendArg::Cuda {
         return Err(Error::invalid(
             "--backend",
-            "cuda: the GPU decode kernels are not written yet; `fa4 bench --decode` runs on the CPU",
+            "cuda: `fa4 bench --decode` times the CPU backend; GPU decode timings come from \
+             examples/decode_bench.rs (docs/decode.md)",
         ));
     }
     if args.cp.cp.is_some() {

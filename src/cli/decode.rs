@@ -103,29 +103,14 @@ pub fn run(
             ));
         }
     }
-    // No GPU decode kernel yet: `auto` runs on the CPU and says so; `cuda` is an error.
-    let backend = match (backend, args.backend) {
-        (Backend::Cuda(_), BackendArg::Cuda) => {
-            return Err(Error::invalid(
-                "--backend",
-                "cuda: decode over a paged KV cache runs on the CPU only for now (the GPU \
-                 decode kernels are not written yet); use --backend cpu",
-            ))
-        }
-        (Backend::Cuda(_), _) => {
-            println!("note     no GPU decode kernel yet: the paged run uses the CPU backend");
-            Backend::Cpu
-        }
-        (b, _) => b.clone(),
-    };
     match (pa.paged, files) {
         (true, true) => Err(Error::invalid(
             "--paged",
             "draws a random problem; with --k-cache/--v-cache/--page-table/--seqlens-k the \
              problem comes from files",
         )),
-        (true, false) => random(args, &backend, opts, policy),
-        (false, true) => from_files(args, &backend, opts, policy),
+        (true, false) => random(args, backend, opts, policy),
+        (false, true) => from_files(args, backend, opts, policy),
         (false, false) => Err(Error::invalid(
             if pa.page_size.is_some() {
                 "--page-size"
@@ -241,7 +226,9 @@ fn random_typed<T: Element>(
         k: inputs.k_cache,
         v: inputs.v_cache,
         num_splits: args.paged.num_splits,
+        auto: matches!(args.backend, BackendArg::Auto),
     };
+    let backend = &job.backend_for(backend);
     let done = job.execute(backend)?;
     job.print(backend, &done, &[]);
     Ok(job.verify(&done, policy))
@@ -414,12 +401,35 @@ fn from_files(
     };
     let p = problem().map_err(flag_error)?;
     let outputs = (out.as_path(), args.lse.as_deref());
+    let auto = matches!(args.backend, BackendArg::Auto);
     match dtype {
-        DType::F32 => files_typed::<f32>(p, [qa, ka, va], backend, policy, outputs, pa.num_splits),
-        DType::F16 => files_typed::<f16>(p, [qa, ka, va], backend, policy, outputs, pa.num_splits),
-        DType::Bf16 => {
-            files_typed::<bf16>(p, [qa, ka, va], backend, policy, outputs, pa.num_splits)
-        }
+        DType::F32 => files_typed::<f32>(
+            p,
+            [qa, ka, va],
+            backend,
+            policy,
+            outputs,
+            pa.num_splits,
+            auto,
+        ),
+        DType::F16 => files_typed::<f16>(
+            p,
+            [qa, ka, va],
+            backend,
+            policy,
+            outputs,
+            pa.num_splits,
+            auto,
+        ),
+        DType::Bf16 => files_typed::<bf16>(
+            p,
+            [qa, ka, va],
+            backend,
+            policy,
+            outputs,
+            pa.num_splits,
+            auto,
+        ),
         DType::Fp8E4M3 => Err(fp8()),
     }
 }
@@ -431,6 +441,7 @@ fn files_typed<T: Element>(
     policy: CheckPolicy,
     (out, lse): (&Path, Option<&Path>),
     num_splits: Option<usize>,
+    auto: bool,
 ) -> Result<ExitCode> {
     let job: Job<T> = Job {
         p,
@@ -438,7 +449,9 @@ fn files_typed<T: Element>(
         k: convert(ka),
         v: convert(va),
         num_splits,
+        auto,
     };
+    let backend = &job.backend_for(backend);
     let done = job.execute(backend)?;
     let mut o_shape = job.p.q_layout().dims.to_vec();
     if job.p.is_varlen() {
@@ -465,6 +478,8 @@ struct Job<T> {
     k: Vec<T>,
     v: Vec<T>,
     num_splits: Option<usize>,
+    /// `--backend auto`: a problem the GPU kernels do not cover runs on the CPU (with a note).
+    auto: bool,
 }
 
 struct Done<T> {
@@ -487,6 +502,18 @@ fn check_cost(p: &PagedProblem) -> f64 {
 }
 
 impl<T: Element> Job<T> {
+    /// The backend that runs the job: the given one, except that under `--backend auto` a
+    /// problem the GPU decode kernels refuse (dtype, head dim) goes to the CPU and says why.
+    fn backend_for(&self, backend: &Backend) -> Backend {
+        if let (Backend::Cuda(cuda), true) = (backend, self.auto) {
+            if let Err(e) = cuda.plan_paged(&self.p, self.num_splits) {
+                println!("note     the GPU decode kernels do not run this problem ({e}): the paged run uses the CPU backend");
+                return Backend::Cpu;
+            }
+        }
+        backend.clone()
+    }
+
     fn execute(&self, backend: &Backend) -> Result<Done<T>> {
         let mut o = alloc("out", self.p.o_layout().numel(), T::NAN)?;
         let mut lse = alloc("lse", self.p.lse_len(), f32::NAN)?;

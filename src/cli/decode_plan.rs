@@ -109,8 +109,9 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     })?;
     println!("{p}");
     println!(
-        "  (the GPU decode kernels are not written yet: this is the plan they will run; the CPU \
-         backend plans with its own tiles and its thread count as the units)"
+        "  (the plan of the GPU decode kernels at their largest row tile; a call with fewer packed \
+         rows runs smaller tiles, the same count; the CPU backend plans with its own tiles and \
+         its thread count as the units)"
     );
     Ok(())
 }

@@ -60,12 +60,16 @@ pub struct DecodeTiles {
 }
 
 impl DecodeTiles {
-    /// The tiles the GPU decode kernels are planned with: 64 packed rows (a decode tile of
-    /// group 8 at seqlen_q 8 is full), 128 keys up to head dim 128 and 64 beyond (the K and V
-    /// tiles of one stage stay at 64 KiB in 16-bit).
+    /// The largest tiles the GPU decode kernel (`kernels/decode/splitkv.cu`) is planned with:
+    /// 128 keys up to head dim 128 and 64 beyond (the K and V tiles of one stage stay at
+    /// 64 KiB in 16-bit); 32 packed rows up to head dim 128 and 16 beyond. Every warp of the
+    /// kernel holds all the tile's rows of O in f32 (it splits the keys, not the rows), so the
+    /// rows are bounded by registers: 32 rows of d128 are 128 accumulator registers per
+    /// thread, as are 16 of d256. A tile with fewer packed rows runs with fewer MMA tiles of
+    /// 16 ([`crate::config::decode_gpu`]), which leaves the tile count unchanged.
     pub fn gpu(head_dim: usize) -> DecodeTiles {
         DecodeTiles {
-            block_m: 64,
+            block_m: if head_dim <= 128 { 32 } else { 16 },
             block_n: if head_dim <= 128 { 128 } else { 64 },
         }
     }

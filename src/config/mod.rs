@@ -8,8 +8,10 @@
 //!   register budgets, shared memory, and which kernel a problem gets on an sm_90 GPU.
 //! - [`sm80`]: the Ampere-class `mma.sync` kernel, which runs on every GPU from sm_80 on.
 //! - [`decode`]: split-KV and GQA packing of decode over a paged KV cache (CPU and GPU).
+//! - [`decode_gpu`]: the GPU decode kernels' specs (split-KV, combine, append) and launch grid.
 
 pub mod decode;
+pub mod decode_gpu;
 pub mod prelude;
 pub mod sm100;
 pub mod sm100_kernel;

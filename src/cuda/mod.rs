@@ -14,6 +14,7 @@
 pub mod bench;
 pub mod compile;
 mod external;
+pub mod decode;
 mod libs;
 pub(crate) mod params;
 mod tma;

@@ -61,9 +61,11 @@
 //! ```
 //!
 //! What runs where: the CPU backend ([`Backend::Cpu`]) runs everything here (paged gather, GQA
-//! packing, split-KV merged by [`crate::combine`]); the GPU decode kernels are not written yet,
-//! and [`Backend::forward_paged`] on [`Backend::Cuda`] is an error naming `backend` (no silent
-//! fallback to the CPU: a caller that asked for the GPU should know it did not get it).
+//! packing, split-KV merged by [`crate::combine`]); [`Backend::Cuda`] runs the GPU decode
+//! kernels (fp16/bf16, head dims 64/128/256; see [`crate::cuda::decode`] and
+//! [`crate::config::decode_gpu`]) and refuses other problems with an error naming the argument
+//! (no silent fallback to the CPU: a caller that asked for the GPU should know it did not get
+//! it).
 
 mod cpu;
 pub mod random;
@@ -273,6 +275,11 @@ impl PagedCache {
     /// Layout of the V cache.
     pub fn v_layout(&self) -> &Layout {
         &self.v
+    }
+    /// The page table, `[batch, max_pages_per_seq]` row-major (entries past a sequence's used
+    /// pages unvalidated).
+    pub fn page_table(&self) -> &[i32] {
+        &self.table
     }
     /// The page holding key `j` of sequence `b` (`j < seqlens_k[b]`: validated).
     #[inline]
@@ -694,8 +701,8 @@ impl Backend {
     /// - `out`: Q's shape with `head_dim_v`, written
     /// - `lse`: `[batch, heads_q, seqlen_q]` or `[heads_q, total_q]` f32, written if given
     ///
-    /// Returns the plan that ran (split count and why). CPU only for now: on
-    /// [`Backend::Cuda`] it is an error naming `backend`.
+    /// Returns the plan that ran (split count and why). On [`Backend::Cuda`] the GPU decode
+    /// kernels run it (fp16/bf16, head dims 64/128/256, else an error naming the argument).
     pub fn forward_paged<T: Element>(
         &self,
         q: &Tensor<'_, T>,
@@ -745,16 +752,13 @@ impl Backend {
             out.len(),
             lse.as_deref().map(<[f32]>::len),
         )?;
-        let threads =
-            match self {
-                Backend::Cpu => rayon::current_num_threads(),
-                Backend::CpuWith(c) => c.threads.unwrap_or_else(rayon::current_num_threads),
-                Backend::Cuda(_) => return Err(Error::invalid(
-                    "backend",
-                    "decode over a paged KV cache runs on the CPU backend only for now; the GPU \
-                     decode kernels are not written yet",
-                )),
-            };
+        let threads = match self {
+            Backend::Cpu => rayon::current_num_threads(),
+            Backend::CpuWith(c) => c.threads.unwrap_or_else(rayon::current_num_threads),
+            Backend::Cuda(cuda) => {
+                return cuda.forward_paged_host(p, q, k_cache, v_cache, out, lse, num_splits)
+            }
+        };
         let plan = decode::plan(p.decode_shape(), CPU_TILES, threads, num_splits)?;
         let run = || cpu::forward(p, &plan, q, k_cache, v_cache, out, lse);
         match self {
@@ -769,6 +773,17 @@ impl Backend {
         }
         Ok(plan)
     }
+}
+
+/// Where an append writes: each new row's `(page, slot)` in order of `cu_new`'s rows, and the
+/// new `seqlens_k`. Validated by [`append_targets`]; [`append`] and the GPU append
+/// (`CudaBackend::append_paged`) copy by it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AppendTargets {
+    /// `(page, slot)` of new row `r` (rows of all sequences, packed by `cu_new`).
+    pub slots: Vec<(usize, usize)>,
+    /// The new `seqlens_k`.
+    pub seqlens_k: Vec<i32>,
 }
 
 /// Writes new K and V rows into their pages at each sequence's current length.
@@ -793,8 +808,41 @@ pub fn append<T: Element>(
     cu_new: &[i32],
 ) -> Result<Vec<i32>> {
     let c = cache;
-    c.k.check_fits("k_cache", k_cache.len())?;
-    c.v.check_fits("v_cache", v_cache.len())?;
+    let t = append_targets(
+        c,
+        k_cache.len(),
+        v_cache.len(),
+        k_new.len(),
+        v_new.len(),
+        cu_new,
+    )?;
+    let (hkv, d, dv) = (c.heads_kv, c.head_dim, c.head_dim_v);
+    for (row, &(page, slot)) in t.slots.iter().enumerate() {
+        for h in 0..hkv {
+            let ko = c.k.offset(page, slot, h);
+            k_cache[ko..ko + d]
+                .copy_from_slice(&k_new[(row * hkv + h) * d..(row * hkv + h + 1) * d]);
+            let vo = c.v.offset(page, slot, h);
+            v_cache[vo..vo + dv]
+                .copy_from_slice(&v_new[(row * hkv + h) * dv..(row * hkv + h + 1) * dv]);
+        }
+    }
+    Ok(t.seqlens_k)
+}
+
+/// The validation of [`append`] on buffer lengths alone (elements of `k_cache`, `v_cache`,
+/// `k_new`, `v_new`): every check and error of [`append`], and where each new row goes.
+pub fn append_targets(
+    cache: &PagedCache,
+    k_cache: usize,
+    v_cache: usize,
+    k_new: usize,
+    v_new: usize,
+    cu_new: &[i32],
+) -> Result<AppendTargets> {
+    let c = cache;
+    c.k.check_fits("k_cache", k_cache)?;
+    c.v.check_fits("v_cache", v_cache)?;
     let batch = c.batch();
     if cu_new.len() != batch + 1 || cu_new[0] != 0 {
         return Err(Error::invalid(
@@ -823,15 +871,12 @@ pub fn append<T: Element>(
     }
     let total = cu_new[batch] as usize;
     let (hkv, d, dv) = (c.heads_kv, c.head_dim, c.head_dim_v);
-    for (name, data, w) in [("k_new", k_new, d), ("v_new", v_new, dv)] {
+    for (name, len, w) in [("k_new", k_new, d), ("v_new", v_new, dv)] {
         let want = total.checked_mul(hkv).and_then(|x| x.checked_mul(w));
-        if want != Some(data.len()) {
+        if want != Some(len) {
             return Err(Error::invalid(
                 name,
-                format!(
-                    "expected [{total}, {hkv}, {w}] (cu_new's total rows), got {} elements",
-                    data.len()
-                ),
+                format!("expected [{total}, {hkv}, {w}] (cu_new's total rows), got {len} elements"),
             ));
         }
     }
@@ -885,15 +930,8 @@ pub fn append<T: Element>(
             ),
         ));
     }
-    for (row, &(page, slot)) in targets.iter().enumerate() {
-        for h in 0..hkv {
-            let ko = c.k.offset(page, slot, h);
-            k_cache[ko..ko + d]
-                .copy_from_slice(&k_new[(row * hkv + h) * d..(row * hkv + h + 1) * d]);
-            let vo = c.v.offset(page, slot, h);
-            v_cache[vo..vo + dv]
-                .copy_from_slice(&v_new[(row * hkv + h) * dv..(row * hkv + h + 1) * dv]);
-        }
-    }
-    Ok(new_lens)
+    Ok(AppendTargets {
+        slots: targets,
+        seqlens_k: new_lens,
+    })
 }

@@ -1,0 +1,620 @@
+//! The GPU decode path: split-KV attention over a paged KV cache, the combine of its splits and
+//! the append of new rows (`kernels/decode/`, planned by [`crate::config::decode_gpu`]).
+//!
+//! [`CudaBackend::forward_paged_host`] is what [`crate::Backend::run_paged`] uses on a GPU:
+//! host slices in and out. Callers who keep the cache on the GPU upload the validated page
+//! table once ([`CudaBackend::paged_tables`], which also holds the split workspace) and call
+//! [`CudaBackend::forward_paged_device`] per step, and [`CudaBackend::append_paged`] to write
+//! new K/V rows into their pages.
+
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+
+use super::compile::{KernelSource, COMMON_SRCS, PARAMS_SRC, SM80_PTX_SRC};
+use super::params::FwdParams;
+use super::CudaBackend;
+use crate::config::decode::DecodePlan;
+use crate::config::decode_gpu::{
+    self, AppendSpec, CombineSpec, GpuDecodePlan, SplitKvSpec, APPEND_THREADS, COMBINE_WARPS,
+};
+use crate::error::{Error, Result};
+use crate::paged::{append_targets, PagedCache, PagedProblem};
+use crate::tensor::{Element, Layout};
+
+/// The decode params header.
+pub const DECODE_PARAMS_SRC: &str = include_str!("../kernels/decode/params.cuh");
+/// The decode kernels' PTX wrappers.
+pub const DECODE_PTX_SRC: &str = include_str!("../kernels/decode/ptx.cuh");
+/// The split-KV kernel.
+pub const SPLITKV_SRC: &str = include_str!("../kernels/decode/splitkv.cu");
+/// The combine kernel.
+pub const COMBINE_SRC: &str = include_str!("../kernels/decode/combine.cu");
+/// The append kernel.
+pub const APPEND_SRC: &str = include_str!("../kernels/decode/append.cu");
+
+/// Launch parameters of the split and combine kernels (`DecodeParams` in
+/// `kernels/decode/params.cuh`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct DecodeParams {
+    pub p: FwdParams,
+    pub page_table: u64,
+    pub seqlens_k: u64,
+    pub o_part: u64,
+    pub lse_part: u64,
+    pub part_rows: i64,
+    pub page_size: i32,
+    pub max_pages: i32,
+    pub num_splits: i32,
+    pub pad1: i32,
+}
+
+/// The header's `FA4_DECODE_PARAMS_SIZE`.
+pub const DECODE_PARAMS_SIZE: usize = 280;
+const _: () = assert!(std::mem::size_of::<DecodeParams>() == DECODE_PARAMS_SIZE);
+const _: () = assert!(std::mem::offset_of!(DecodeParams, page_table) == 224);
+const _: () = assert!(std::mem::offset_of!(DecodeParams, page_size) == 264);
+// SAFETY: #[repr(C)] plain integers and floats, laid out like the header (size asserted on both
+// sides).
+unsafe impl DeviceRepr for DecodeParams {}
+
+/// Launch parameters of the append kernel (`AppendParams` in `kernels/decode/append.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct AppendParams {
+    pub k_new: u64,
+    pub v_new: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub k_dst: u64,
+    pub v_dst: u64,
+    pub k_head_stride: i64,
+    pub v_head_stride: i64,
+    pub rows: i32,
+    pub heads_kv: i32,
+    pub k_units: i32,
+    pub v_units: i32,
+}
+
+/// The kernel's `FA4_APPEND_PARAMS_SIZE`.
+pub const APPEND_PARAMS_SIZE: usize = 80;
+const _: () = assert!(std::mem::size_of::<AppendParams>() == APPEND_PARAMS_SIZE);
+// SAFETY: as DecodeParams.
+unsafe impl DeviceRepr for AppendParams {}
+
+impl KernelSource for SplitKvSpec {
+    fn target(&self) -> &'static str {
+        self.target
+    }
+    fn prelude(&self) -> String {
+        SplitKvSpec::prelude(self)
+    }
+    fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>> {
+        vec![
+            SM80_PTX_SRC.into(),
+            DECODE_PTX_SRC.into(),
+            DECODE_PARAMS_SRC.into(),
+            SPLITKV_SRC.into(),
+        ]
+    }
+    fn entry(&self) -> &'static str {
+        SplitKvSpec::entry(self)
+    }
+    fn smem_bytes(&self) -> usize {
+        SplitKvSpec::smem_bytes(self)
+    }
+}
+
+impl KernelSource for CombineSpec {
+    fn target(&self) -> &'static str {
+        self.target
+    }
+    fn prelude(&self) -> String {
+        CombineSpec::prelude(self)
+    }
+    fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>> {
+        vec![DECODE_PARAMS_SRC.into(), COMBINE_SRC.into()]
+    }
+    /// The base types and the params only: the mask and softmax headers want constants of
+    /// the split kernel's prelude that a combine has no use for.
+    fn source(&self) -> String {
+        [
+            self.prelude().as_str(),
+            COMMON_SRCS[0],
+            PARAMS_SRC,
+            DECODE_PARAMS_SRC,
+            COMBINE_SRC,
+        ]
+        .join("\n")
+    }
+    fn entry(&self) -> &'static str {
+        "fa4_decode_combine"
+    }
+    fn smem_bytes(&self) -> usize {
+        0
+    }
+}
+
+impl KernelSource for AppendSpec {
+    fn target(&self) -> &'static str {
+        self.target
+    }
+    fn prelude(&self) -> String {
+        AppendSpec::prelude(self)
+    }
+    fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>> {
+        vec![APPEND_SRC.into()]
+    }
+    fn source(&self) -> String {
+        [self.prelude().as_str(), COMMON_SRCS[0], APPEND_SRC].join("\n")
+    }
+    fn entry(&self) -> &'static str {
+        "fa4_paged_append"
+    }
+    fn smem_bytes(&self) -> usize {
+        0
+    }
+}
+
+/// A validated page table and lengths on the device, and the split workspace (grown on
+/// demand). Made for one [`PagedCache`] by [`CudaBackend::paged_tables`]; a call with a problem
+/// over another cache (other table, lengths or query offsets) is an error naming `page_table`,
+/// so the kernels only ever read a table that was validated against the cache's pages.
+pub struct PagedTables {
+    cache: PagedCache,
+    cu_q: Option<Vec<i32>>,
+    table: CudaSlice<i32>,
+    seqlens: CudaSlice<i32>,
+    d_cu_q: Option<CudaSlice<i32>>,
+    o_part: Option<CudaSlice<f32>>,
+    lse_part: Option<CudaSlice<f32>>,
+}
+
+impl std::fmt::Debug for PagedTables {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PagedTables")
+            .field("batch", &self.cache.batch())
+            .field("max_pages_per_seq", &self.cache.max_pages_per_seq())
+            .finish()
+    }
+}
+
+/// `cu_seqlens_q` of a varlen paged problem.
+fn cu_q(p: &PagedProblem) -> Option<Vec<i32>> {
+    p.is_varlen().then(|| {
+        let seqs = p.sequences();
+        let mut cu: Vec<i32> = seqs.iter().map(|s| s.q_start as i32).collect();
+        cu.push(seqs.last().map_or(0, |s| (s.q_start + s.q_len) as i32));
+        cu
+    })
+}
+
+/// The forward's params of a validated paged problem; pointers `[q, k, v, out, lse, cu_q]`.
+fn fwd_params(p: &PagedProblem, ptrs: [u64; 6]) -> FwdParams {
+    let i = |x: usize| x as i64;
+    let c = p.cache();
+    let (q, k, v, o) = (p.q_layout(), c.k_layout(), c.v_layout(), p.o_layout());
+    let (left, right) = p.options().get_mask().bounds();
+    // A side at least as long as a sequence's queries plus keys bounds nothing: unbounded (-1),
+    // so the kernel's int32 bound arithmetic cannot overflow on huge windows.
+    let span = p
+        .sequences()
+        .iter()
+        .map(|s| s.q_len + s.k_len)
+        .max()
+        .unwrap_or(0);
+    let side = |b: Option<usize>| match b {
+        Some(x) if x < span => x.min(i32::MAX as usize) as i32,
+        _ => -1,
+    };
+    let scale = p.scale();
+    let (scale_log2, softcap_scale, softcap) = match p.softcap() {
+        Some(cap) => (std::f32::consts::LOG2_E, scale.abs() / cap, cap),
+        None => (scale.abs() * std::f32::consts::LOG2_E, 0.0, 0.0),
+    };
+    let (lse_batch_stride, lse_head_stride) = if p.is_varlen() {
+        (0, p.total_q())
+    } else {
+        (p.heads_q() * q.dims[1], q.dims[1])
+    };
+    FwdParams {
+        q: ptrs[0],
+        k: ptrs[1],
+        v: ptrs[2],
+        o: ptrs[3],
+        lse: ptrs[4],
+        cu_seqlens_q: ptrs[5],
+        cu_seqlens_k: 0,
+        q_batch_stride: i(q.strides[0]),
+        q_row_stride: i(q.strides[1]),
+        q_head_stride: i(q.strides[2]),
+        k_batch_stride: i(k.strides[0]),
+        k_row_stride: i(k.strides[1]),
+        k_head_stride: i(k.strides[2]),
+        v_batch_stride: i(v.strides[0]),
+        v_row_stride: i(v.strides[1]),
+        v_head_stride: i(v.strides[2]),
+        o_batch_stride: i(o.strides[0]),
+        o_row_stride: i(o.strides[1]),
+        o_head_stride: i(o.strides[2]),
+        lse_batch_stride: i(lse_batch_stride),
+        lse_head_stride: i(lse_head_stride),
+        batch: p.sequences().len() as i32,
+        heads_q: p.heads_q() as i32,
+        group: p.group() as i32,
+        seqlen_q: q.dims[1] as i32,
+        seqlen_k: 0,
+        head_dim: c.head_dim() as i32,
+        window_left: side(left),
+        window_right: side(right),
+        negate_q: i32::from(scale < 0.0),
+        pad0: 0,
+        scale_log2,
+        softcap_scale,
+        softcap,
+        lse_scale: scale_log2 * std::f32::consts::LN_2,
+    }
+}
+
+impl CudaBackend {
+    /// Plans a paged problem for this device: the split count (forced by `num_splits`, or the
+    /// planner's over this GPU's SMs), the kernel variant and its grid.
+    pub fn plan_paged(&self, p: &PagedProblem, num_splits: Option<usize>) -> Result<GpuDecodePlan> {
+        let info = self.info();
+        decode_gpu::plan(
+            p,
+            info.sm_count as usize,
+            info.max_smem_per_block as usize,
+            info.target,
+            num_splits,
+        )
+    }
+
+    /// Uploads a problem's validated page table, `seqlens_k` and query offsets.
+    pub fn paged_tables(&self, p: &PagedProblem) -> Result<PagedTables> {
+        let c = p.cache();
+        // A zero-length buffer cannot be allocated: empty tables get one unread entry.
+        let nonempty = |v: Vec<i32>| if v.is_empty() { vec![0] } else { v };
+        let seqlens: Vec<i32> = c.seqlens_k().iter().map(|&l| l as i32).collect();
+        let cu = cu_q(p);
+        Ok(PagedTables {
+            table: self.upload_i32(&nonempty(c.page_table().to_vec()))?,
+            seqlens: self.upload_i32(&nonempty(seqlens))?,
+            d_cu_q: cu.as_ref().map(|v| self.upload_i32(v)).transpose()?,
+            cache: c.clone(),
+            cu_q: cu,
+            o_part: None,
+            lse_part: None,
+        })
+    }
+
+    /// Runs a validated paged problem on device buffers laid out as it says (`k_cache`,
+    /// `v_cache` as the cache's layouts, `out` and `lse` as the problem's), with the tables of
+    /// [`CudaBackend::paged_tables`] for this problem's cache. Asynchronous on the stream.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_paged_device<T: Element>(
+        &self,
+        p: &PagedProblem,
+        tables: &mut PagedTables,
+        q: &CudaSlice<T>,
+        k_cache: &CudaSlice<T>,
+        v_cache: &CudaSlice<T>,
+        out: &mut CudaSlice<T>,
+        lse: Option<&mut CudaSlice<f32>>,
+        num_splits: Option<usize>,
+    ) -> Result<DecodePlan> {
+        p.check_buffers(
+            T::DTYPE,
+            q.len(),
+            k_cache.len(),
+            v_cache.len(),
+            out.len(),
+            lse.as_deref().map(|l| l.len()),
+        )?;
+        if tables.cache != *p.cache() || tables.cu_q != cu_q(p) {
+            return Err(Error::invalid(
+                "page_table",
+                "the device tables were made for another cache or query batch (call paged_tables \
+                 with this problem)",
+            ));
+        }
+        let plan = self.plan_paged(p, num_splits)?;
+        let (gx, gy, splits) = plan.grid;
+        if gx == 0 || gy == 0 || p.total_q() == 0 {
+            return Ok(plan.decode);
+        }
+        let part_rows = p.total_q() * p.heads_q();
+        let d = p.cache().head_dim();
+        if splits > 1 {
+            let want_o = splits as usize * part_rows * d;
+            let want_l = splits as usize * part_rows;
+            if tables.o_part.as_ref().is_none_or(|b| b.len() < want_o) {
+                tables.o_part = Some(self.alloc::<f32>(want_o)?);
+            }
+            if tables.lse_part.as_ref().is_none_or(|b| b.len() < want_l) {
+                tables.lse_part = Some(self.alloc::<f32>(want_l)?);
+            }
+        }
+        let stream = self.stream();
+        let (q_ptr, _q_sync) = q.device_ptr(stream);
+        let (k_ptr, _k_sync) = k_cache.device_ptr(stream);
+        let (v_ptr, _v_sync) = v_cache.device_ptr(stream);
+        let (o_ptr, _o_sync) = out.device_ptr_mut(stream);
+        let (lse_ptr, _lse_sync) = match lse {
+            Some(l) => {
+                let (ptr, sync) = l.device_ptr_mut(stream);
+                (ptr, Some(sync))
+            }
+            None => (0, None),
+        };
+        for (name, ptr) in [
+            ("q", q_ptr),
+            ("k_cache", k_ptr),
+            ("v_cache", v_ptr),
+            ("out", o_ptr),
+        ] {
+            if ptr % 16 != 0 {
+                return Err(Error::invalid(
+                    name,
+                    "device buffer must be 16-byte aligned",
+                ));
+            }
+        }
+        let (table_ptr, _t_sync) = tables.table.device_ptr(stream);
+        let (seqlens_ptr, _s_sync) = tables.seqlens.device_ptr(stream);
+        let (cu_ptr, _cu_sync) = match &tables.d_cu_q {
+            Some(c) => {
+                let (ptr, sync) = c.device_ptr(stream);
+                (ptr, Some(sync))
+            }
+            None => (0, None),
+        };
+        let (o_part_ptr, _op_sync) = match tables.o_part.as_mut().filter(|_| splits > 1) {
+            Some(b) => {
+                let (ptr, sync) = b.device_ptr_mut(stream);
+                (ptr, Some(sync))
+            }
+            None => (0, None),
+        };
+        let (lse_part_ptr, _lp_sync) = match tables.lse_part.as_mut().filter(|_| splits > 1) {
+            Some(b) => {
+                let (ptr, sync) = b.device_ptr_mut(stream);
+                (ptr, Some(sync))
+            }
+            None => (0, None),
+        };
+        let c = p.cache();
+        let params = DecodeParams {
+            p: fwd_params(p, [q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_ptr]),
+            page_table: table_ptr,
+            seqlens_k: seqlens_ptr,
+            o_part: o_part_ptr,
+            lse_part: lse_part_ptr,
+            part_rows: part_rows as i64,
+            page_size: i32::try_from(c.page_size())
+                .map_err(|_| Error::invalid("k_cache", "page_size exceeds int32"))?,
+            max_pages: i32::try_from(c.max_pages_per_seq())
+                .map_err(|_| Error::invalid("page_table", "max_pages_per_seq exceeds int32"))?,
+            num_splits: splits as i32,
+            pad1: 0,
+        };
+        let spec = &plan.spec;
+        let cfg = LaunchConfig {
+            grid_dim: plan.grid,
+            block_dim: (spec.threads() as u32, 1, 1),
+            shared_mem_bytes: spec.smem_bytes() as u32,
+        };
+        let func = self.kernel(spec)?;
+        let mut launch = stream.launch_builder(&func);
+        launch.arg(&params);
+        // SAFETY: the problem was validated (shapes, strides, non-overlapping output, query
+        // offsets) and every buffer checked to hold its layout's extent and to be 16-byte
+        // aligned, with strides in whole 16-byte chunks (the planner); the table and lengths
+        // are the ones `paged_tables` uploaded for this very cache (compared above), whose used
+        // entries were validated against num_pages, and the kernel reads a table entry only
+        // for a key below the sequence's length. The workspace holds num_splits · part_rows
+        // rows (allocated above) and is only touched with more than one split. The grid is
+        // the planner's (one CTA per sequence · KV head, row tile, split) and the shared
+        // memory the spec's, which the kernel static_asserts; the sync guards live past the
+        // launch.
+        unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launch {spec}"), e))?;
+        if splits > 1 {
+            let func = self.kernel(&plan.combine)?;
+            let blocks = part_rows.div_ceil(COMBINE_WARPS);
+            let cfg = LaunchConfig {
+                grid_dim: (
+                    u32::try_from(blocks).map_err(|_| Error::invalid("q", "too many rows"))?,
+                    1,
+                    1,
+                ),
+                block_dim: ((COMBINE_WARPS * 32) as u32, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut launch = stream.launch_builder(&func);
+            launch.arg(&params);
+            // SAFETY: as above; the combine reads the num_splits · part_rows rows the split
+            // kernel wrote (every CTA writes each of its valid rows' LSE and O, and a row's LSE
+            // of −inf keeps its O unread) and writes each row of O and LSE once, at the
+            // places the split kernel would have.
+            unsafe { launch.launch(cfg) }
+                .map_err(|e| Error::cuda(format!("launch {}", plan.combine), e))?;
+        }
+        Ok(plan.decode)
+    }
+
+    /// Runs a validated paged problem on host slices: copies in, launches, copies out, waits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_paged_host<T: Element>(
+        &self,
+        p: &PagedProblem,
+        q: &[T],
+        k_cache: &[T],
+        v_cache: &[T],
+        out: &mut [T],
+        lse: Option<&mut [f32]>,
+        num_splits: Option<usize>,
+    ) -> Result<DecodePlan> {
+        p.check_buffers(
+            T::DTYPE,
+            q.len(),
+            k_cache.len(),
+            v_cache.len(),
+            out.len(),
+            lse.as_deref().map(<[f32]>::len),
+        )?;
+        // Plan first, so an unsupported problem costs no copies.
+        self.plan_paged(p, num_splits)?;
+        let extent = |l: &Layout| l.extent().unwrap_or(0).max(1);
+        let c = p.cache();
+        let dq = self.upload(&q[..extent(p.q_layout()).min(q.len())])?;
+        let dk = self.upload(&k_cache[..extent(c.k_layout()).min(k_cache.len())])?;
+        let dv = self.upload(&v_cache[..extent(c.v_layout()).min(v_cache.len())])?;
+        let on = extent(p.o_layout()).min(out.len());
+        // The output is uploaded too: elements between strided rows must survive.
+        let mut dout = self.upload(&out[..on])?;
+        let mut dlse = match &lse {
+            Some(l) if !l.is_empty() => Some(self.upload::<f32>(l)?),
+            _ => None,
+        };
+        let mut tables = self.paged_tables(p)?;
+        let plan = self.forward_paged_device(
+            p,
+            &mut tables,
+            &dq,
+            &dk,
+            &dv,
+            &mut dout,
+            dlse.as_mut(),
+            num_splits,
+        )?;
+        self.stream()
+            .memcpy_dtoh(&dout, &mut out[..on])
+            .map_err(|e| Error::cuda("download out", e))?;
+        if let (Some(l), Some(d)) = (lse, dlse) {
+            self.stream()
+                .memcpy_dtoh(&d, l)
+                .map_err(|e| Error::cuda("download lse", e))?;
+        }
+        self.synchronize()?;
+        Ok(plan)
+    }
+
+    /// Writes new K and V rows into their pages on the GPU: [`crate::paged::append`]'s
+    /// contract (and validation, done on the host before anything is written) on device
+    /// buffers. `k_new` `[total_new, heads_kv, head_dim]` and `v_new` `[total_new, heads_kv,
+    /// head_dim_v]` are contiguous; `cu_new` (host) holds `batch + 1` offsets. Returns the new
+    /// `seqlens_k`. Asynchronous on the stream.
+    pub fn append_paged<T: Element>(
+        &self,
+        cache: &PagedCache,
+        k_cache: &mut CudaSlice<T>,
+        v_cache: &mut CudaSlice<T>,
+        k_new: &CudaSlice<T>,
+        v_new: &CudaSlice<T>,
+        cu_new: &[i32],
+    ) -> Result<Vec<i32>> {
+        let t = append_targets(
+            cache,
+            k_cache.len(),
+            v_cache.len(),
+            k_new.len(),
+            v_new.len(),
+            cu_new,
+        )?;
+        let bytes = T::DTYPE.size_bytes() as usize;
+        if !bytes.is_multiple_of(2) {
+            return Err(Error::invalid(
+                "k_cache",
+                format!(
+                    "the GPU append moves 16-bit units; {} elements are {bytes} byte",
+                    T::DTYPE
+                ),
+            ));
+        }
+        let rows = t.slots.len();
+        if rows == 0 || cache.heads_kv() == 0 {
+            return Ok(t.seqlens_k);
+        }
+        let units = bytes / 2;
+        let (kl, vl) = (cache.k_layout(), cache.v_layout());
+        let k_dst: Vec<i64> = t
+            .slots
+            .iter()
+            .map(|&(page, slot)| (kl.offset(page, slot, 0) * units) as i64)
+            .collect();
+        let v_dst: Vec<i64> = t
+            .slots
+            .iter()
+            .map(|&(page, slot)| (vl.offset(page, slot, 0) * units) as i64)
+            .collect();
+        let dk_dst = self
+            .stream()
+            .clone_htod(&k_dst)
+            .map_err(|e| Error::cuda("upload", e))?;
+        let dv_dst = self
+            .stream()
+            .clone_htod(&v_dst)
+            .map_err(|e| Error::cuda("upload", e))?;
+        let too_big = |name: &str| Error::invalid(name, "exceeds the append kernel's int32 range");
+        let stream = self.stream();
+        let (kn, _kn_sync) = k_new.device_ptr(stream);
+        let (vn, _vn_sync) = v_new.device_ptr(stream);
+        let (kc, _kc_sync) = k_cache.device_ptr_mut(stream);
+        let (vc, _vc_sync) = v_cache.device_ptr_mut(stream);
+        let (kd, _kd_sync) = dk_dst.device_ptr(stream);
+        let (vd, _vd_sync) = dv_dst.device_ptr(stream);
+        let params = AppendParams {
+            k_new: kn,
+            v_new: vn,
+            k_cache: kc,
+            v_cache: vc,
+            k_dst: kd,
+            v_dst: vd,
+            k_head_stride: (kl.strides[2] * units) as i64,
+            v_head_stride: (vl.strides[2] * units) as i64,
+            rows: i32::try_from(rows).map_err(|_| too_big("cu_new"))?,
+            heads_kv: cache.heads_kv() as i32,
+            // The kernel's loop counts heads_kv · units of a row in int32.
+            k_units: i32::try_from(cache.head_dim() * units)
+                .ok()
+                .filter(|&u| u as usize * cache.heads_kv() <= i32::MAX as usize)
+                .ok_or_else(|| too_big("k_new"))?,
+            v_units: i32::try_from(cache.head_dim_v() * units)
+                .ok()
+                .filter(|&u| u as usize * cache.heads_kv() <= i32::MAX as usize)
+                .ok_or_else(|| too_big("v_new"))?,
+        };
+        let spec = AppendSpec {
+            target: self.info().target,
+        };
+        let func = self.kernel(&spec)?;
+        let cfg = LaunchConfig {
+            grid_dim: (rows as u32, 1, 1),
+            block_dim: (APPEND_THREADS as u32, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut launch = stream.launch_builder(&func);
+        launch.arg(&params);
+        // SAFETY: append_targets checked both caches against their layouts' extents, k_new and
+        // v_new against [rows, heads_kv, dim], every destination page against num_pages and
+        // that no slot is written twice; the offsets uploaded are those slots' row starts, and
+        // each copies heads_kv rows of dim elements at the layout's head stride, all inside the
+        // extent. The int32 counts were range-checked; the sync guards live past the launch.
+        unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launch {spec}"), e))?;
+        Ok(t.seqlens_k)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_headers_state_the_same_sizes() {
+        assert!(super::DECODE_PARAMS_SRC.contains(&format!(
+            "#define FA4_DECODE_PARAMS_SIZE {}",
+            super::DECODE_PARAMS_SIZE
+        )));
+        assert!(super::APPEND_SRC.contains(&format!(
+            "#define FA4_APPEND_PARAMS_SIZE {}",
+            super::APPEND_PARAMS_SIZE
+        )));
+    }
+}

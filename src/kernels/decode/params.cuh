@@ -1,0 +1,45 @@
+// Launch parameters of the decode kernels (split-KV attention over a paged cache, and the combine
+// of its splits): the forward's FwdParams for Q, O, LSE, the mask and the scale, plus the page
+// table and the split workspace. Mirrored by `cuda::params::DecodeParams` (Rust, #[repr(C)]);
+// both sides assert the size. Needs `../common/params.cuh`.
+//
+// Reuse of the forward's fields: k/v are the caches; k_batch_stride/v_batch_stride are the page
+// strides, k_row_stride/v_row_stride the slot strides (elements). seqlen_q is the fixed batch's
+// query rows (ignored with cu_seqlens_q); seqlen_k and cu_seqlens_k are unused (seqlens_k).
+
+struct DecodeParams {
+    FwdParams p;
+    const int* page_table;      // [batch, max_pages] row-major, validated for the used entries
+    const int* seqlens_k;       // [batch]
+    float* o_part;              // [num_splits, part_rows, head_dim] f32, normalised partial O
+    float* lse_part;            // [num_splits, part_rows] f32, natural log; -inf = no key
+    long long part_rows;        // total query rows × heads_q: rows of one split's slab
+    int page_size;
+    int max_pages;
+    int num_splits;             // 1: the split kernel writes O and LSE directly
+    int pad1;
+};
+
+#define FA4_DECODE_PARAMS_SIZE 280
+static_assert(sizeof(DecodeParams) == FA4_DECODE_PARAMS_SIZE, "DecodeParams layout must match the Rust mirror");
+
+// Where packed query row `i` (of sequence b's own rows) of head `head` lands: the batch index and
+// row of O's and LSE's layouts, and the row of the split workspace. Fixed batches index the batch
+// axis; varlen ones have one batch entry and the sequence's rows start at q_start.
+struct OutRow {
+    long long o_off;    // element offset in O (column 0)
+    long long lse_off;  // element offset in LSE
+    long long part_row; // row of the split workspace
+};
+
+__device__ __forceinline__ OutRow out_row(const FwdParams& p, const Seq& s, int b, int i, int head) {
+    const bool packed = p.cu_seqlens_q != nullptr;
+    const long long bi = packed ? 0 : b;
+    const long long qi = s.q_start + i;
+    OutRow r;
+    r.o_off = bi * p.o_batch_stride + qi * p.o_row_stride + head * p.o_head_stride;
+    r.lse_off = bi * p.lse_batch_stride + head * p.lse_head_stride + qi;
+    const long long q_row = packed ? qi : bi * p.seqlen_q + qi;  // row among all query rows
+    r.part_row = q_row * p.heads_q + head;
+    return r;
+}

@@ -1,0 +1,374 @@
+// Split-KV attention over a paged KV cache (decode, speculative decode, chunked prefill), on the
+// Ampere-class instructions (mma.sync m16n8k16, cp.async, ldmatrix): sm_80 and later.
+//
+// Self-contained (no CUDA headers). The planner (`config::decode_gpu`) prepends a prelude
+// defining HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, M_TILES, STAGES, IS_BF16, HAS_WINDOW,
+// HAS_SOFTCAP, LAZY_RESCALE and FA4_SMEM_BYTES; then come the shared layer
+// (`../common/{base,params,mask,softmax}.cuh`), `../sm80/ptx.cuh`, `params.cuh`, this file.
+//
+// Work split: one CTA per (sequence · KV head, tile of BLOCK_M packed rows, split). GQA packing:
+// packed row r of a (sequence, KV head) is query row r / group of query head
+// kv_head · group + r % group, so the query heads that share a KV head read each K/V block once.
+// A decode tile has few rows (4 at group 4, seqlen_q 1), so the warps split the keys, not the
+// rows: every warp computes all BLOCK_M rows (M_TILES MMA tiles of 16) against its own KEYS_W
+// keys of each block, with its own online softmax; the warps' states are merged at the end
+// through shared memory. Keys are gathered from their pages row by row (any page size; a block
+// may span pages) with cp.async into a STAGES-deep ring.
+//
+// The CTA's split of the keys is whole key blocks: with one split it writes O (16-bit) and LSE;
+// with more it writes its normalised partial O (f32) and LSE to the workspace, and
+// `fa4_decode_combine` merges the splits.
+
+constexpr int NUM_THREADS = NUM_WARPS * 32;
+constexpr int KEYS_W = BLOCK_N / NUM_WARPS;       // keys of a block each warp owns
+constexpr int ROW_SLOTS = 2 * M_TILES;            // rows a thread owns: g + 8·slot
+constexpr int CHUNK_ELEMS = 8;                    // one 16-byte cp.async / ldmatrix row
+constexpr int CHUNKS = HEAD_DIM / CHUNK_ELEMS;    // 16-byte chunks per tile row
+constexpr int KSTEPS_D = HEAD_DIM / 16;           // k16 steps over the head dim (Q·Kᵀ)
+constexpr int NTILES_W = KEYS_W / 8;              // n8 tiles of a warp's S
+constexpr int KSTEPS_W = KEYS_W / 16;             // k16 steps over a warp's keys (P·V)
+constexpr int NTILES_D = HEAD_DIM / 8;            // n8 tiles of O
+constexpr int ROW_STEP = NUM_THREADS / CHUNKS;    // rows one pass of the threads' copies covers
+constexpr u32 SIGN_BITS = 0x80008000u;            // the sign bits of a packed 16-bit pair
+constexpr float LN2 = 0.6931471805599453f;
+
+static_assert(BLOCK_M == 16 * M_TILES, "a tile is M_TILES MMA tiles of 16 rows");
+static_assert(KEYS_W % 16 == 0, "each warp's keys are whole k16 steps of P·V");
+static_assert(HEAD_DIM % 64 == 0, "the swizzle permutes 8 chunks: rows are whole 128-byte groups");
+static_assert(NUM_THREADS % CHUNKS == 0 && BLOCK_N % ROW_STEP == 0, "K/V copies split evenly over the threads");
+static_assert(STAGES >= 2, "the K/V ring needs at least double buffering");
+
+constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;   // (BLOCK_M, HEAD_DIM) 16-bit
+constexpr int KV_TILE_BYTES = BLOCK_N * HEAD_DIM * 2;  // (BLOCK_N, HEAD_DIM) 16-bit
+constexpr int SMEM_BYTES = Q_TILE_BYTES + 2 * STAGES * KV_TILE_BYTES;
+static_assert(SMEM_BYTES == FA4_SMEM_BYTES, "the planner's shared-memory count must match");
+// The merge of the warps reuses the K/V ring for each warp's f32 O, (NUM_WARPS, BLOCK_M,
+// HEAD_DIM), and the Q tile for the per-row statistics (max, sum, factor per warp; LSE).
+constexpr int MERGE_O_BYTES = NUM_WARPS * BLOCK_M * HEAD_DIM * 4;
+constexpr int MERGE_STAT_BYTES = (3 * NUM_WARPS + 1) * BLOCK_M * 4;
+static_assert(MERGE_O_BYTES <= 2 * STAGES * KV_TILE_BYTES, "the warps' O fit in the K/V ring");
+static_assert(MERGE_STAT_BYTES <= Q_TILE_BYTES, "the row statistics fit in the Q tile");
+
+// Byte offset of 16-byte chunk `c` of row `r` in a swizzled (rows, HEAD_DIM) tile: the low three
+// chunk bits are XORed with the row's, so the 8 rows an ldmatrix reads (and the rows a pass of
+// copies writes) fall in 8 different bank groups.
+__device__ __forceinline__ u32 swizzle(int r, int c) {
+    return static_cast<u32>((r * CHUNKS + ((c & ~7) | ((c ^ r) & 7))) * 16);
+}
+
+// The sequence's query bounds (fixed or varlen) and its keys (seqlens_k; keys live in pages).
+__device__ __forceinline__ Seq paged_sequence(const DecodeParams& d, int b) {
+    Seq s = sequence(d.p, b, false);
+    if (d.p.cu_seqlens_q != nullptr) {
+        s.q_start = d.p.cu_seqlens_q[b];
+        s.q_len = d.p.cu_seqlens_q[b + 1] - s.q_start;
+    }
+    s.k_start = 0;
+    s.k_len = d.seqlens_k[b];
+    return s;
+}
+
+// Issues the copies of key block n's K and V rows into a stage: row r is key n·BLOCK_N + r,
+// slot key % page_size of page page_table[key / page_size]; rows past the sequence's keys are
+// zero-filled without touching the table (its entries there are unvalidated).
+__device__ __forceinline__ void load_kv_block(const DecodeParams& d, const int* table, int k_len, int kv_head,
+                                              int n, u32 sK, u32 sV, int tid) {
+    const FwdParams& p = d.p;
+    const int c = tid % CHUNKS;
+    const u16* gK = static_cast<const u16*>(p.k) + kv_head * p.k_head_stride + c * CHUNK_ELEMS;
+    const u16* gV = static_cast<const u16*>(p.v) + kv_head * p.v_head_stride + c * CHUNK_ELEMS;
+#pragma unroll
+    for (int i = 0; i < BLOCK_N / ROW_STEP; ++i) {
+        const int r = tid / CHUNKS + i * ROW_STEP;
+        const int key = n * BLOCK_N + r;
+        const bool ok = key < k_len;
+        long long k_off = 0, v_off = 0;
+        if (ok) {
+            const long long page = table[key / d.page_size];
+            const long long slot = key % d.page_size;
+            k_off = page * p.k_batch_stride + slot * p.k_row_stride;
+            v_off = page * p.v_batch_stride + slot * p.v_row_stride;
+        }
+        cp_async_16(sK + swizzle(r, c), gK + k_off, ok ? 16 : 0);
+        cp_async_16(sV + swizzle(r, c), gV + v_off, ok ? 16 : 0);
+    }
+}
+
+// The tile's packed rows into sQ (rows past `valid` zero), negated for a negative scale.
+__device__ __forceinline__ void load_q_tile(const DecodeParams& d, const Seq& s, int b, int kv_head, int m0,
+                                            int valid, u32 sQ, int tid) {
+    const FwdParams& p = d.p;
+    const bool packed = p.cu_seqlens_q != nullptr;
+    const u32 flip = p.negate_q ? SIGN_BITS : 0u;
+    const int c = tid % CHUNKS;
+    // A pass of the threads may cover more rows than the tile has (d64: 32 rows of 256 threads).
+    for (int r = tid / CHUNKS; r < BLOCK_M; r += ROW_STEP) {
+        u32 x[4] = {0u, 0u, 0u, 0u};
+        if (r < valid) {
+            const int pr = m0 + r;
+            const int qi = s.q_start + pr / p.group, head = kv_head * p.group + pr % p.group;
+            const u16* src = static_cast<const u16*>(p.q) + (packed ? 0 : b * p.q_batch_stride) +
+                             qi * p.q_row_stride + head * p.q_head_stride + c * CHUNK_ELEMS;
+            ld_global_v4(x, src);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) x[e] ^= flip;
+        }
+        st_shared_v4(sQ + swizzle(r, c), x[0], x[1], x[2], x[3]);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_splitkv(const __grid_constant__ DecodeParams d) {
+    extern __shared__ __align__(128) unsigned char smem[];
+    const FwdParams& p = d.p;
+    const int tid = threadIdx.x;
+    const int warp = tid / 32, lane = tid % 32;
+    const int g = lane / 4, t = lane % 4;
+
+    const int heads_kv = p.heads_q / p.group;
+    const int b = blockIdx.x / heads_kv, kv_head = blockIdx.x % heads_kv;
+    const int split = blockIdx.z;
+    const Seq s = paged_sequence(d, b);
+    const int rows = s.q_len * p.group;  // packed rows of this (sequence, KV head)
+    const int m0 = blockIdx.y * BLOCK_M;
+    if (m0 >= rows) return;
+    const int valid_m = min(BLOCK_M, rows - m0);
+    const int* table = d.page_table + static_cast<long long>(b) * d.max_pages;
+
+    // This split's key blocks, cut to those the tile's rows may see. Packed rows m0 .. m0 +
+    // valid_m − 1 are query rows m0 / group .. (m0 + valid_m − 1) / group.
+    const int blocks = (s.k_len + BLOCK_N - 1) / BLOCK_N;
+    const int per_split = (blocks + d.num_splits - 1) / d.num_splits;
+    const KeyBlocks kb = key_blocks(p, s, m0 / p.group, (m0 + valid_m - 1) / p.group, true);
+    const int n_begin = max(kb.n_begin, split * per_split);
+    const int n_end = min(kb.n_end, min(blocks, (split + 1) * per_split));
+
+    const u32 sQ = smem_u32(smem);            // (BLOCK_M, HEAD_DIM)
+    const u32 sK = sQ + Q_TILE_BYTES;         // STAGES × (BLOCK_N, HEAD_DIM)
+    const u32 sV = sK + STAGES * KV_TILE_BYTES;
+
+    load_q_tile(d, s, b, kv_head, m0, valid_m, sQ, tid);
+#pragma unroll
+    for (int st = 0; st < STAGES - 1; ++st) {
+        if (n_begin + st < n_end)
+            load_kv_block(d, table, s.k_len, kv_head, n_begin + st, sK + st * KV_TILE_BYTES, sV + st * KV_TILE_BYTES,
+                          tid);
+        cp_async_commit();
+    }
+
+    float rO[M_TILES][NTILES_D][4];  // O accumulator, (BLOCK_M, HEAD_DIM), this warp's keys
+    float row_max[ROW_SLOTS];        // raw scores (before scale_log2)
+    float row_sum[ROW_SLOTS];        // this thread's columns only
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int i = 0; i < NTILES_D; ++i) rO[mt][i][0] = rO[mt][i][1] = rO[mt][i][2] = rO[mt][i][3] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < ROW_SLOTS; ++r) {
+        row_max[r] = NEG_INF;
+        row_sum[r] = 0.0f;
+    }
+
+    // Lane roles in the ldmatrix patterns: A (Q) and transposed B (V) take the four 8×8
+    // matrices row-block-major, B (K) chunk-major so that each n8 tile's registers are adjacent.
+    const int a_row = (lane % 8) + ((lane / 8) % 2) * 8, a_chunk = lane / 16;
+    const int k_row = (lane % 8) + (lane / 16) * 8, k_chunk = (lane / 8) % 2;
+    const int wk0 = warp * KEYS_W;  // this warp's first key in a block
+
+    for (int n = n_begin; n < n_end; ++n) {
+        const int it = n - n_begin;
+        cp_async_wait<STAGES - 2>();  // block `it` has landed (this thread's copies) …
+        __syncthreads();              // … and everyone's; everyone is done with block it − 1.
+        if (n + STAGES - 1 < n_end) {
+            const int st = (it + STAGES - 1) % STAGES;
+            load_kv_block(d, table, s.k_len, kv_head, n + STAGES - 1, sK + st * KV_TILE_BYTES,
+                          sV + st * KV_TILE_BYTES, tid);
+        }
+        cp_async_commit();
+        const int stage = it % STAGES;
+        const u32 sKs = sK + stage * KV_TILE_BYTES, sVs = sV + stage * KV_TILE_BYTES;
+
+        // S = Q·Kᵀ over this warp's keys, (BLOCK_M, KEYS_W).
+        float rS[M_TILES][NTILES_W][4];
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int i = 0; i < NTILES_W; ++i) rS[mt][i][0] = rS[mt][i][1] = rS[mt][i][2] = rS[mt][i][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < KSTEPS_D; ++kk) {
+            u32 qa[M_TILES][4];
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) ldmatrix_x4(qa[mt], sQ + swizzle(16 * mt + a_row, 2 * kk + a_chunk));
+#pragma unroll
+            for (int np = 0; np < NTILES_W / 2; ++np) {
+                u32 kb4[4];
+                ldmatrix_x4(kb4, sKs + swizzle(wk0 + 16 * np + k_row, 2 * kk + k_chunk));
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt) {
+                    mma_16816(rS[mt][2 * np], qa[mt], kb4[0], kb4[1]);
+                    mma_16816(rS[mt][2 * np + 1], qa[mt], kb4[2], kb4[3]);
+                }
+            }
+        }
+
+        if constexpr (HAS_SOFTCAP) {
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+                for (int i = 0; i < NTILES_W; ++i)
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) rS[mt][i][e] = p.softcap * tanh_accurate(rS[mt][i][e] * p.softcap_scale);
+        }
+
+        // Mask: only blocks that cross some row's key bounds (or the end of the keys).
+        if (kb.masked(n)) {
+            const int key0 = n * BLOCK_N + wk0;
+#pragma unroll
+            for (int r = 0; r < ROW_SLOTS; ++r) {
+                const int qi = (m0 + 16 * (r / 2) + g + 8 * (r % 2)) / p.group;
+                const int lo = key_lo(p, s, qi), hi = key_hi(p, s, qi);
+#pragma unroll
+                for (int i = 0; i < NTILES_W; ++i)
+#pragma unroll
+                    for (int e = 2 * (r % 2); e < 2 * (r % 2) + 2; ++e) {
+                        const int j = key0 + i * 8 + 2 * t + (e & 1);
+                        if (j < lo || j >= hi) rS[r / 2][i][e] = NEG_INF;
+                    }
+            }
+        }
+
+        // Online softmax per row slot r (row g + 8·(r % 2) of MMA tile r / 2); a quad shares a row.
+        float corr[ROW_SLOTS];
+#pragma unroll
+        for (int r = 0; r < ROW_SLOTS; ++r) {
+            const int mt = r / 2, h = r % 2;
+            float mx = row_max[r];
+#pragma unroll
+            for (int i = 0; i < NTILES_W; ++i) mx = fmaxf(mx, fmaxf(rS[mt][i][2 * h], rS[mt][i][2 * h + 1]));
+            mx = quad_max(mx);
+            const float shift = update_row_max(row_max[r], mx, p.scale_log2, corr[r]);
+            float sum = 0.0f;
+#pragma unroll
+            for (int i = 0; i < NTILES_W; ++i)
+#pragma unroll
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                    rS[mt][i][e] = exp2_approx(score_exponent(rS[mt][i][e], p.scale_log2, shift));
+                    sum += rS[mt][i][e];
+                }
+            row_sum[r] = row_sum[r] * corr[r] + sum;
+        }
+#pragma unroll
+        for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+            for (int i = 0; i < NTILES_D; ++i) {
+                rO[mt][i][0] *= corr[2 * mt];
+                rO[mt][i][1] *= corr[2 * mt];
+                rO[mt][i][2] *= corr[2 * mt + 1];
+                rO[mt][i][3] *= corr[2 * mt + 1];
+            }
+
+        // O += P·V over this warp's keys: S's accumulator layout is P's A-fragment layout.
+#pragma unroll
+        for (int ks = 0; ks < KSTEPS_W; ++ks) {
+            u32 pa[M_TILES][4];
+#pragma unroll
+            for (int mt = 0; mt < M_TILES; ++mt) {
+                pa[mt][0] = pack2(rS[mt][2 * ks][0], rS[mt][2 * ks][1]);
+                pa[mt][1] = pack2(rS[mt][2 * ks][2], rS[mt][2 * ks][3]);
+                pa[mt][2] = pack2(rS[mt][2 * ks + 1][0], rS[mt][2 * ks + 1][1]);
+                pa[mt][3] = pack2(rS[mt][2 * ks + 1][2], rS[mt][2 * ks + 1][3]);
+            }
+#pragma unroll
+            for (int dp = 0; dp < NTILES_D / 2; ++dp) {
+                u32 vb[4];
+                ldmatrix_x4_trans(vb, sVs + swizzle(wk0 + 16 * ks + a_row, 2 * dp + a_chunk));
+#pragma unroll
+                for (int mt = 0; mt < M_TILES; ++mt) {
+                    mma_16816(rO[mt][2 * dp], pa[mt], vb[0], vb[1]);
+                    mma_16816(rO[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
+                }
+            }
+        }
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // every warp is done with the K/V ring and sQ: both are reused below
+
+    // Merge of the warps. Warp w's row state is (shift_w, sum_w, O_w): its scores' exponents
+    // were taken relative to shift_w = row_max·scale_log2 (0 for an infinite max), so its row
+    // holds 2^shift_w · sum_w of mass. With M the largest shift of the warps that saw a key,
+    // f_w = 2^(shift_w − M), L = Σ f_w·sum_w, O = Σ f_w·O_w / L, LSE = M·ln 2 + ln L.
+    float* sO = reinterpret_cast<float*>(smem + Q_TILE_BYTES);  // (NUM_WARPS, BLOCK_M, HEAD_DIM)
+    float* sShift = reinterpret_cast<float*>(smem);             // (NUM_WARPS, BLOCK_M)
+    float* sSum = sShift + NUM_WARPS * BLOCK_M;                 // (NUM_WARPS, BLOCK_M)
+    float* sFactor = sSum + NUM_WARPS * BLOCK_M;                // (NUM_WARPS, BLOCK_M): f_w / L
+    float* sLse = sFactor + NUM_WARPS * BLOCK_M;                // (BLOCK_M)
+#pragma unroll
+    for (int r = 0; r < ROW_SLOTS; ++r) {
+        const int row = 16 * (r / 2) + g + 8 * (r % 2);
+        const float sum = quad_sum(row_sum[r]);
+        if (t == 0) {
+            sShift[warp * BLOCK_M + row] = fabsf(row_max[r]) == -NEG_INF ? 0.0f : row_max[r] * p.scale_log2;
+            sSum[warp * BLOCK_M + row] = sum;
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int i = 0; i < NTILES_D; ++i)
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float* dst = sO + (warp * BLOCK_M + 16 * mt + g + 8 * h) * HEAD_DIM + 8 * i + 2 * t;
+                dst[0] = rO[mt][i][2 * h];
+                dst[1] = rO[mt][i][2 * h + 1];
+            }
+    __syncthreads();
+    if (tid < BLOCK_M) {
+        float m = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w)
+            if (sSum[w * BLOCK_M + tid] != 0.0f) m = fmaxf(m, sShift[w * BLOCK_M + tid]);
+        float f[NUM_WARPS], l = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) {
+            const float sw = sSum[w * BLOCK_M + tid];
+            f[w] = sw != 0.0f ? exp2_approx(sShift[w * BLOCK_M + tid] - m) : 0.0f;
+            l += f[w] * sw;
+        }
+        const float inv = row_inv_sum(l);
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) sFactor[w * BLOCK_M + tid] = f[w] * inv;
+        float lse = l == 0.0f ? NEG_INF : m * LN2 + __logf(l);
+        if (l != l) lse = l;  // NaN propagates
+        sLse[tid] = lse;
+    }
+    __syncthreads();
+
+    // Writes: 8 columns per thread and step; rows past the tile's valid rows are skipped.
+    const bool direct = d.num_splits == 1;
+    for (int idx = tid; idx < BLOCK_M * CHUNKS; idx += NUM_THREADS) {
+        const int row = idx / CHUNKS, c = idx % CHUNKS;
+        if (row >= valid_m) continue;
+        const int pr = m0 + row;
+        const OutRow o = out_row(p, s, b, pr / p.group, kv_head * p.group + pr % p.group);
+        float acc[CHUNK_ELEMS];
+#pragma unroll
+        for (int e = 0; e < CHUNK_ELEMS; ++e) acc[e] = 0.0f;
+#pragma unroll
+        for (int w = 0; w < NUM_WARPS; ++w) {
+            const float fw = sFactor[w * BLOCK_M + row];
+            const float* src = sO + (w * BLOCK_M + row) * HEAD_DIM + c * CHUNK_ELEMS;
+#pragma unroll
+            for (int e = 0; e < CHUNK_ELEMS; ++e) acc[e] += fw * src[e];
+        }
+        if (direct) {
+            const u32 x[4] = {pack2(acc[0], acc[1]), pack2(acc[2], acc[3]), pack2(acc[4], acc[5]),
+                              pack2(acc[6], acc[7])};
+            st_global_v4(static_cast<u16*>(p.o) + o.o_off + c * CHUNK_ELEMS, x);
+            if (c == 0 && p.lse != nullptr) p.lse[o.lse_off] = sLse[row];
+        } else {
+            float* dst = d.o_part + (split * d.part_rows + o.part_row) * HEAD_DIM + c * CHUNK_ELEMS;
+            st_global_f32x4(dst, acc[0], acc[1], acc[2], acc[3]);
+            st_global_f32x4(dst + 4, acc[4], acc[5], acc[6], acc[7]);
+            if (c == 0) d.lse_part[split * d.part_rows + o.part_row] = sLse[row];
+        }
+    }
+}

@@ -1,0 +1,419 @@
+//! The GPU decode kernels (split-KV over a paged cache, the combine, the append) against the
+//! float64 paged oracle: tests/decode.rs's matrix (page sizes 1/3/16/64/256, shuffled tables
+//! with NaN in every unused slot, seqlens_k 0 and page boundaries, split counts from 1 past the
+//! key blocks, GQA 1/4/8, causal/window/softcap, seqlen_q 1 and 4, varlen queries) in fp16 and
+//! bf16 at head dims 64/128/256, with outputs poisoned with NaN before each call. Every test is
+//! ignored unless run with `--include-ignored`, and fails, not passes, where no GPU works.
+
+use fa4::config::decode::{DecodeTiles, MAX_SPLITS};
+use fa4::cuda::CudaBackend;
+use fa4::paged::random::{random_paged, PagedInputs, PagedSpec};
+use fa4::paged::{self, reference, PagedCache, PagedOptions};
+use fa4::tensor::Layout;
+use fa4::{Backend, Element, Error, Options, Tensor, TensorMut};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+fn gpu() -> CudaBackend {
+    match CudaBackend::new(0) {
+        Ok(b) => b,
+        Err(e) => panic!("needs a CUDA GPU (run with --include-ignored only where one works): {e}"),
+    }
+}
+
+fn arg_of(e: Error) -> String {
+    match e {
+        Error::InvalidArgument { name, .. } => name,
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+/// Runs the GPU with `splits` on NaN-poisoned outputs and judges it; returns the splits run.
+fn run_and_check<T: Element>(
+    cuda: &CudaBackend,
+    inputs: &PagedInputs<T>,
+    opts: Options,
+    splits: Option<usize>,
+    what: &str,
+) -> usize {
+    let kv = inputs.kv().unwrap();
+    let q = Tensor::new(&inputs.q, &inputs.q_shape).unwrap();
+    let p = inputs.problem(&opts).unwrap();
+    let mut o_shape = inputs.q_shape.clone();
+    *o_shape.last_mut().unwrap() = inputs.v_shape[3];
+    let mut o = vec![T::NAN; o_shape.iter().product()];
+    let mut lse = vec![f32::NAN; p.lse_len()];
+    let mut popts = PagedOptions::new(opts);
+    popts.num_splits = splits;
+    let plan = Backend::Cuda(cuda.clone())
+        .forward_paged(
+            &q,
+            &kv,
+            inputs.cu_seqlens_q.as_deref(),
+            &mut TensorMut::new(&mut o, &o_shape).unwrap(),
+            Some(&mut lse),
+            &popts,
+        )
+        .unwrap_or_else(|e| panic!("{what} splits {splits:?}: {e}"));
+    let report = reference::check(
+        &p,
+        &inputs.q,
+        &inputs.k_cache,
+        &inputs.v_cache,
+        &o,
+        Some(&lse),
+    )
+    .unwrap();
+    assert!(report.passed(), "{what} splits {splits:?}: {report}");
+    plan.num_splits
+}
+
+fn masks() -> Vec<(&'static str, Options)> {
+    vec![
+        ("none", Options::new()),
+        ("causal", Options::new().causal()),
+        ("window 5,0", Options::new().window(Some(5), Some(0))),
+        (
+            "window 170,3 softcap",
+            Options::new().window(Some(170), Some(3)).softcap(5.0),
+        ),
+        ("softcap", Options::new().softcap(2.0)),
+        ("negative scale", Options::new().scale(-0.07)),
+    ]
+}
+
+/// Empty, exactly one and two pages, a page and one key, and a random length of a few blocks.
+fn ragged(rng: &mut StdRng, page_size: usize) -> Vec<usize> {
+    vec![
+        0,
+        page_size,
+        2 * page_size,
+        page_size + 1,
+        rng.random_range(1..700),
+    ]
+}
+
+fn matrix_case<T: Element>(cuda: &CudaBackend, rng: &mut StdRng, spec: &PagedSpec, case: usize) {
+    let all = masks();
+    let (name, opts) = all[case % all.len()];
+    let inputs = random_paged::<T, _>(rng, spec).unwrap();
+    let what = format!(
+        "{} d{} page {} heads {}/{} sq {:?} varlen {} {name}",
+        T::DTYPE,
+        spec.head_dim,
+        spec.page_size,
+        spec.heads_q,
+        spec.heads_kv,
+        spec.seqlens_q,
+        spec.varlen
+    );
+    run_and_check(cuda, &inputs, opts, None, &what);
+    let blocks = spec
+        .seqlens_k
+        .iter()
+        .max()
+        .unwrap()
+        .div_ceil(DecodeTiles::gpu(spec.head_dim).block_n);
+    for s in [1, blocks.div_ceil(2).max(1), blocks + 1] {
+        assert_eq!(run_and_check(cuda, &inputs, opts, Some(s), &what), s);
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn paged_matrix_against_the_oracle() {
+    let cuda = gpu();
+    let mut rng = StdRng::seed_from_u64(15);
+    let mut case = 0;
+    for page_size in [1, 3, 16, 64, 256] {
+        for (hq, hkv) in [(2, 2), (8, 2), (8, 1)] {
+            for (seqlen_q, varlen) in [(1, false), (4, false), (0, true)] {
+                let seqlens_k = ragged(&mut rng, page_size);
+                let seqlens_q = if varlen {
+                    vec![1, 0, 4, 3, 2]
+                } else {
+                    vec![seqlen_q; seqlens_k.len()]
+                };
+                let head_dim = [64, 128, 256][case % 3];
+                let spec = PagedSpec {
+                    seqlens_q,
+                    seqlens_k,
+                    heads_q: hq,
+                    heads_kv: hkv,
+                    head_dim,
+                    head_dim_v: head_dim,
+                    page_size,
+                    varlen,
+                };
+                if case % 2 == 0 {
+                    matrix_case::<bf16>(&cuda, &mut rng, &spec, case);
+                } else {
+                    matrix_case::<f16>(&cuda, &mut rng, &spec, case);
+                }
+                case += 1;
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_split_count_and_two_row_tiles() {
+    // 8 query heads on 1 KV head at seqlen_q 8: 64 packed rows, two tiles of 32 at d128.
+    let cuda = gpu();
+    let mut rng = StdRng::seed_from_u64(3);
+    let spec = PagedSpec {
+        seqlens_q: vec![8, 8, 8],
+        seqlens_k: vec![1029, 300, 0],
+        heads_q: 8,
+        heads_kv: 1,
+        head_dim: 128,
+        head_dim_v: 128,
+        page_size: 16,
+        varlen: false,
+    };
+    let inputs = random_paged::<bf16, _>(&mut rng, &spec).unwrap();
+    let blocks = 1029usize.div_ceil(128);
+    for s in 1..=blocks + 1 {
+        run_and_check(&cuda, &inputs, Options::new().causal(), Some(s), "causal");
+        run_and_check(&cuda, &inputs, Options::new(), Some(s), "none");
+    }
+    run_and_check(
+        &cuda,
+        &inputs,
+        Options::new(),
+        Some(MAX_SPLITS),
+        "max splits",
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn a_long_decode_splits_and_matches_the_oracle() {
+    // The head layout (32/8, d128) at 20k keys in pages of 16: the planner splits.
+    let cuda = gpu();
+    let mut rng = StdRng::seed_from_u64(7);
+    let spec = PagedSpec {
+        seqlens_q: vec![1],
+        seqlens_k: vec![20000],
+        heads_q: 32,
+        heads_kv: 8,
+        head_dim: 128,
+        head_dim_v: 128,
+        page_size: 16,
+        varlen: false,
+    };
+    let inputs = random_paged::<bf16, _>(&mut rng, &spec).unwrap();
+    let s = run_and_check(&cuda, &inputs, Options::new(), None, "20k");
+    assert!(
+        s > 1,
+        "the planner should split one sequence over 132 SMs, gave {s}"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_buffers_reuse_tables_and_reject_foreign_ones() {
+    let cuda = gpu();
+    let mut rng = StdRng::seed_from_u64(11);
+    let spec = PagedSpec {
+        seqlens_q: vec![1, 1],
+        seqlens_k: vec![300, 45],
+        heads_q: 8,
+        heads_kv: 2,
+        head_dim: 64,
+        head_dim_v: 64,
+        page_size: 16,
+        varlen: false,
+    };
+    let inputs = random_paged::<f16, _>(&mut rng, &spec).unwrap();
+    let p = inputs.problem(&Options::new()).unwrap();
+    let mut tables = cuda.paged_tables(&p).unwrap();
+    let (dq, dk, dv) = (
+        cuda.upload(&inputs.q).unwrap(),
+        cuda.upload(&inputs.k_cache).unwrap(),
+        cuda.upload(&inputs.v_cache).unwrap(),
+    );
+    let mut dout = cuda.upload(&vec![f16::NAN; inputs.q.len()]).unwrap();
+    let mut dlse = cuda.upload(&vec![f32::NAN; p.lse_len()]).unwrap();
+    for s in [1, 3, 1] {
+        cuda.forward_paged_device(
+            &p,
+            &mut tables,
+            &dq,
+            &dk,
+            &dv,
+            &mut dout,
+            Some(&mut dlse),
+            Some(s),
+        )
+        .unwrap();
+        let (o, l) = (cuda.download(&dout).unwrap(), cuda.download(&dlse).unwrap());
+        let r = reference::check(
+            &p,
+            &inputs.q,
+            &inputs.k_cache,
+            &inputs.v_cache,
+            &o,
+            Some(&l),
+        )
+        .unwrap();
+        assert!(r.passed(), "splits {s}: {r}");
+    }
+    // Tables of another cache (other lengths) are refused before any launch.
+    let mut other = inputs.clone();
+    other.seqlens_k[1] = 44;
+    let p2 = other.problem(&Options::new()).unwrap();
+    let e = cuda
+        .forward_paged_device(&p2, &mut tables, &dq, &dk, &dv, &mut dout, None, None)
+        .unwrap_err();
+    assert_eq!(arg_of(e), "page_table");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn unsupported_problems_are_refused_by_name() {
+    let cuda = gpu();
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut spec = PagedSpec {
+        seqlens_q: vec![1],
+        seqlens_k: vec![40],
+        heads_q: 2,
+        heads_kv: 1,
+        head_dim: 96,
+        head_dim_v: 96,
+        page_size: 16,
+        varlen: false,
+    };
+    let refuse = |inputs: &PagedInputs<bf16>| {
+        let p = inputs.problem(&Options::new()).unwrap();
+        let mut o =
+            vec![bf16::ZERO; inputs.q.len() / p.cache().head_dim() * p.cache().head_dim_v()];
+        Backend::Cuda(cuda.clone())
+            .run_paged(
+                &p,
+                &inputs.q,
+                &inputs.k_cache,
+                &inputs.v_cache,
+                &mut o,
+                None,
+                None,
+            )
+            .unwrap_err()
+    };
+    assert_eq!(
+        arg_of(refuse(&random_paged(&mut rng, &spec).unwrap())),
+        "k_cache"
+    );
+    spec.head_dim = 64;
+    spec.head_dim_v = 128;
+    assert_eq!(
+        arg_of(refuse(&random_paged(&mut rng, &spec).unwrap())),
+        "v_cache"
+    );
+    spec.head_dim_v = 64;
+    let inputs = random_paged::<f32, _>(&mut rng, &spec).unwrap();
+    let p = inputs.problem(&Options::new()).unwrap();
+    let mut o = vec![0f32; inputs.q.len()];
+    let e = Backend::Cuda(cuda.clone())
+        .run_paged(
+            &p,
+            &inputs.q,
+            &inputs.k_cache,
+            &inputs.v_cache,
+            &mut o,
+            None,
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(arg_of(e), "dtype");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_gpu_append_writes_what_the_cpu_append_writes() {
+    let cuda = gpu();
+    let mut rng = StdRng::seed_from_u64(21);
+    for page_size in [1, 3, 16] {
+        let spec = PagedSpec {
+            seqlens_q: vec![1, 1, 1],
+            seqlens_k: vec![5, 0, 2 * page_size],
+            heads_q: 4,
+            heads_kv: 2,
+            head_dim: 64,
+            head_dim_v: 64,
+            page_size,
+            varlen: false,
+        };
+        let inputs = random_paged::<bf16, _>(&mut rng, &spec).unwrap();
+        // A table with room: every sequence gets 4 more pages' worth of rows at most.
+        let k_l = Layout::new("k_cache", &inputs.k_shape, None).unwrap();
+        let v_l = Layout::new("v_cache", &inputs.v_shape, None).unwrap();
+        let num_pages = inputs.k_shape[0];
+        let batch = 3;
+        let max_pages = num_pages.div_ceil(batch) + 8;
+        // Give each sequence distinct pages: a fresh table over the pool (pages by stride).
+        let mut table = vec![-1i32; batch * max_pages];
+        for b in 0..batch {
+            for j in 0..max_pages {
+                let page = b + batch * j;
+                if page < num_pages {
+                    table[b * max_pages + j] = page as i32;
+                }
+            }
+        }
+        let counts = [3usize, 1, page_size + 2];
+        let mut seqlens = vec![0i32; batch];
+        for b in 0..batch {
+            let pages = (0..max_pages)
+                .filter(|&j| table[b * max_pages + j] >= 0)
+                .count();
+            seqlens[b] = ((pages * page_size).saturating_sub(counts[b]) as i32).min(7);
+        }
+        let cache = PagedCache::new(&k_l, &v_l, &table, max_pages, &seqlens).unwrap();
+        let mut cu = vec![0i32];
+        for c in counts {
+            cu.push(cu.last().unwrap() + c as i32);
+        }
+        let total = *cu.last().unwrap() as usize;
+        let row = spec.heads_kv * spec.head_dim;
+        let k_new: Vec<bf16> = (0..total * row)
+            .map(|_| bf16::from_f32(rng.random()))
+            .collect();
+        let v_new: Vec<bf16> = (0..total * row)
+            .map(|_| bf16::from_f32(rng.random()))
+            .collect();
+        let (mut k_cpu, mut v_cpu) = (inputs.k_cache.clone(), inputs.v_cache.clone());
+        let want = paged::append(&cache, &mut k_cpu, &mut v_cpu, &k_new, &v_new, &cu).unwrap();
+        let mut dk = cuda.upload(&inputs.k_cache).unwrap();
+        let mut dv = cuda.upload(&inputs.v_cache).unwrap();
+        let (dkn, dvn) = (cuda.upload(&k_new).unwrap(), cuda.upload(&v_new).unwrap());
+        let got = cuda
+            .append_paged(&cache, &mut dk, &mut dv, &dkn, &dvn, &cu)
+            .unwrap();
+        assert_eq!(got, want);
+        // Bitwise, NaN slots included.
+        let bits = |v: &[bf16]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&cuda.download(&dk).unwrap()),
+            bits(&k_cpu),
+            "page {page_size}"
+        );
+        assert_eq!(
+            bits(&cuda.download(&dv).unwrap()),
+            bits(&v_cpu),
+            "page {page_size}"
+        );
+        // The host validation is the CPU's: a page missing from the table is refused and
+        // nothing is written.
+        let mut short = table.clone();
+        short[max_pages - 1] = -1;
+        short[0] = -1;
+        let cache2 = PagedCache::new(&k_l, &v_l, &short, max_pages, &[0, 0, 0]).unwrap();
+        let e = cuda
+            .append_paged(&cache2, &mut dk, &mut dv, &dkn, &dvn, &cu)
+            .unwrap_err();
+        assert_eq!(arg_of(e), "page_table");
+    }
+}

@@ -42,10 +42,15 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 mod op;
+mod paged;
 
 use candle::{DType, Result, Tensor};
 
 use op::{Fa4Attn, HostSeqlens};
+
+pub use paged::{
+    attention_paged, attention_paged_with_lse, flash_attn_paged, flash_attn_paged_with_lse,
+};
 
 /// Options of one attention call, beyond what the candle-flash-attn names carry.
 ///

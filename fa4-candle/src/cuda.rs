@@ -8,7 +8,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-use candle::backend::BackendStorage;
+use candle::backend::{BackendDevice, BackendStorage};
 use candle::cuda_backend::cudarc::driver::CudaView;
 use candle::cuda_backend::{CudaDType, CudaDevice, DeviceId};
 use candle::{CudaStorage, DType, Layout, Result, Shape, Storage};
@@ -16,7 +16,8 @@ use half::{bf16, f16};
 
 use fa4::cuda::CudaBackend;
 
-use crate::op::{fa4_err, Fa4Attn};
+use crate::op::{cpu_view, fa4_err, Fa4Attn};
+use crate::paged::Fa4Paged;
 
 /// One fa4 backend per candle device (so per stream), created on first use: it holds the
 /// compiled kernels, which must not be reloaded per call. It keeps candle's stream alive for
@@ -104,4 +105,94 @@ where
         op.store_lse(&p, Storage::Cuda(lse));
     }
     Ok((CudaStorage::wrap_cuda_slice(out, dev), out_shape))
+}
+
+/// The paged forward on CUDA tensors, through fa4's [`fa4::Backend::run_paged`] on
+/// [`fa4::Backend::Cuda`].
+///
+/// fa4's paged entry takes host slices (its GPU decode kernels are being written; until they
+/// land it returns an error naming `backend`, passed on here with the entry's name). So this path
+/// copies `q` and the caches to the host and the result back: correct once fa4 runs it, but a
+/// round trip per call, until fa4 has a paged entry on device buffers to call instead.
+pub(crate) fn forward_paged(
+    op: &Fa4Paged,
+    q: &CudaStorage,
+    ql: &Layout,
+    k: &CudaStorage,
+    kl: &Layout,
+    v: &CudaStorage,
+    vl: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    match q.dtype() {
+        DType::F16 => forward_paged_t::<f16>(op, q, ql, k, kl, v, vl),
+        DType::BF16 => forward_paged_t::<bf16>(op, q, ql, k, kl, v, vl),
+        dt => candle::bail!(
+            "fa4-candle: {}: `q` has dtype {dt:?}; on CUDA fa4 computes f16 and bf16 (convert with .to_dtype(), or run f32 on the CPU)",
+            op.entry
+        ),
+    }
+}
+
+fn forward_paged_t<T>(
+    op: &Fa4Paged,
+    q: &CudaStorage,
+    ql: &Layout,
+    k: &CudaStorage,
+    kl: &Layout,
+    v: &CudaStorage,
+    vl: &Layout,
+) -> Result<(CudaStorage, Shape)>
+where
+    T: fa4::Element + CudaDType + candle::WithDType,
+{
+    let dev = q.device().clone();
+    for (name, s) in [("k_cache", k), ("v_cache", v)] {
+        if s.device().id() != dev.id() {
+            candle::bail!(
+                "fa4-candle: {}: `{name}` is on another CUDA device than `q`",
+                op.entry
+            );
+        }
+    }
+    // Validated before any copy: argument errors cost nothing.
+    let (p, out_shape) = op.problem(<T as fa4::Element>::DTYPE, ql, kl, vl)?;
+    let backend = fa4::Backend::Cuda(backend_for(&dev)?);
+    let (qh, kh, vh) = (
+        q.to_cpu_storage()?,
+        k.to_cpu_storage()?,
+        v.to_cpu_storage()?,
+    );
+    let mut out = vec![T::from_f32(0.0); out_shape.elem_count()];
+    let mut lse = op.wants_lse().then(|| vec![0f32; p.lse_len()]);
+    backend
+        .run_paged(
+            &p,
+            cpu_view::<T>(&qh, ql, "q")?,
+            cpu_view::<T>(&kh, kl, "k_cache")?,
+            cpu_view::<T>(&vh, vl, "v_cache")?,
+            &mut out,
+            lse.as_deref_mut(),
+            op.num_splits,
+        )
+        .map_err(|e| op.err(e))?;
+    if let Some(lse) = lse {
+        op.store_lse(&p, Storage::Cuda(upload(&dev, &lse)?));
+    }
+    Ok((upload(&dev, &out)?, out_shape))
+}
+
+/// A host result on candle's device; an empty one still gets one zeroed element (cudarc does
+/// not allocate nothing), as in [`forward`].
+fn upload<T>(dev: &CudaDevice, host: &[T]) -> Result<CudaStorage>
+where
+    T: fa4::Element + CudaDType + candle::WithDType,
+{
+    if host.is_empty() {
+        Ok(CudaStorage::wrap_cuda_slice(
+            dev.alloc_zeros::<T>(1)?,
+            dev.clone(),
+        ))
+    } else {
+        dev.storage_from_slice(host)
+    }
 }

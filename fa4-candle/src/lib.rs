@@ -11,6 +11,7 @@
 //! | [`flash_attn_varlen`], [`flash_attn_varlen_windowed`] | packed `[total, heads, dim]`, `seqlens_*` cumulative `[batch + 1]` → `[total_q, heads_q, head_dim_v]` |
 //! | `*_with_lse` | also the LSE, f32: `[batch, heads_q, seqlen_q]` (fixed) or `[heads_q, total_q]` (varlen) |
 //! | [`attention`], [`attention_varlen`] (+ `_with_lse`) | every option at once: scale, window, softcap |
+//! | [`flash_attn_paged`], [`attention_paged`] (+ `_with_lse`) | `q` `[batch, seqlen_q, heads_q, head_dim]` over a paged cache `[num_pages, page_size, heads_kv, dim]`, `page_table` `[batch, max_pages]`, `seqlens_k` `[batch]` → `[batch, seqlen_q, heads_q, head_dim_v]` |
 //!
 //! GQA/MQA follows from the head counts (`heads_q % heads_kv == 0`; query head `h` reads KV head
 //! `h / (heads_q / heads_kv)`). Causal masks and windows align to the bottom-right corner, as in
@@ -42,10 +43,15 @@
 #[cfg(feature = "cuda")]
 mod cuda;
 mod op;
+mod paged;
 
 use candle::{DType, Result, Tensor};
 
 use op::{Fa4Attn, HostSeqlens};
+
+pub use paged::{
+    attention_paged, attention_paged_with_lse, flash_attn_paged, flash_attn_paged_with_lse,
+};
 
 /// Options of one attention call, beyond what the candle-flash-attn names carry.
 ///

@@ -23,6 +23,42 @@ pub(crate) fn fa4_err(e: fa4::Error) -> candle::Error {
     candle::Error::Msg(format!("fa4-candle: {e}"))
 }
 
+/// The fa4 options of a call, with `softmax_scale` and `softcap` checked (errors name them).
+pub(crate) fn fa4_options(opts: &AttnOptions) -> Result<Options> {
+    if !opts.softmax_scale.is_finite() {
+        candle::bail!(
+            "fa4-candle: `softmax_scale` must be finite, got {}",
+            opts.softmax_scale
+        );
+    }
+    let mask = match (opts.window_size_left, opts.window_size_right) {
+        (None, None) => Mask::None,
+        (None, Some(0)) => Mask::Causal,
+        (left, right) => Mask::Window { left, right },
+    };
+    let mut o = Options::new().mask(mask).scale(opts.softmax_scale);
+    if let Some(c) = opts.softcap {
+        if !(c.is_finite() && c > 0.0) {
+            candle::bail!("fa4-candle: `softcap` must be finite and > 0, got {c}");
+        }
+        o = o.softcap(c);
+    }
+    Ok(o)
+}
+
+/// An fa4 view of a candle layout (from its offset on), strides passed through; the last
+/// dimension must be contiguous.
+pub(crate) fn fa4_layout(name: &str, l: &Layout) -> Result<Fa4Layout> {
+    let dims = l.dims();
+    let strides = l.stride();
+    if dims.last().copied().unwrap_or(0) > 1 && strides.last() != Some(&1) {
+        candle::bail!(
+            "fa4-candle: `{name}` must have a contiguous last dimension (strides {strides:?}); call .contiguous() on it"
+        );
+    }
+    Fa4Layout::new(name, dims, Some(strides)).map_err(fa4_err)
+}
+
 /// The varlen boundaries, read to the host and checked against the packed tensors.
 #[derive(Debug, Clone)]
 pub(crate) struct HostSeqlens {
@@ -98,7 +134,7 @@ fn read_cumulative(name: &str, t: &Tensor, total: usize, of: &str) -> Result<Vec
 }
 
 /// Where the op leaves its LSE for the caller: candle's op API returns one tensor.
-type LseSlot = Arc<Mutex<Option<(Storage, Shape)>>>;
+pub(crate) type LseSlot = Arc<Mutex<Option<(Storage, Shape)>>>;
 
 /// The attention op: options, varlen boundaries, and (if asked) a slot for the LSE.
 pub(crate) struct Fa4Attn {
@@ -113,26 +149,8 @@ impl Fa4Attn {
         seqlens: Option<HostSeqlens>,
         want_lse: bool,
     ) -> Result<Self> {
-        if !opts.softmax_scale.is_finite() {
-            candle::bail!(
-                "fa4-candle: `softmax_scale` must be finite, got {}",
-                opts.softmax_scale
-            );
-        }
-        let mask = match (opts.window_size_left, opts.window_size_right) {
-            (None, None) => Mask::None,
-            (None, Some(0)) => Mask::Causal,
-            (left, right) => Mask::Window { left, right },
-        };
-        let mut o = Options::new().mask(mask).scale(opts.softmax_scale);
-        if let Some(c) = opts.softcap {
-            if !(c.is_finite() && c > 0.0) {
-                candle::bail!("fa4-candle: `softcap` must be finite and > 0, got {c}");
-            }
-            o = o.softcap(c);
-        }
         Ok(Fa4Attn {
-            opts: o,
+            opts: fa4_options(opts)?,
             seqlens,
             lse: want_lse.then(LseSlot::default),
         })
@@ -155,17 +173,11 @@ impl Fa4Attn {
         kl: &Layout,
         vl: &Layout,
     ) -> Result<(Problem, Shape)> {
-        let view = |name: &str, l: &Layout| -> Result<Fa4Layout> {
-            let dims = l.dims();
-            let strides = l.stride();
-            if dims.last().copied().unwrap_or(0) > 1 && strides.last() != Some(&1) {
-                candle::bail!(
-                    "fa4-candle: `{name}` must have a contiguous last dimension (strides {strides:?}); call .contiguous() on it"
-                );
-            }
-            Fa4Layout::new(name, dims, Some(strides)).map_err(fa4_err)
-        };
-        let (q, k, v) = (view("q", ql)?, view("k", kl)?, view("v", vl)?);
+        let (q, k, v) = (
+            fa4_layout("q", ql)?,
+            fa4_layout("k", kl)?,
+            fa4_layout("v", vl)?,
+        );
         let mut out_dims = ql.dims().to_vec();
         let last = out_dims.len() - 1;
         out_dims[last] = *vl.dims().last().unwrap_or(&0);
@@ -216,7 +228,7 @@ impl Fa4Attn {
 }
 
 /// The elements of `s` from `l`'s offset on.
-fn cpu_view<'a, T: candle::WithDType>(
+pub(crate) fn cpu_view<'a, T: candle::WithDType>(
     s: &'a CpuStorage,
     l: &Layout,
     name: &str,

@@ -1,5 +1,6 @@
 //! candle-transformers' Llama (small config, random weights) against the same weights run with
-//! fa4-candle's attention, on the CPU: prefill and a decode loop with a KV cache.
+//! fa4-candle's attention, on the CPU: prefill and a decode loop with a KV cache, and the same
+//! loop with a paged KV cache (`flash_attn_paged`) against the contiguous one.
 
 #[path = "../examples/llama/model.rs"]
 mod model;
@@ -53,6 +54,58 @@ fn llama_logits_match_candle_transformers() -> Result<()> {
             d <= 1e-4 * mag.max(1.0),
             "decode step {step}: max |Δlogits| {d:e} (max |logit| {mag})"
         );
+        next = r.argmax(1)?.unsqueeze(1)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn paged_decode_matches_contiguous_decode() -> Result<()> {
+    let dev = Device::Cpu;
+    let cfg = small_config();
+    let varmap = VarMap::new();
+    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+    let reference = Llama::load(vb.clone(), &cfg)?;
+    let fa4 = Model::load(vb.clone(), &cfg, DType::F32, AttnImpl::Fa4)?;
+    // Pages of 3 keys: the 37-key prompt ends mid-page, and decode fills pages across steps.
+    let paged = Model::load(vb, &cfg, DType::F32, AttnImpl::Fa4Paged { page_size: 3 })?;
+
+    let (batch, prompt, steps) = (2, 37, 6);
+    let ids = tokens(batch, prompt, cfg.vocab_size, &dev)?;
+    let mut ref_cache = Cache::new(true, DType::F32, &cfg, &dev)?;
+    let mut contiguous_cache = KvCache::new(&fa4);
+    let mut paged_cache = KvCache::new(&paged);
+    let r = reference.forward(&ids, 0, &mut ref_cache)?;
+    let c = fa4.forward(&ids, 0, &mut contiguous_cache)?;
+    let p = paged.forward(&ids, 0, &mut paged_cache)?;
+    // The same f32 attention on the same keys, read through a table: the sums differ in order
+    // only (split-KV), so the logits agree far inside the bound against candle-transformers.
+    for (what, x, y) in [
+        ("paged vs contiguous", &p, &c),
+        ("paged vs reference", &p, &r),
+    ] {
+        let (d, mag) = max_diff(x, y)?;
+        assert!(
+            d <= 1e-4 * mag.max(1.0),
+            "prefill, {what}: max |Δlogits| {d:e} (max |logit| {mag})"
+        );
+    }
+    let mut next = r.argmax(1)?.unsqueeze(1)?;
+    for step in 0..steps {
+        let pos = prompt + step;
+        let r = reference.forward(&next, pos, &mut ref_cache)?;
+        let c = fa4.forward(&next, pos, &mut contiguous_cache)?;
+        let p = paged.forward(&next, pos, &mut paged_cache)?;
+        for (what, x, y) in [
+            ("paged vs contiguous", &p, &c),
+            ("paged vs reference", &p, &r),
+        ] {
+            let (d, mag) = max_diff(x, y)?;
+            assert!(
+                d <= 1e-4 * mag.max(1.0),
+                "decode step {step}, {what}: max |Δlogits| {d:e} (max |logit| {mag})"
+            );
+        }
         next = r.argmax(1)?.unsqueeze(1)?;
     }
     Ok(())

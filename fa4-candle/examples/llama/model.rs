@@ -20,6 +20,12 @@ pub enum AttnImpl {
     Candle,
     /// `fa4_candle::flash_attn` on `[b, s, h, d]` views (GQA by head counts, no `repeat_kv`).
     Fa4,
+    /// `fa4_candle::flash_attn_paged` over a paged KV cache of `page_size`-key pages, handed
+    /// out to the sequences in a shuffled order (as a serving engine's allocator would).
+    Fa4Paged {
+        /// Keys per page.
+        page_size: usize,
+    },
 }
 
 struct Layer {
@@ -48,9 +54,11 @@ pub struct Model {
     attn: AttnImpl,
 }
 
-/// Per layer: keys and values so far, `[b, kv_heads, seq, head_dim]` each (non-paged).
+/// Per layer: keys and values so far, `[b, kv_heads, seq, head_dim]` each (non-paged), or
+/// the paged cache of an [`AttnImpl::Fa4Paged`] model.
 pub struct KvCache {
     kvs: Vec<Option<(Tensor, Tensor)>>,
+    paged: Option<PagedCache>,
 }
 
 impl KvCache {
@@ -58,7 +66,76 @@ impl KvCache {
     pub fn new(model: &Model) -> Self {
         KvCache {
             kvs: vec![None; model.layers.len()],
+            paged: None,
         }
+    }
+}
+
+/// A paged KV cache: per layer `[num_pages, page_size, kv_heads, head_dim]` pools for K and V,
+/// one page table `[batch, max_pages]` (u32) shared by the layers, and the keys so far.
+struct PagedCache {
+    page_size: usize,
+    max_pages: usize,
+    /// `[batch][max_pages]`: the page holding keys `j·page_size..` of sequence `b`.
+    table: Vec<u32>,
+    table_t: Tensor,
+    pools: Vec<(Tensor, Tensor)>,
+}
+
+impl PagedCache {
+    /// Room for `max_len` keys per sequence; every page belongs to one sequence, handed out
+    /// interleaved and in reverse so that no sequence's pages are contiguous or in order.
+    fn new(
+        model: &Model,
+        batch: usize,
+        max_len: usize,
+        page_size: usize,
+        dtype: DType,
+        dev: &Device,
+    ) -> Result<Self> {
+        let max_pages = max_len.div_ceil(page_size);
+        let num_pages = batch * max_pages;
+        let table: Vec<u32> = (0..batch)
+            .flat_map(|b| (0..max_pages).map(move |j| (num_pages - 1 - (j * batch + b)) as u32))
+            .collect();
+        let table_t = Tensor::from_vec(table.clone(), (batch, max_pages), dev)?;
+        let shape = (num_pages, page_size, model.kv_heads, model.head_dim);
+        let pools = (0..model.layers.len())
+            .map(|_| {
+                Ok((
+                    Tensor::zeros(shape, dtype, dev)?,
+                    Tensor::zeros(shape, dtype, dev)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(PagedCache {
+            page_size,
+            max_pages,
+            table,
+            table_t,
+            pools,
+        })
+    }
+
+    /// Writes `k`, `v` (`[b, s, kv_heads, head_dim]`, positions `pos..pos + s`) into layer
+    /// `layer`'s pages, in place.
+    fn write(&self, layer: usize, k: &Tensor, v: &Tensor, pos: usize) -> Result<()> {
+        let (b, s, hkv, d) = k.dims4()?;
+        let (kp, vp) = &self.pools[layer];
+        let slots = kp.dim(0)? * self.page_size;
+        // Contiguous pools reshaped to [slots, kv_heads, head_dim] share their storage, so
+        // slice_set writes into the pool itself.
+        let (kf, vf) = (kp.reshape((slots, hkv, d))?, vp.reshape((slots, hkv, d))?);
+        for bi in 0..b {
+            for i in 0..s {
+                let j = pos + i;
+                let page = self.table[bi * self.max_pages + j / self.page_size] as usize;
+                let slot = page * self.page_size + j % self.page_size;
+                kf.slice_set(&k.i((bi, i..i + 1))?.contiguous()?, 0, slot)?;
+                vf.slice_set(&v.i((bi, i..i + 1))?.contiguous()?, 0, slot)?;
+            }
+        }
+        Ok(())
     }
 }
 
@@ -120,7 +197,19 @@ impl Model {
         index_pos: usize,
         cache: &mut KvCache,
     ) -> Result<Tensor> {
-        let (_, s) = tokens.dims2()?;
+        let (b, s) = tokens.dims2()?;
+        if let (AttnImpl::Fa4Paged { page_size }, None) = (self.attn, &cache.paged) {
+            let max_len = self.cos.dim(0)?;
+            let dtype = self.cos.dtype();
+            cache.paged = Some(PagedCache::new(
+                self,
+                b,
+                max_len,
+                page_size,
+                dtype,
+                tokens.device(),
+            )?);
+        }
         let mut x = self.embed.forward(tokens)?;
         for (i, layer) in self.layers.iter().enumerate() {
             let residual = &x;
@@ -129,6 +218,7 @@ impl Model {
                 &layer.input_norm.forward(&x)?,
                 index_pos,
                 &mut cache.kvs[i],
+                cache.paged.as_ref().map(|p| (p, i)),
             )?;
             let x1 = (a + residual)?;
             let h = layer.post_norm.forward(&x1)?;
@@ -146,6 +236,7 @@ impl Model {
         x: &Tensor,
         index_pos: usize,
         kv: &mut Option<(Tensor, Tensor)>,
+        paged: Option<(&PagedCache, usize)>,
     ) -> Result<Tensor> {
         let (b, s, hidden) = x.dims3()?;
         let (h, hkv, d) = (self.heads, self.kv_heads, self.head_dim);
@@ -165,6 +256,18 @@ impl Model {
         let q = candle_nn::rotary_emb::rope(&q, &cos, &sin)?;
         let mut k = candle_nn::rotary_emb::rope(&k, &cos, &sin)?;
         let mut v = v;
+        if let Some((cache, li)) = paged {
+            // The new keys go into their pages; attention reads every key through the table.
+            let (k, v) = (k.transpose(1, 2)?, v.transpose(1, 2)?);
+            cache.write(li, &k, &v, index_pos)?;
+            let (kp, vp) = &cache.pools[li];
+            let seqlens = Tensor::from_vec(vec![(index_pos + s) as u32; b], b, x.device())?;
+            let scale = 1f32 / (d as f32).sqrt();
+            let q = q.transpose(1, 2)?;
+            let y =
+                fa4_candle::flash_attn_paged(&q, kp, vp, &cache.table_t, &seqlens, scale, s > 1)?;
+            return layer.o_proj.forward(&y.reshape((b, s, hidden))?);
+        }
         if let Some((ck, cv)) = kv.as_ref() {
             k = Tensor::cat(&[ck, &k], 2)?.contiguous()?;
             v = Tensor::cat(&[cv, &v], 2)?.contiguous()?;
@@ -177,6 +280,9 @@ impl Model {
                 let scale = 1f32 / (d as f32).sqrt();
                 let (q, k, v) = (q.transpose(1, 2)?, k.transpose(1, 2)?, v.transpose(1, 2)?);
                 fa4_candle::flash_attn(&q, &k, &v, scale, s > 1)?
+            }
+            AttnImpl::Fa4Paged { .. } => {
+                candle::bail!("a paged model's forward builds its paged cache before attention")
             }
             AttnImpl::Candle => {
                 let group = h / hkv;

@@ -178,11 +178,24 @@ pub(crate) fn non_overlapping(l: &Layout) -> bool {
     true
 }
 
+/// This machine's memory in bytes (`MemTotal` of /proc/meminfo), where the OS says.
+fn physical_memory() -> Option<u64> {
+    let meminfo = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = meminfo.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 /// An empty list with room for `n` sequences, or an error naming `name` with the bytes asked:
 /// a batch of 10⁹ would otherwise abort the process inside the allocator.
 fn sequence_list(name: &str, n: usize) -> Result<Vec<Sequence>> {
     let mut seqs = Vec::new();
-    if seqs.try_reserve_exact(n).is_err() {
+    // Where the kernel overcommits memory (the H200 machine does), a reservation far past the
+    // machine's memory succeeds and the list then takes hours to fill: refuse those first.
+    let past_memory = n
+        .checked_mul(std::mem::size_of::<Sequence>())
+        .is_none_or(|b| physical_memory().is_some_and(|m| b as u64 > m));
+    if past_memory || seqs.try_reserve_exact(n).is_err() {
         let bytes = n
             .checked_mul(std::mem::size_of::<Sequence>())
             .map_or_else(|| "more than usize::MAX".to_string(), |b| b.to_string());

@@ -89,14 +89,15 @@ fn s(p: &Path) -> String {
 
 #[test]
 fn sizes_nothing_can_hold_are_refused_before_allocating() {
-    // 52 GB: aborted in the allocator (exit 134) building the per-sequence list.
+    // 52 GB aborted in the allocator (exit 134) building the per-sequence list on a 24 GB
+    // machine; 52 TB is past any machine's memory (a 128 GB one ran 52 GB).
     one_line_error(
         &[
             "run",
             "--backend",
             "cpu",
             "--batch",
-            "1000000000",
+            "1000000000000",
             "--seqlen-q",
             "1",
             "--heads-q",

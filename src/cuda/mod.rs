@@ -13,8 +13,8 @@
 
 pub mod bench;
 pub mod compile;
-mod external;
 pub mod decode;
+mod external;
 mod libs;
 pub(crate) mod params;
 mod tma;

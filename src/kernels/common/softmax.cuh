@@ -3,27 +3,9 @@
 // lanes and the epilogue's 1/sum and LSE. Needs the prelude's LAZY_RESCALE. A row's state is its
 // max of raw scores (before scale_log2) and its partial sum over this thread's columns.
 
-// The fast exponent `fma(s, c, −RN(m·c))` is exact but for the rounding of the shift, which is
-// off by up to |m·c|·2^-24 (log2 units) and scales a row's P by 2 to that power: harmless below
-// 2^22 (a factor of at most 2^0.25, which O's normalisation cancels and the LSE's relative bound
-// absorbs), but from |m·c| ~ 2^30 on P overflows or vanishes (a Q element of 1e12, a scale of
-// 1e10). Rows past this bound take the exact form `(s − m)·c` (docs/attention.md).
-constexpr float EXACT_SHIFT_BEYOND = 4194304.0f;  // 2^22
-
-// Whether a row with max `m` needs the exact exponent: |m·c| past the bound, m finite (an
-// infinite max shifts by 0, below).
-__device__ __forceinline__ bool needs_exact_shift(float m, float scale_log2) {
-    return fabsf(m * scale_log2) > EXACT_SHIFT_BEYOND && fabsf(m) != -NEG_INF;
-}
-
-// The exact exponent (log2 units) of score s in a row whose max is m (rows past the bound).
-__device__ __forceinline__ float score_exponent_exact(float s, float m, float scale_log2) {
-    return (s - m) * scale_log2;
-}
-
 // A row's new running max after a block whose scores' max is `mx`; returns the shift that the
 // block's exponents subtract (`exp2(s · scale_log2 − shift)`) and sets `corr`, the factor that
-// the row's earlier sum and O take (exact for rows past the bound, as their exponents are).
+// the row's earlier sum and O take.
 __device__ __forceinline__ float update_row_max(float& row_max, float mx, float scale_log2, float& corr) {
     // With LAZY_RESCALE a row keeps its stale max unless the new one is more than
     // 2^RESCALE_THRESHOLD larger (from −inf it always moves; −inf to −inf is NaN: stays).
@@ -32,9 +14,7 @@ __device__ __forceinline__ float update_row_max(float& row_max, float mx, float 
     // An infinite max shifts by 0, as the spec's formula: a row with no allowed key so far
     // (−inf) gets exp2(−inf) = 0; an infinite score (+inf) makes the sum and LSE +inf, O NaN.
     const float shift = fabsf(m_new) == -NEG_INF ? 0.0f : m_new * scale_log2;
-    const float step = needs_exact_shift(m_new, scale_log2) ? (row_max - m_new) * scale_log2
-                                                            : row_max * scale_log2 - shift;
-    corr = move ? exp2_approx(step) : 1.0f;
+    corr = move ? exp2_approx(row_max * scale_log2 - shift) : 1.0f;
     row_max = m_new;
     return shift;
 }

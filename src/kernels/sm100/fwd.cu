@@ -227,7 +227,6 @@ __device__ __forceinline__ void softmax_role(const Sm100Params& P, const Smem& s
         }
         float corr;
         const float shift = update_row_max(row_max, mx, p.scale_log2, corr);
-        const bool exact = needs_exact_shift(row_max, p.scale_log2);  // huge scores (rare)
         if (j > 0) {
             // The correction warpgroup has read the last factor (phase j − 2; a fresh barrier
             // passes parity 1 for j = 1).
@@ -245,12 +244,10 @@ __device__ __forceinline__ void softmax_role(const Sm100Params& P, const Smem& s
             tmem_ld32(s_addr + 32 * c, v);
 #pragma unroll
             for (int e = 0; e < 32; e += 2) {
-                const float x0 = masked_score(p, v[e], blk * BN + 32 * c + e, lo, hi, masked);
-                const float x1 = masked_score(p, v[e + 1], blk * BN + 32 * c + e + 1, lo, hi, masked);
-                const float a = exp2_approx(exact ? score_exponent_exact(x0, row_max, p.scale_log2)
-                                                  : score_exponent(x0, p.scale_log2, shift));
-                const float bb = exp2_approx(exact ? score_exponent_exact(x1, row_max, p.scale_log2)
-                                                   : score_exponent(x1, p.scale_log2, shift));
+                const float a = exp2_approx(
+                    score_exponent(masked_score(p, v[e], blk * BN + 32 * c + e, lo, hi, masked), p.scale_log2, shift));
+                const float bb = exp2_approx(score_exponent(
+                    masked_score(p, v[e + 1], blk * BN + 32 * c + e + 1, lo, hi, masked), p.scale_log2, shift));
                 sum += a + bb;
                 packed[e / 2] = pack2(a, bb);
             }

@@ -285,48 +285,20 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
             for (int i = 0; i < NTILES_N; ++i) mx = fmaxf(mx, fmaxf(rS[mt][i][2 * h], rS[mt][i][2 * h + 1]));
             row_mx[r] = quad_max(mx);
         }
-        float shift[ROW_SLOTS];
-        bool exact = false;
 #pragma unroll
         for (int r = 0; r < ROW_SLOTS; ++r) {
-            shift[r] = update_row_max(row_max[r], row_mx[r], p.scale_log2, corr[r]);
-            exact |= needs_exact_shift(row_max[r], p.scale_log2);
-        }
-        // Huge scores (a rare, warp-uniform branch): every row of the warp takes the exact form,
-        // so the common loop below stays one FMA per score.
-        if (__any_sync(0xffffffffu, exact)) {
+            const int mt = r / 2, h = r % 2;
+            const float shift = update_row_max(row_max[r], row_mx[r], p.scale_log2, corr[r]);
+            float sum = 0.0f;
 #pragma unroll
-            for (int r = 0; r < ROW_SLOTS; ++r) {
-                const int mt = r / 2, h = r % 2;
-                const bool ex = needs_exact_shift(row_max[r], p.scale_log2);
-                float sum = 0.0f;
+            for (int i = 0; i < NTILES_N; ++i) {
 #pragma unroll
-                for (int i = 0; i < NTILES_N; ++i) {
-#pragma unroll
-                    for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                        const float x = rS[mt][i][e];
-                        rS[mt][i][e] = exp2_approx(ex ? score_exponent_exact(x, row_max[r], p.scale_log2)
-                                                      : score_exponent(x, p.scale_log2, shift[r]));
-                        sum += rS[mt][i][e];
-                    }
+                for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                    rS[mt][i][e] = exp2_approx(score_exponent(rS[mt][i][e], p.scale_log2, shift));
+                    sum += rS[mt][i][e];
                 }
-                row_sum[r] = row_sum[r] * corr[r] + sum;
             }
-        } else {
-#pragma unroll
-            for (int r = 0; r < ROW_SLOTS; ++r) {
-                const int mt = r / 2, h = r % 2;
-                float sum = 0.0f;
-#pragma unroll
-                for (int i = 0; i < NTILES_N; ++i) {
-#pragma unroll
-                    for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                        rS[mt][i][e] = exp2_approx(score_exponent(rS[mt][i][e], p.scale_log2, shift[r]));
-                        sum += rS[mt][i][e];
-                    }
-                }
-                row_sum[r] = row_sum[r] * corr[r] + sum;
-            }
+            row_sum[r] = row_sum[r] * corr[r] + sum;
         }
         // Rescale O (a warp-uniform branch under LAZY_RESCALE: after the first block it is rare).
         bool moved = false;

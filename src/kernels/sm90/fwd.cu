@@ -276,45 +276,21 @@ __device__ __forceinline__ void softmax_block(const FwdParams& p, const Seq& s, 
         }
     }
     // The 4 lanes of a quad share a row.
-    float shift[2];
-    bool exact = false;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float mx = st.max[h];
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i)
             if (acc_slot(i) == h) mx = fmaxf(mx, rS[i]);
-        shift[h] = update_row_max(st.max[h], quad_max(mx), p.scale_log2, corr[h]);
-        exact |= needs_exact_shift(st.max[h], p.scale_log2);
-    }
-    // Huge scores (a rare, warp-uniform branch) take the exact form; the common loop stays one
-    // FMA per score.
-    if (__any_sync(0xffffffffu, exact)) {
+        const float shift = update_row_max(st.max[h], quad_max(mx), p.scale_log2, corr[h]);
+        float sum = 0.0f;
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const bool ex = needs_exact_shift(st.max[h], p.scale_log2);
-            float sum = 0.0f;
-#pragma unroll
-            for (int i = 0; i < S_REGS; ++i)
-                if (acc_slot(i) == h) {
-                    rS[i] = exp2_mixed(i, ex ? score_exponent_exact(rS[i], st.max[h], p.scale_log2)
-                                             : score_exponent(rS[i], p.scale_log2, shift[h]));
-                    sum += rS[i];
-                }
-            st.sum[h] = st.sum[h] * corr[h] + sum;
-        }
-    } else {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            float sum = 0.0f;
-#pragma unroll
-            for (int i = 0; i < S_REGS; ++i)
-                if (acc_slot(i) == h) {
-                    rS[i] = exp2_mixed(i, score_exponent(rS[i], p.scale_log2, shift[h]));
-                    sum += rS[i];
-                }
-            st.sum[h] = st.sum[h] * corr[h] + sum;
-        }
+        for (int i = 0; i < S_REGS; ++i)
+            if (acc_slot(i) == h) {
+                rS[i] = exp2_mixed(i, score_exponent(rS[i], p.scale_log2, shift));
+                sum += rS[i];
+            }
+        st.sum[h] = st.sum[h] * corr[h] + sum;
     }
 }
 

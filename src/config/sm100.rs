@@ -1,7 +1,7 @@
 //! `FA4Config`: the FlashAttention-4 forward plan for SM100 (B200-class) GPUs.
 //!
-//! A faithful implementation of the `FA4Config` struct of Modular MAX, as specified by the
-//! project's contract (`spec/fa4config.md`): tile sizes, the tensor-memory (TMEM) map, the
+//! A faithful implementation of the `FA4Config` struct of Modular MAX (its API document is the
+//! project's seed; every formula is restated in this module's item docs): tile sizes, the tensor-memory (TMEM) map, the
 //! shared-memory budget and the pipeline depth of one kernel. Every valid input yields a config;
 //! configs the kernel cannot run report [`FA4Config::supported`] `== false`, and
 //! [`FA4Config::unsupported_reasons`] names each failed condition with its numbers.

@@ -27,6 +27,11 @@ pub const CORRECTION_REGS: usize = 96;
 /// Registers of the MMA and load warps' warpgroup.
 pub const OTHER_REGS: usize = 48;
 
+/// Exponential pairs of every 8 the softmax computes on the FMA units (FlashAttention-4's software
+/// exp2, `common/softmax.cuh`'s `exp2_poly`) rather than MUFU: a quarter, as upstream balances
+/// the two units. Not tuned: the kernel has not run.
+pub const POLY_EXP2: usize = 2;
+
 /// The kernel's warp roles, in warp order: (name, warps).
 pub const ROLES: [(&str, usize); 6] = [
     ("SOFTMAX0", 4),
@@ -189,7 +194,7 @@ impl KernelSpec {
             .flag("HAS_WINDOW", self.window)
             .flag("HAS_SOFTCAP", self.softcap)
             .flag("LAZY_RESCALE", true)
-            .int("POLY_EXP2", 0)
+            .int("POLY_EXP2", POLY_EXP2)
             .define("FA4_SMEM_USED", c.smem_used())
             .roles(&Self::role_warps())
             .raw(&Protocol::new(c).prelude())

@@ -244,10 +244,15 @@ __device__ __forceinline__ void softmax_role(const Sm100Params& P, const Smem& s
             tmem_ld32(s_addr + 32 * c, v);
 #pragma unroll
             for (int e = 0; e < 32; e += 2) {
-                const float a = exp2_approx(
-                    score_exponent(masked_score(p, v[e], blk * BN + 32 * c + e, lo, hi, masked), p.scale_log2, shift));
-                const float bb = exp2_approx(score_exponent(
-                    masked_score(p, v[e + 1], blk * BN + 32 * c + e + 1, lo, hi, masked), p.scale_log2, shift));
+                const float xa =
+                    score_exponent(masked_score(p, v[e], blk * BN + 32 * c + e, lo, hi, masked), p.scale_log2, shift);
+                const float xb = score_exponent(
+                    masked_score(p, v[e + 1], blk * BN + 32 * c + e + 1, lo, hi, masked), p.scale_log2, shift);
+                // FlashAttention-4's split of the exponentials: POLY_EXP2 of every 8 pairs on the
+                // FMA units (`exp2_poly`), the rest on MUFU, so neither unit bounds the softmax.
+                const bool poly = (e / 2) % 8 < POLY_EXP2;
+                const float a = poly ? exp2_poly(xa) : exp2_approx(xa);
+                const float bb = poly ? exp2_poly(xb) : exp2_approx(xb);
                 sum += a + bb;
                 packed[e / 2] = pack2(a, bb);
             }

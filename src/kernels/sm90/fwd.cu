@@ -222,30 +222,6 @@ __device__ __forceinline__ void issue_pv(float (&rO)[O_REGS], const u32 (&rP)[P_
     wgmma_commit();
 }
 
-// 2^x on the FMA units (FlashAttention-4): 2^x = 2^j · 2^f with j = round(x) (from the low
-// mantissa bits of x + 1.5·2^23) and f = x − j in [−0.5, 0.5], 2^f by a minimax polynomial
-// (fitted for this kernel: relative error 7.5e-5 at degree 3 for bf16, 2.7e-6 at degree 4 for
-// fp16, below the rounding of P to 16 bits), and 2^j added to the exponent bits. Below 2^−126
-// (masked scores are −inf) the result is 0, as ex2.approx.ftz gives; NaN stays NaN and +inf
-// (an infinite score) +inf. Finite inputs are scores less the running max in log2 units: at
-// most 0, or RESCALE_THRESHOLD with conditional rescaling (the bit trick holds up to 127).
-__device__ __forceinline__ float exp2_poly(float x) {
-    const float shifter = 12582912.0f;  // 1.5 · 2^23
-    const float xc = fmaxf(x, -126.0f);
-    const float t = xc + shifter;
-    const float f = xc - (t - shifter);
-    float y;
-    if constexpr (IS_BF16) {
-        y = fmaf(fmaf(fmaf(0.0551716685f, f, 0.242611140f), f, 0.693260968f), f, 0.999928057f);
-    } else {
-        y = fmaf(fmaf(fmaf(fmaf(0.00957010128f, f, 0.0559178628f), f, 0.240247443f), f, 0.693121791f), f,
-                 0.999999285f);
-    }
-    const int j = __float_as_int(t) - __float_as_int(shifter);  // in [−126, 127]: x ≤ 127 is assumed
-    const float r = __int_as_float(__float_as_int(y) + j * (1 << 23));
-    return x < -126.0f ? 0.0f : x <= 127.0f ? r : x * -NEG_INF;  // NaN stays NaN, +inf is +inf
-}
-
 // Exponential of accumulator register i: POLY_EXP2 of every 8 on the FMA units, the rest on MUFU.
 __device__ __forceinline__ float exp2_mixed(int i, float x) {
     if (POLY_EXP2 > 0 && i % 8 < POLY_EXP2) return exp2_poly(x);

@@ -7,15 +7,14 @@
 //! [`CudaBackend::forward_paged_device`] per step, and [`CudaBackend::append_paged`] to write
 //! new K/V rows into their pages.
 
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 
 use super::compile::{KernelSource, COMMON_SRCS, PARAMS_SRC, SM80_PTX_SRC};
+use super::family::decode::{Append, Combine};
 use super::params::FwdParams;
 use super::CudaBackend;
 use crate::config::decode::DecodePlan;
-use crate::config::decode_gpu::{
-    self, AppendSpec, CombineSpec, GpuDecodePlan, SplitKvSpec, APPEND_THREADS, COMBINE_WARPS,
-};
+use crate::config::decode_gpu::{self, AppendSpec, CombineSpec, GpuDecodePlan, SplitKvSpec};
 use crate::error::{Error, Result};
 use crate::paged::{append_targets, PagedCache, PagedProblem};
 use crate::tensor::{Element, Layout};
@@ -190,69 +189,26 @@ fn cu_q(p: &PagedProblem) -> Option<Vec<i32>> {
 
 /// The forward's params of a validated paged problem; pointers `[q, k, v, out, lse, cu_q]`.
 fn fwd_params(p: &PagedProblem, ptrs: [u64; 6]) -> FwdParams {
-    let i = |x: usize| x as i64;
     let c = p.cache();
-    let (q, k, v, o) = (p.q_layout(), c.k_layout(), c.v_layout(), p.o_layout());
-    let (left, right) = p.options().get_mask().bounds();
-    // A side at least as long as a sequence's queries plus keys bounds nothing: unbounded (-1),
-    // so the kernel's int32 bound arithmetic cannot overflow on huge windows.
-    let span = p
-        .sequences()
-        .iter()
-        .map(|s| s.q_len + s.k_len)
-        .max()
-        .unwrap_or(0);
-    let side = |b: Option<usize>| match b {
-        Some(x) if x < span => x.min(i32::MAX as usize) as i32,
-        _ => -1,
-    };
-    let scale = p.scale();
-    let (scale_log2, softcap_scale, softcap) = match p.softcap() {
-        Some(cap) => (std::f32::consts::LOG2_E, scale.abs() / cap, cap),
-        None => (scale.abs() * std::f32::consts::LOG2_E, 0.0, 0.0),
-    };
-    let (lse_batch_stride, lse_head_stride) = if p.is_varlen() {
-        (0, p.total_q())
-    } else {
-        (p.heads_q() * q.dims[1], q.dims[1])
-    };
-    FwdParams {
-        q: ptrs[0],
-        k: ptrs[1],
-        v: ptrs[2],
-        o: ptrs[3],
-        lse: ptrs[4],
-        cu_seqlens_q: ptrs[5],
-        cu_seqlens_k: 0,
-        q_batch_stride: i(q.strides[0]),
-        q_row_stride: i(q.strides[1]),
-        q_head_stride: i(q.strides[2]),
-        k_batch_stride: i(k.strides[0]),
-        k_row_stride: i(k.strides[1]),
-        k_head_stride: i(k.strides[2]),
-        v_batch_stride: i(v.strides[0]),
-        v_row_stride: i(v.strides[1]),
-        v_head_stride: i(v.strides[2]),
-        o_batch_stride: i(o.strides[0]),
-        o_row_stride: i(o.strides[1]),
-        o_head_stride: i(o.strides[2]),
-        lse_batch_stride: i(lse_batch_stride),
-        lse_head_stride: i(lse_head_stride),
-        batch: p.sequences().len() as i32,
-        heads_q: p.heads_q() as i32,
-        group: p.group() as i32,
-        seqlen_q: q.dims[1] as i32,
-        seqlen_k: 0,
-        head_dim: c.head_dim() as i32,
-        window_left: side(left),
-        window_right: side(right),
-        negate_q: i32::from(scale < 0.0),
-        pad0: 0,
-        scale_log2,
-        softcap_scale,
-        softcap,
-        lse_scale: scale_log2 * std::f32::consts::LN_2,
-    }
+    let q = p.q_layout();
+    let [q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_ptr] = ptrs;
+    FwdParams::new(&super::params::Common {
+        ptrs: [q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_ptr, 0],
+        layouts: [q, c.k_layout(), c.v_layout(), p.o_layout()],
+        lse_strides: if p.is_varlen() {
+            (0, p.total_q())
+        } else {
+            (p.heads_q() * q.dims[1], q.dims[1])
+        },
+        sequences: p.sequences(),
+        heads_q: p.heads_q(),
+        group: p.group(),
+        seqlens: (q.dims[1], 0),
+        head_dim: c.head_dim(),
+        bounds: p.options().get_mask().bounds(),
+        scale: p.scale(),
+        softcap: p.softcap(),
+    })
 }
 
 impl CudaBackend {
@@ -397,46 +353,9 @@ impl CudaBackend {
             num_splits: splits as i32,
             pad1: 0,
         };
-        let spec = &plan.spec;
-        let cfg = LaunchConfig {
-            grid_dim: plan.grid,
-            block_dim: (spec.threads() as u32, 1, 1),
-            shared_mem_bytes: spec.smem_bytes() as u32,
-        };
-        let func = self.kernel(spec)?;
-        let mut launch = stream.launch_builder(&func);
-        launch.arg(&params);
-        // SAFETY: the problem was validated (shapes, strides, non-overlapping output, query
-        // offsets) and every buffer checked to hold its layout's extent and to be 16-byte
-        // aligned, with strides in whole 16-byte chunks (the planner); the table and lengths
-        // are the ones `paged_tables` uploaded for this very cache (compared above), whose used
-        // entries were validated against num_pages, and the kernel reads a table entry only
-        // for a key below the sequence's length. The workspace holds num_splits · part_rows
-        // rows (allocated above) and is only touched with more than one split. The grid is
-        // the planner's (one CTA per sequence · KV head, row tile, split) and the shared
-        // memory the spec's, which the kernel static_asserts; the sync guards live past the
-        // launch.
-        unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launch {spec}"), e))?;
+        self.launch(&plan, &params)?;
         if splits > 1 {
-            let func = self.kernel(&plan.combine)?;
-            let blocks = part_rows.div_ceil(COMBINE_WARPS);
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    u32::try_from(blocks).map_err(|_| Error::invalid("q", "too many rows"))?,
-                    1,
-                    1,
-                ),
-                block_dim: ((COMBINE_WARPS * 32) as u32, 1, 1),
-                shared_mem_bytes: 0,
-            };
-            let mut launch = stream.launch_builder(&func);
-            launch.arg(&params);
-            // SAFETY: as above; the combine reads the num_splits · part_rows rows the split
-            // kernel wrote (every CTA writes each of its valid rows' LSE and O, and a row's LSE
-            // of −inf keeps its O unread) and writes each row of O and LSE once, at the
-            // places the split kernel would have.
-            unsafe { launch.launch(cfg) }
-                .map_err(|e| Error::cuda(format!("launch {}", plan.combine), e))?;
+            self.launch(&Combine::new(&plan, part_rows)?, &params)?;
         }
         Ok(plan.decode)
     }
@@ -583,23 +502,7 @@ impl CudaBackend {
                 .filter(|&u| u as usize * cache.heads_kv() <= i32::MAX as usize)
                 .ok_or_else(|| too_big("v_new"))?,
         };
-        let spec = AppendSpec {
-            target: self.info().target,
-        };
-        let func = self.kernel(&spec)?;
-        let cfg = LaunchConfig {
-            grid_dim: (rows as u32, 1, 1),
-            block_dim: (APPEND_THREADS as u32, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut launch = stream.launch_builder(&func);
-        launch.arg(&params);
-        // SAFETY: append_targets checked both caches against their layouts' extents, k_new and
-        // v_new against [rows, heads_kv, dim], every destination page against num_pages and
-        // that no slot is written twice; the offsets uploaded are those slots' row starts, and
-        // each copies heads_kv rows of dim elements at the layout's head stride, all inside the
-        // extent. The int32 counts were range-checked; the sync guards live past the launch.
-        unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launch {spec}"), e))?;
+        self.launch(&Append::new(self.info().target, rows)?, &params)?;
         Ok(t.seqlens_k)
     }
 }

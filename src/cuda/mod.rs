@@ -5,7 +5,10 @@
 //! Kernels are compiled by NVRTC for the device's exact architecture on first use (see
 //! [`compile`]) and kept in memory per kernel spec ([`crate::config::sm80::KernelSpec`],
 //! [`crate::config::sm90::KernelSpec`]) and on disk across runs. [`CudaBackend::plan`] picks the
-//! kernel family ([`KernelChoice`]; on Hopper GPUs `config::sm90::dispatch` decides).
+//! kernel family ([`KernelChoice`]; on Hopper GPUs `config::sm90::dispatch` decides). Each
+//! family implements one trait ([`family::ForwardFamily`]: coverage, plan, params) and is
+//! registered on one line of `families!` below; every kernel, decode's included, is launched at
+//! one site ([`family`]'s `CudaBackend::launch`).
 //!
 //! Host slices go in and out through [`CudaBackend::forward_host`] (what [`crate::Backend`]
 //! uses); callers who keep data on the GPU use [`CudaBackend::forward_device`] with
@@ -15,6 +18,7 @@ pub mod bench;
 pub mod compile;
 pub mod decode;
 mod external;
+pub mod family;
 mod libs;
 pub(crate) mod params;
 mod tma;
@@ -23,18 +27,16 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use cudarc::driver::{
-    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut, DeviceRepr,
-    LaunchConfig, PushKernelArg,
-};
+use cudarc::driver::{CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 
 use crate::arch::{self, ComputeCapability, Family, GpuArch};
-use crate::config::sm80::{self, Tiles};
-use crate::config::{sm100_kernel, sm90, KernelKind};
+use crate::config::sm80::Tiles;
+use crate::config::{sm90, KernelKind};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 use crate::tensor::{Element, Layout};
 use compile::KernelSource;
+use family::{ForwardFamily, Launchable, Overrides};
 use params::FwdParams;
 
 /// What the live device reports, and the description planners use for it.
@@ -80,6 +82,11 @@ struct Device {
     kernels: Mutex<HashMap<String, CudaFunction>>,
 }
 
+/// Whether the driver library was found (then a driver call may describe its errors).
+pub(crate) fn driver_loaded() -> bool {
+    libs::driver().is_ok()
+}
+
 /// Which kernel family runs a problem on the GPU.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum KernelChoice {
@@ -116,52 +123,92 @@ impl KernelChoice {
     }
 }
 
-/// A planned launch: which kernel, its spec and grid.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Planned {
-    /// The Ampere-class kernel.
-    Sm80(sm80::Plan),
-    /// The Hopper kernel.
-    Sm90(sm90::Plan),
-    /// The Blackwell kernel (not yet run on hardware).
-    Sm100(sm100_kernel::Plan),
+impl KernelChoice {
+    /// The family this choice runs `p` on: a forced one, or on `Auto` what
+    /// [`sm90::dispatch`] picks (its `cpu` verdict goes to the sm80 planner, whose error says
+    /// why no CUDA kernel runs the problem).
+    fn kind(self, arch: &arch::GpuArch, p: &Problem) -> KernelKind {
+        match self {
+            KernelChoice::Sm80 => KernelKind::Sm80,
+            KernelChoice::Sm90 => KernelKind::Sm90,
+            KernelChoice::Sm100 => KernelKind::Sm100,
+            KernelChoice::Auto => match sm90::dispatch(arch, sm90::features(p)).kernel {
+                KernelKind::Sm90 => KernelKind::Sm90,
+                _ => KernelKind::Sm80,
+            },
+        }
+    }
+}
+
+/// The forward kernel families, one line each: the [`KernelKind`] a family answers to and the
+/// type implementing [`ForwardFamily`] (`family/*.rs`). Generates [`Planned`], one variant per
+/// family holding its plan, and the dispatch from a kind to the family's planner and launch.
+macro_rules! families {
+    ($($kind:ident => $family:ty,)+) => {
+        /// A planned launch: which kernel family, and its plan (spec and grid).
+        #[derive(Debug, Clone, PartialEq, Eq)]
+        pub enum Planned {
+            $(
+                #[doc = concat!("The `", stringify!($kind), "` family's plan.")]
+                $kind(<$family as ForwardFamily>::Plan),
+            )+
+        }
+
+        impl Planned {
+            /// Plans `p` on the family of `kind`: its coverage first (a refusal names the
+            /// argument), then its planner.
+            fn new(kind: KernelKind, dev: &DeviceInfo, p: &Problem, o: &Overrides) -> Result<Planned> {
+                match kind {
+                    $(KernelKind::$kind => family::plan::<$family>(dev, p, o).map(Planned::$kind),)+
+                    #[allow(unreachable_patterns)]
+                    other => Err(Error::invalid("--kernel", format!("{other} is not a CUDA kernel family"))),
+                }
+            }
+
+            /// The kernel family.
+            pub fn kind(&self) -> KernelKind {
+                match self {
+                    $(Planned::$kind(_) => <$family as ForwardFamily>::KIND,)+
+                }
+            }
+
+            /// The kernel, grid and threads of the launch.
+            fn launch(&self) -> family::Launch<'_> {
+                match self {
+                    $(Planned::$kind(plan) => plan.launch(),)+
+                }
+            }
+
+            /// Builds the family's params from the common ones and launches.
+            fn run(&self, backend: &CudaBackend, p: &Problem, common: FwdParams) -> Result<()> {
+                match self {
+                    $(Planned::$kind(plan) => backend.forward_with::<$family>(plan, p, common),)+
+                }
+            }
+        }
+    };
+}
+
+families! {
+    Sm80 => family::sm80::Sm80,
+    Sm90 => family::sm90::Sm90,
+    Sm100 => family::sm100::Sm100,
 }
 
 impl Planned {
-    /// The kernel family.
-    pub fn kind(&self) -> KernelKind {
-        match self {
-            Planned::Sm80(_) => KernelKind::Sm80,
-            Planned::Sm90(_) => KernelKind::Sm90,
-            Planned::Sm100(_) => KernelKind::Sm100,
-        }
-    }
-
     /// The kernel to compile: the family's spec, behind the one interface NVRTC needs.
     pub fn spec(&self) -> &dyn KernelSource {
-        match self {
-            Planned::Sm80(p) => &p.spec,
-            Planned::Sm90(p) => &p.spec,
-            Planned::Sm100(p) => &p.spec,
-        }
+        self.launch().kernel
     }
 
     /// The launch grid.
     pub fn grid(&self) -> (u32, u32, u32) {
-        match self {
-            Planned::Sm80(p) => p.grid,
-            Planned::Sm90(p) => p.grid,
-            Planned::Sm100(p) => p.grid,
-        }
+        self.launch().grid
     }
 
     /// Threads per CTA.
     pub fn threads(&self) -> usize {
-        match self {
-            Planned::Sm80(p) => p.spec.threads(),
-            Planned::Sm90(p) => p.spec.threads(),
-            Planned::Sm100(p) => p.spec.threads(),
-        }
+        self.launch().threads
     }
 }
 
@@ -175,8 +222,7 @@ impl std::fmt::Display for Planned {
 #[derive(Clone)]
 pub struct CudaBackend {
     dev: Arc<Device>,
-    tiles: Option<Tiles>,
-    sm90_tiles: Option<sm90::Tiles>,
+    overrides: Overrides,
     choice: KernelChoice,
 }
 
@@ -184,8 +230,7 @@ impl std::fmt::Debug for CudaBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaBackend")
             .field("device", &self.dev.info)
-            .field("tiles", &self.tiles)
-            .field("sm90_tiles", &self.sm90_tiles)
+            .field("overrides", &self.overrides)
             .field("choice", &self.choice)
             .finish()
     }
@@ -272,8 +317,7 @@ impl CudaBackend {
                 },
                 kernels: Mutex::new(HashMap::new()),
             }),
-            tiles: None,
-            sm90_tiles: None,
+            overrides: Overrides::default(),
             choice: KernelChoice::from_env()?,
         })
     }
@@ -282,7 +326,10 @@ impl CudaBackend {
     /// tuning; each launch still checks the tiles against the kernel and the GPU).
     pub fn with_tiles(&self, tiles: Option<Tiles>) -> CudaBackend {
         CudaBackend {
-            tiles,
+            overrides: Overrides {
+                sm80: tiles,
+                ..self.overrides
+            },
             ..self.clone()
         }
     }
@@ -290,7 +337,10 @@ impl CudaBackend {
     /// The same device with the Hopper planner's tile choice replaced by `tiles`.
     pub fn with_sm90_tiles(&self, tiles: Option<sm90::Tiles>) -> CudaBackend {
         CudaBackend {
-            sm90_tiles: tiles,
+            overrides: Overrides {
+                sm90: tiles,
+                ..self.overrides
+            },
             ..self.clone()
         }
     }
@@ -361,37 +411,7 @@ impl CudaBackend {
     /// Plans a problem for this device, or says why it cannot run here.
     pub fn plan(&self, p: &Problem) -> Result<Planned> {
         let info = &self.dev.info;
-        let hopper = match self.choice {
-            KernelChoice::Sm100 => {
-                if info.target != "sm_100" {
-                    return Err(Error::invalid(
-                        "--kernel",
-                        format!(
-                            "sm100 runs on SM100 (B200-class) GPUs; this is {} ({})",
-                            info.name, info.target
-                        ),
-                    ));
-                }
-                let mut plan = sm100_kernel::plan(p, &info.arch)?;
-                plan.spec.target = "sm_100a";
-                return Ok(Planned::Sm100(plan));
-            }
-            KernelChoice::Sm80 => false,
-            KernelChoice::Sm90 => true,
-            KernelChoice::Auto => {
-                sm90::dispatch(&info.arch, sm90::features(p)).kernel == KernelKind::Sm90
-            }
-        };
-        if hopper {
-            // wgmma and setmaxnreg need the architecture-specific target.
-            let target = match info.target {
-                "sm_90" => "sm_90a",
-                other => other,
-            };
-            sm90::plan(p, &info.arch, target, self.sm90_tiles).map(Planned::Sm90)
-        } else {
-            sm80::plan(p, &info.arch, info.target, self.tiles).map(Planned::Sm80)
-        }
+        Planned::new(self.choice.kind(&info.arch, p), info, p, &self.overrides)
     }
 
     /// Compiles (or loads from the cache) the kernel of a plan, ahead of its first launch.
@@ -542,93 +562,7 @@ impl CudaBackend {
             }
         }
         let params = make_params(p, [q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cq_ptr, ck_ptr]);
-        match &plan {
-            Planned::Sm80(_) => self.launch(&plan, &params),
-            Planned::Sm90(sm90_plan) => {
-                let t = &sm90_plan.spec.tiles;
-                let bf16 = sm90_plan.spec.bf16;
-                // A map per tensor over its whole layout: per batch entry for fixed-length
-                // batches, the packed rows of every sequence for varlen ones.
-                let map = |name: &str, ptr: u64, l: &Layout, box_rows: usize| {
-                    tma::encode(
-                        name,
-                        &tma::MapSpec {
-                            ptr,
-                            bf16,
-                            dims: l.dims,
-                            strides: l.strides,
-                            box_rows,
-                        },
-                    )
-                };
-                let sp = params::Sm90Params {
-                    tq: map("q", q_ptr, p.q_layout(), t.block_m())?,
-                    tk: map("k", k_ptr, p.k_layout(), t.block_n)?,
-                    tv: map("v", v_ptr, p.v_layout(), t.block_n)?,
-                    p: params,
-                };
-                self.launch(&plan, &sp)
-            }
-            Planned::Sm100(sm100_plan) => {
-                let bf16 = sm100_plan.spec.bf16;
-                let map = |name: &str, ptr: u64, l: &Layout, box_rows: usize| {
-                    tma::encode_slabs(
-                        name,
-                        &tma::MapSpec {
-                            ptr,
-                            bf16,
-                            dims: l.dims,
-                            strides: l.strides,
-                            box_rows,
-                        },
-                    )
-                };
-                let cfg = &sm100_plan.spec.cfg;
-                // The kernel takes the Hopper params' layout (three maps, then FwdParams).
-                let sp = params::Sm90Params {
-                    tq: map("q", q_ptr, p.q_layout(), cfg.mma_m() as usize)?,
-                    tk: map("k", k_ptr, p.k_layout(), cfg.bn() as usize)?,
-                    tv: map("v", v_ptr, p.v_layout(), cfg.bn() as usize)?,
-                    p: params,
-                };
-                self.launch(&plan, &sp)
-            }
-        }
-    }
-
-    /// Launches a plan's kernel with its one params argument: the one launch site of every
-    /// family. The caller built `args` from a validated problem and buffers checked against it
-    /// (see the SAFETY comment).
-    fn launch<A: DeviceRepr>(&self, plan: &Planned, args: &A) -> Result<()> {
-        let spec = plan.spec();
-        let func = self.kernel(spec)?;
-        let cfg = LaunchConfig {
-            grid_dim: plan.grid(),
-            block_dim: (plan.threads() as u32, 1, 1),
-            shared_mem_bytes: spec.smem_bytes() as u32,
-        };
-        let mut launch = self.dev.stream.launch_builder(&func);
-        launch.arg(args);
-        // SAFETY: `forward_device_trusted` is the only caller. The problem was validated (shapes,
-        // strides, non-overlapping output, cu_seqlens equal to the problem's offsets, which run
-        // from 0 non-decreasing to the totals: read back by forward_device, uploaded from them
-        // by the crate's own callers); every buffer was checked to hold the layout's extent and
-        // to be 16-byte aligned, and its sync guard is held by the caller past this launch. The
-        // family's planner sized the grid, block and shared memory of this spec, and the kernel
-        // static_asserts the same shared-memory count and the params size.
-        // - sm80: the planner checked the head dim and every stride against the kernel's
-        //   16-byte copies.
-        // - sm90: the planner accepted only head_dim 64/128/256 and 16-byte strides below 2^40;
-        //   the TMA maps describe exactly the layouts' extents (reads past the end are
-        //   zero-filled by the hardware, not performed), and the output is written only at rows
-        //   below each sequence's length and columns below head_dim (a varlen batch's foreign
-        //   rows are read, masked and their V zeroed, never written). The grid is one CTA per
-        //   tile or, persistent, at most one per SM; the kernel numbers the tiles from the
-        //   params (the planner checked that they fit in int32) and visits each exactly once
-        //   (`config::sm90::schedule` mirrors the walk and tests it). The planner's register
-        //   split fits the CTA's launch allocation, so `setmaxnreg` cannot wait forever.
-        unsafe { launch.launch(cfg) }.map_err(|e| Error::cuda(format!("launch {spec}"), e))?;
-        Ok(())
+        plan.run(self, p, params)
     }
 
     /// Runs a validated problem on host slices: copies in, launches, copies out, waits.
@@ -696,69 +630,23 @@ fn offsets(p: &Problem) -> (Vec<i32>, Vec<i32>) {
 /// The kernel parameters of a validated problem and its buffers' device addresses
 /// (`[q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k]`, 0 = absent).
 fn make_params(p: &Problem, ptrs: [u64; 7]) -> FwdParams {
-    let i = |x: usize| x as i64;
-    let (q, k, v, o) = (p.q_layout(), p.k_layout(), p.v_layout(), p.o_layout());
-    let (left, right) = p.mask().bounds();
-    // A side at least as long as a sequence's queries plus keys bounds nothing: pass it as
-    // unbounded (-1), so the kernels' int32 bound arithmetic cannot overflow on huge windows.
-    let span = p
-        .sequences()
-        .iter()
-        .map(|s| s.q_len + s.k_len)
-        .max()
-        .unwrap_or(0);
-    let side = |b: Option<usize>| match b {
-        Some(x) if x < span => x.min(i32::MAX as usize) as i32,
-        _ => -1,
-    };
-    let scale = p.scale();
-    let (scale_log2, softcap_scale, softcap) = match p.softcap() {
-        Some(c) => (std::f32::consts::LOG2_E, scale.abs() / c, c),
-        None => (scale.abs() * std::f32::consts::LOG2_E, 0.0, 0.0),
-    };
     // Fixed-length batches: every sequence's lengths. Varlen: the longest (the Hopper kernel
     // sizes its tile walk by them; each sequence's come from cu_seqlens).
-    let longest = |f: fn(&crate::problem::Sequence) -> usize| {
-        p.sequences().iter().map(f).max().unwrap_or(0) as i32
-    };
-    let (lse_batch_stride, lse_head_stride) = p.lse_strides();
-    FwdParams {
-        q: ptrs[0],
-        k: ptrs[1],
-        v: ptrs[2],
-        o: ptrs[3],
-        lse: ptrs[4],
-        cu_seqlens_q: ptrs[5],
-        cu_seqlens_k: ptrs[6],
-        q_batch_stride: i(q.strides[0]),
-        q_row_stride: i(q.strides[1]),
-        q_head_stride: i(q.strides[2]),
-        k_batch_stride: i(k.strides[0]),
-        k_row_stride: i(k.strides[1]),
-        k_head_stride: i(k.strides[2]),
-        v_batch_stride: i(v.strides[0]),
-        v_row_stride: i(v.strides[1]),
-        v_head_stride: i(v.strides[2]),
-        o_batch_stride: i(o.strides[0]),
-        o_row_stride: i(o.strides[1]),
-        o_head_stride: i(o.strides[2]),
-        lse_batch_stride: i(lse_batch_stride),
-        lse_head_stride: i(lse_head_stride),
-        batch: p.sequences().len() as i32,
-        heads_q: p.heads_q() as i32,
-        group: p.group() as i32,
-        seqlen_q: longest(|s| s.q_len),
-        seqlen_k: longest(|s| s.k_len),
-        head_dim: p.head_dim() as i32,
-        window_left: side(left),
-        window_right: side(right),
-        negate_q: i32::from(scale < 0.0),
-        pad0: 0,
-        scale_log2,
-        softcap_scale,
-        softcap,
-        lse_scale: scale_log2 * std::f32::consts::LN_2,
-    }
+    let longest =
+        |f: fn(&crate::problem::Sequence) -> usize| p.sequences().iter().map(f).max().unwrap_or(0);
+    FwdParams::new(&params::Common {
+        ptrs,
+        layouts: [p.q_layout(), p.k_layout(), p.v_layout(), p.o_layout()],
+        lse_strides: p.lse_strides(),
+        sequences: p.sequences(),
+        heads_q: p.heads_q(),
+        group: p.group(),
+        seqlens: (longest(|s| s.q_len), longest(|s| s.k_len)),
+        head_dim: p.head_dim(),
+        bounds: p.mask().bounds(),
+        scale: p.scale(),
+        softcap: p.softcap(),
+    })
 }
 
 #[cfg(test)]

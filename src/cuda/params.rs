@@ -3,6 +3,9 @@
 
 use cudarc::driver::DeviceRepr;
 
+use crate::problem::Sequence;
+use crate::tensor::Layout;
+
 /// Launch parameters of the forward kernel (see the header for each field's meaning).
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default)]
@@ -42,6 +45,96 @@ pub struct FwdParams {
     pub softcap_scale: f32,
     pub softcap: f32,
     pub lse_scale: f32,
+}
+
+/// What the common params of any attention problem (dense or paged) are made of: its buffers'
+/// device addresses (`[q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k]`, 0 = absent), layouts,
+/// sequences and options. The one place the kernels' conventions for them are written.
+pub(crate) struct Common<'a> {
+    /// Device addresses.
+    pub ptrs: [u64; 7],
+    /// Q, K, V and output layouts `[batch, rows, heads, dim]` (K and V: the cache's, paged).
+    pub layouts: [&'a Layout; 4],
+    /// The LSE's batch and head strides.
+    pub lse_strides: (usize, usize),
+    /// The sequences (fixed-length batches: every entry's lengths; varlen: each one's).
+    pub sequences: &'a [Sequence],
+    /// Query heads.
+    pub heads_q: usize,
+    /// Query heads per KV head.
+    pub group: usize,
+    /// `seqlen_q`, `seqlen_k` as the kernel reads them.
+    pub seqlens: (usize, usize),
+    /// Head dim.
+    pub head_dim: usize,
+    /// The mask's left and right bounds.
+    pub bounds: (Option<usize>, Option<usize>),
+    /// The softmax scale.
+    pub scale: f32,
+    /// The softcap.
+    pub softcap: Option<f32>,
+}
+
+impl FwdParams {
+    /// The params of a validated problem and its checked buffers.
+    pub(crate) fn new(c: &Common<'_>) -> FwdParams {
+        let i = |x: usize| x as i64;
+        let [q, k, v, o] = c.layouts;
+        // A side at least as long as a sequence's queries plus keys bounds nothing: pass it as
+        // unbounded (-1), so the kernels' int32 bound arithmetic cannot overflow on huge windows.
+        let span = c
+            .sequences
+            .iter()
+            .map(|s| s.q_len + s.k_len)
+            .max()
+            .unwrap_or(0);
+        let side = |b: Option<usize>| match b {
+            Some(x) if x < span => x.min(i32::MAX as usize) as i32,
+            _ => -1,
+        };
+        let scale = c.scale;
+        let (scale_log2, softcap_scale, softcap) = match c.softcap {
+            Some(cap) => (std::f32::consts::LOG2_E, scale.abs() / cap, cap),
+            None => (scale.abs() * std::f32::consts::LOG2_E, 0.0, 0.0),
+        };
+        FwdParams {
+            q: c.ptrs[0],
+            k: c.ptrs[1],
+            v: c.ptrs[2],
+            o: c.ptrs[3],
+            lse: c.ptrs[4],
+            cu_seqlens_q: c.ptrs[5],
+            cu_seqlens_k: c.ptrs[6],
+            q_batch_stride: i(q.strides[0]),
+            q_row_stride: i(q.strides[1]),
+            q_head_stride: i(q.strides[2]),
+            k_batch_stride: i(k.strides[0]),
+            k_row_stride: i(k.strides[1]),
+            k_head_stride: i(k.strides[2]),
+            v_batch_stride: i(v.strides[0]),
+            v_row_stride: i(v.strides[1]),
+            v_head_stride: i(v.strides[2]),
+            o_batch_stride: i(o.strides[0]),
+            o_row_stride: i(o.strides[1]),
+            o_head_stride: i(o.strides[2]),
+            lse_batch_stride: i(c.lse_strides.0),
+            lse_head_stride: i(c.lse_strides.1),
+            batch: c.sequences.len() as i32,
+            heads_q: c.heads_q as i32,
+            group: c.group as i32,
+            seqlen_q: c.seqlens.0 as i32,
+            seqlen_k: c.seqlens.1 as i32,
+            head_dim: c.head_dim as i32,
+            window_left: side(c.bounds.0),
+            window_right: side(c.bounds.1),
+            negate_q: i32::from(scale < 0.0),
+            pad0: 0,
+            scale_log2,
+            softcap_scale,
+            softcap,
+            lse_scale: scale_log2 * std::f32::consts::LN_2,
+        }
+    }
 }
 
 /// The header's `FA4_PARAMS_SIZE`.

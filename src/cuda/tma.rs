@@ -128,7 +128,7 @@ fn tiled(
     if r != CUresult::CUDA_SUCCESS {
         return Err(Error::cuda(
             format!("cuTensorMapEncodeTiled ({name}: dims {global_dim:?}, byte strides {global_strides:?}, box {box_dim:?})"),
-            format!("{r:?}"),
+            cudarc::driver::DriverError(r),
         ));
     }
     Ok(TmaMap { opaque: map.opaque })

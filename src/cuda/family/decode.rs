@@ -1,0 +1,90 @@
+//! The decode kernels as launchable plans (`kernels/decode/`, planned by
+//! [`crate::config::decode_gpu`]): the split-KV kernel of a [`GpuDecodePlan`], the combine of
+//! its splits ([`Combine`]) and the paged append ([`Append`]). They take a paged problem, not a
+//! [`crate::problem::Problem`], so they are [`Launchable`] without being a
+//! [`super::ForwardFamily`]; `cuda/decode.rs` builds their params and launches them through
+//! the one launch site.
+
+use super::{Launch, Launchable};
+use crate::config::decode_gpu::{AppendSpec, GpuDecodePlan, APPEND_THREADS, COMBINE_WARPS};
+use crate::error::{Error, Result};
+
+// SAFETY: `config::decode_gpu::plan` sized the grid as (sequence · KV head, row tile, split)
+// and the shared memory as the spec's (static_asserted by the kernel), and checked strides in
+// whole 16-byte chunks. With the params `forward_paged_device` builds (buffers checked against
+// the validated problem, the page table and lengths that `paged_tables` uploaded for this very
+// cache, a workspace of num_splits · part_rows rows touched only with more than one split), the
+// kernel reads a table entry only for a key below the sequence's length, and every used entry
+// was validated against num_pages.
+unsafe impl Launchable for GpuDecodePlan {
+    fn launch(&self) -> Launch<'_> {
+        Launch {
+            kernel: &self.spec,
+            grid: self.grid,
+            threads: self.spec.threads(),
+        }
+    }
+}
+
+/// The combine of a plan's splits: one warp per output row, `COMBINE_WARPS` rows per CTA.
+pub(crate) struct Combine<'a> {
+    plan: &'a GpuDecodePlan,
+    blocks: u32,
+}
+
+impl<'a> Combine<'a> {
+    /// The combine of `plan`'s splits over `part_rows` rows (queries · heads).
+    pub(crate) fn new(plan: &'a GpuDecodePlan, part_rows: usize) -> Result<Combine<'a>> {
+        let blocks = u32::try_from(part_rows.div_ceil(COMBINE_WARPS))
+            .map_err(|_| Error::invalid("q", "too many rows"))?;
+        Ok(Combine { plan, blocks })
+    }
+}
+
+// SAFETY: with the split kernel's params, the combine reads the num_splits · part_rows rows the
+// split kernel wrote (every CTA writes each of its valid rows' LSE and O, and a row's LSE of
+// −inf keeps its O unread) and writes each row of O and LSE once, at the places the split
+// kernel would have; the grid covers part_rows rows at COMBINE_WARPS per CTA, and the kernel
+// returns for rows past part_rows. No shared memory.
+unsafe impl Launchable for Combine<'_> {
+    fn launch(&self) -> Launch<'_> {
+        Launch {
+            kernel: &self.plan.combine,
+            grid: (self.blocks, 1, 1),
+            threads: COMBINE_WARPS * 32,
+        }
+    }
+}
+
+/// The paged append: one CTA per new row.
+pub(crate) struct Append {
+    spec: AppendSpec,
+    rows: u32,
+}
+
+impl Append {
+    /// The append of `rows` new rows on `target`.
+    pub(crate) fn new(target: &'static str, rows: usize) -> Result<Append> {
+        let rows = u32::try_from(rows)
+            .map_err(|_| Error::invalid("cu_new", "exceeds the append kernel's int32 range"))?;
+        Ok(Append {
+            spec: AppendSpec { target },
+            rows,
+        })
+    }
+}
+
+// SAFETY: `paged::append_targets` checked both caches against their layouts' extents, k_new and
+// v_new against [rows, heads_kv, dim], every destination page against num_pages and that no
+// slot is written twice; `append_paged` uploads those slots' row starts, range-checks the int32
+// counts, and each CTA copies heads_kv rows of dim elements at the layout's head stride, all
+// inside the extent. One CTA per row; no shared memory.
+unsafe impl Launchable for Append {
+    fn launch(&self) -> Launch<'_> {
+        Launch {
+            kernel: &self.spec,
+            grid: (self.rows, 1, 1),
+            threads: APPEND_THREADS,
+        }
+    }
+}

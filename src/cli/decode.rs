@@ -21,7 +21,9 @@ use fa4::paged::{reference, PagedCache, PagedProblem};
 use fa4::tensor::Layout;
 use fa4::{Backend, DType, Element, Error, Mask, Options, Result};
 
-use super::{alloc, convert, cu_seqlens, fp8, skip_reason, CheckPolicy, RunArgs};
+use super::{
+    alloc, convert, cu_seqlens, file_dtype, fp8, refuse_given, skip_reason, CheckPolicy, RunArgs,
+};
 use crate::cli::BackendArg;
 
 /// Defaults of a random paged problem: a decode step of a small batch against caches of up to
@@ -90,19 +92,15 @@ pub fn run(
     if pa.num_splits == Some(0) {
         return Err(Error::invalid("--num-splits", "must be at least 1"));
     }
-    for (flag, given) in [
-        ("--k", args.k.is_some()),
-        ("--v", args.v.is_some()),
-        ("--cu-seqlens-k", args.cu_seqlens_k.is_some()),
-    ] {
-        if given {
-            return Err(Error::invalid(
-                flag,
-                "belongs to a contiguous run; a paged run reads --k-cache, --v-cache, \
+    refuse_given(
+        &[
+            ("--k", args.k.is_some()),
+            ("--v", args.v.is_some()),
+            ("--cu-seqlens-k", args.cu_seqlens_k.is_some()),
+        ],
+        "belongs to a contiguous run; a paged run reads --k-cache, --v-cache, \
                  --page-table and --seqlens-k",
-            ));
-        }
-    }
+    )?;
     match (pa.paged, files) {
         (true, true) => Err(Error::invalid(
             "--paged",
@@ -128,19 +126,15 @@ fn random(
     opts: &Options,
     policy: CheckPolicy,
 ) -> Result<ExitCode> {
-    for (flag, given) in [
-        ("--q", args.q.is_some()),
-        ("--cu-seqlens-q", args.cu_seqlens_q.is_some()),
-        ("--out", args.out.is_some()),
-        ("--lse", args.lse.is_some()),
-    ] {
-        if given {
-            return Err(Error::invalid(
-                flag,
-                "belongs to a paged run on files; --paged draws a random problem",
-            ));
-        }
-    }
+    refuse_given(
+        &[
+            ("--q", args.q.is_some()),
+            ("--cu-seqlens-q", args.cu_seqlens_q.is_some()),
+            ("--out", args.out.is_some()),
+            ("--lse", args.lse.is_some()),
+        ],
+        "belongs to a paged run on files; --paged draws a random problem",
+    )?;
     let batch = args.batch.unwrap_or(DEFAULT_BATCH);
     let sq = args.seqlen_q.unwrap_or(1);
     let sk = args.seqlen_k.unwrap_or(DEFAULT_SEQLEN_K);
@@ -282,24 +276,20 @@ fn from_files(
     opts: &Options,
     policy: CheckPolicy,
 ) -> Result<ExitCode> {
-    for (flag, given) in [
-        ("--batch", args.batch.is_some()),
-        ("--seqlen-q", args.seqlen_q.is_some()),
-        ("--seqlen-k", args.seqlen_k.is_some()),
-        ("--heads-q", args.heads_q.is_some()),
-        ("--heads-kv", args.heads_kv.is_some()),
-        ("--head-dim", args.head_dim.is_some()),
-        ("--head-dim-v", args.head_dim_v.is_some()),
-        ("--seed", args.seed.is_some()),
-        ("--page-size", args.paged.page_size.is_some()),
-    ] {
-        if given {
-            return Err(Error::invalid(
-                flag,
-                "describes a random problem; with --k-cache the shapes come from the files",
-            ));
-        }
-    }
+    refuse_given(
+        &[
+            ("--batch", args.batch.is_some()),
+            ("--seqlen-q", args.seqlen_q.is_some()),
+            ("--seqlen-k", args.seqlen_k.is_some()),
+            ("--heads-q", args.heads_q.is_some()),
+            ("--heads-kv", args.heads_kv.is_some()),
+            ("--head-dim", args.head_dim.is_some()),
+            ("--head-dim-v", args.head_dim_v.is_some()),
+            ("--seed", args.seed.is_some()),
+            ("--page-size", args.paged.page_size.is_some()),
+        ],
+        "describes a random problem; with --k-cache the shapes come from the files",
+    )?;
     let pa = &args.paged;
     let need = |flag: &str, path: &Option<PathBuf>, why: &str| {
         path.clone()
@@ -366,29 +356,7 @@ fn from_files(
             ),
         ));
     }
-    let dtype = match args.dtype {
-        Some(t) => t,
-        None => {
-            let of = |a: &Array| match a.dtype() {
-                NpyDType::F16 => DType::F16,
-                _ => DType::F32,
-            };
-            let t = of(&qa);
-            for (flag, a) in [("--k-cache", &ka), ("--v-cache", &va)] {
-                if of(a) != t {
-                    return Err(Error::invalid(
-                        flag,
-                        format!(
-                            "is {} but --q is {}; give --dtype to compute in one type",
-                            a.dtype(),
-                            qa.dtype()
-                        ),
-                    ));
-                }
-            }
-            t
-        }
-    };
+    let dtype = file_dtype(args.dtype, &qa, [("--k-cache", &ka), ("--v-cache", &va)])?;
     let problem = || -> Result<PagedProblem> {
         let kl = Layout::new("k_cache", &ka.shape, None)?;
         let vl = Layout::new("v_cache", &va.shape, None)?;
@@ -402,36 +370,21 @@ fn from_files(
     let p = problem().map_err(flag_error)?;
     let outputs = (out.as_path(), args.lse.as_deref());
     let auto = matches!(args.backend, BackendArg::Auto);
-    match dtype {
-        DType::F32 => files_typed::<f32>(
-            p,
-            [qa, ka, va],
-            backend,
-            policy,
-            outputs,
-            pa.num_splits,
-            auto,
-        ),
-        DType::F16 => files_typed::<f16>(
-            p,
-            [qa, ka, va],
-            backend,
-            policy,
-            outputs,
-            pa.num_splits,
-            auto,
-        ),
-        DType::Bf16 => files_typed::<bf16>(
-            p,
-            [qa, ka, va],
-            backend,
-            policy,
-            outputs,
-            pa.num_splits,
-            auto,
-        ),
-        DType::Fp8E4M3 => Err(fp8()),
-    }
+    let run = match dtype {
+        DType::F32 => files_typed::<f32>,
+        DType::F16 => files_typed::<f16>,
+        DType::Bf16 => files_typed::<bf16>,
+        DType::Fp8E4M3 => return Err(fp8()),
+    };
+    run(
+        p,
+        [qa, ka, va],
+        backend,
+        policy,
+        outputs,
+        pa.num_splits,
+        auto,
+    )
 }
 
 fn files_typed<T: Element>(

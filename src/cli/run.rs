@@ -266,19 +266,15 @@ fn random(
     opts: &Options,
     policy: CheckPolicy,
 ) -> Result<ExitCode> {
-    for (flag, given) in [
-        ("--cu-seqlens-q", args.cu_seqlens_q.is_some()),
-        ("--cu-seqlens-k", args.cu_seqlens_k.is_some()),
-        ("--out", args.out.is_some()),
-        ("--lse", args.lse.is_some()),
-    ] {
-        if given {
-            return Err(Error::invalid(
-                flag,
-                "belongs to a run on files; give --q, --k and --v too",
-            ));
-        }
-    }
+    refuse_given(
+        &[
+            ("--cu-seqlens-q", args.cu_seqlens_q.is_some()),
+            ("--cu-seqlens-k", args.cu_seqlens_k.is_some()),
+            ("--out", args.out.is_some()),
+            ("--lse", args.lse.is_some()),
+        ],
+        "belongs to a run on files; give --q, --k and --v too",
+    )?;
     args.grad.validate(false)?;
     let b = args.batch.unwrap_or(1);
     let sq = args.seqlen_q.unwrap_or(DEFAULT_SEQLEN);
@@ -402,23 +398,19 @@ fn from_files(
     opts: &Options,
     policy: CheckPolicy,
 ) -> Result<ExitCode> {
-    for (flag, given) in [
-        ("--batch", args.batch.is_some()),
-        ("--seqlen-q", args.seqlen_q.is_some()),
-        ("--seqlen-k", args.seqlen_k.is_some()),
-        ("--heads-q", args.heads_q.is_some()),
-        ("--heads-kv", args.heads_kv.is_some()),
-        ("--head-dim", args.head_dim.is_some()),
-        ("--head-dim-v", args.head_dim_v.is_some()),
-        ("--seed", args.seed.is_some()),
-    ] {
-        if given {
-            return Err(Error::invalid(
-                flag,
-                "describes a random problem; with --q/--k/--v the shapes come from the files",
-            ));
-        }
-    }
+    refuse_given(
+        &[
+            ("--batch", args.batch.is_some()),
+            ("--seqlen-q", args.seqlen_q.is_some()),
+            ("--seqlen-k", args.seqlen_k.is_some()),
+            ("--heads-q", args.heads_q.is_some()),
+            ("--heads-kv", args.heads_kv.is_some()),
+            ("--head-dim", args.head_dim.is_some()),
+            ("--head-dim-v", args.head_dim_v.is_some()),
+            ("--seed", args.seed.is_some()),
+        ],
+        "describes a random problem; with --q/--k/--v the shapes come from the files",
+    )?;
     args.grad.validate(true)?;
     let need = |flag: &str, path: &Option<PathBuf>, why: &str| {
         path.clone()
@@ -497,29 +489,7 @@ fn from_files(
             ));
         }
     }
-    let dtype = match args.dtype {
-        Some(t) => t,
-        None => {
-            let of = |a: &Array| match a.dtype() {
-                NpyDType::F16 => DType::F16,
-                _ => DType::F32,
-            };
-            let t = of(&qa);
-            for (flag, a) in [("--k", &ka), ("--v", &va)] {
-                if of(a) != t {
-                    return Err(Error::invalid(
-                        flag,
-                        format!(
-                            "is {} but --q is {}; give --dtype to compute in one type",
-                            a.dtype(),
-                            qa.dtype()
-                        ),
-                    ));
-                }
-            }
-            t
-        }
-    };
+    let dtype = file_dtype(args.dtype, &qa, [("--k", &ka), ("--v", &va)])?;
     let shapes = Shapes {
         q: qa.shape.clone(),
         k: ka.shape.clone(),
@@ -804,6 +774,44 @@ impl Shapes {
             opts,
         )
     }
+}
+
+/// The first of `flags` that was given, as an error saying `why` it does not belong.
+pub(super) fn refuse_given(flags: &[(&str, bool)], why: &str) -> Result<()> {
+    match flags.iter().find(|(_, given)| *given) {
+        Some((flag, _)) => Err(Error::invalid(*flag, why)),
+        None => Ok(()),
+    }
+}
+
+/// The dtype a run on files computes in: `--dtype`, else the `--q` file's (f16 stays f16,
+/// every other file type computes in f32), which the other inputs' files must then share.
+pub(super) fn file_dtype(
+    given: Option<DType>,
+    q: &Array,
+    others: [(&str, &Array); 2],
+) -> Result<DType> {
+    if let Some(t) = given {
+        return Ok(t);
+    }
+    let of = |a: &Array| match a.dtype() {
+        NpyDType::F16 => DType::F16,
+        _ => DType::F32,
+    };
+    let t = of(q);
+    for (flag, a) in others {
+        if of(a) != t {
+            return Err(Error::invalid(
+                flag,
+                format!(
+                    "is {} but --q is {}; give --dtype to compute in one type",
+                    a.dtype(),
+                    q.dtype()
+                ),
+            ));
+        }
+    }
+    Ok(t)
 }
 
 fn fp8() -> Error {

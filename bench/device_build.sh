@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Builds what bench/device_final.sh runs on the GPU machine, here (no GPU needed): every release
+# test binary of the fa4 package and the fa4 CLI, stripped, packed into one xz archive (about
+# 30 binaries of 1–3 MB each and the 6 MB CLI would pass a device call's 64 MiB carry limit
+# unpacked; packed they take about a quarter), with the device script beside it.
+#   bench/device_build.sh [DEST]        DEST defaults to .device/final (git-ignored)
+# Then, on the device: `run` with carry [".device/final"] and the command
+#   export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH; bash .device/final/device_final.sh .device/final
+# FA4_BUILD_PACKAGES (default `fa4`) names the cargo packages whose tests are built, e.g.
+# `fa4 fa4-candle`. Prints the archive's size and what it holds; exits non-zero if a build
+# fails or the folder passes 60 MiB.
+set -euo pipefail
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+dest=${1:-.device/final}
+packages=${FA4_BUILD_PACKAGES:-fa4}
+pkg_args=()
+for p in $packages; do pkg_args+=(-p "$p"); done
+stage=$(mktemp -d)
+trap 'rm -rf "$stage"' EXIT
+mkdir -p "$stage/bins"
+
+# One cargo call for every test target; its JSON messages name each executable and its target,
+# and the fa4 CLI it builds for the CLI tests (a separate `cargo build --bin fa4` would build
+# the crate again: the tests' dev-dependencies unify other features).
+cargo test --release "${pkg_args[@]}" --no-run --message-format=json-render-diagnostics \
+    > "$stage/cargo.json"
+python3 - "$stage/cargo.json" "$stage/bins" <<'EOF'
+import json, shutil, subprocess, sys
+msgs, out = sys.argv[1], sys.argv[2]
+names = {}
+for line in open(msgs):
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    exe = m.get("executable")
+    if m.get("reason") != "compiler-artifact" or not exe:
+        continue
+    t = m["target"]
+    if not m.get("profile", {}).get("test"):
+        if t["name"] == "fa4" and t["kind"] == ["bin"]:
+            subprocess.run(["strip", "-o", f"{out}/fa4", exe], check=True)
+        continue
+    pkg = m["package_id"].split("#")[-1].split("@")[0].split("/")[-1]
+    kind = t["kind"][0]
+    # Integration tests by their file name; unit tests of a library or binary by its kind.
+    name = t["name"] if kind == "test" else f"{t['name']}-{kind}-unit"
+    if pkg != "fa4":
+        name = f"{pkg}.{name}"
+    if name in names:
+        sys.exit(f"two test binaries named {name}: {names[name]} and {exe}")
+    names[name] = exe
+    subprocess.run(["strip", "-o", f"{out}/{name}", exe], check=True)
+print(f"{len(names)} test binaries: {' '.join(sorted(names))}")
+EOF
+[ -x "$stage/bins/fa4" ] || { echo "device_build: cargo built no fa4 CLI" >&2; exit 1; }
+# Where the binaries were built: tests find the fa4 CLI and the crate's files through paths
+# compiled into them (CARGO_BIN_EXE_fa4, CARGO_MANIFEST_DIR), which the device script recreates.
+printf 'BUILD_ROOT=%s\nBUILD_COMMIT=%s\n' "$root" "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo +dirty)" \
+    > "$stage/bins/build.env"
+mkdir -p "$dest"
+rm -f "$dest/bins.tar.xz"
+tar -C "$stage/bins" -cf - . | xz -T0 -6 > "$dest/bins.tar.xz"
+cp bench/device_final.sh "$dest/device_final.sh"
+chmod +x "$dest/device_final.sh"
+size=$(du -sb "$dest" | cut -f1)
+echo "$dest: $((size / 1024 / 1024)) MiB ($(tar -tJf "$dest/bins.tar.xz" | grep -vc '/$') files), built from $(sed -n 's/BUILD_COMMIT=//p' "$stage/bins/build.env")"
+[ "$size" -le $((60 * 1024 * 1024)) ] || { echo "device_build: $dest passes 60 MiB: the carry limit is 64 MiB in all" >&2; exit 1; }

@@ -99,7 +99,7 @@ pub fn run(
             ("--cu-seqlens-k", args.cu_seqlens_k.is_some()),
         ],
         "belongs to a contiguous run; a paged run reads --k-cache, --v-cache, \
-                 --page-table and --seqlens-k",
+         --page-table and --seqlens-k",
     )?;
     match (pa.paged, files) {
         (true, true) => Err(Error::invalid(
@@ -276,18 +276,10 @@ fn from_files(
     opts: &Options,
     policy: CheckPolicy,
 ) -> Result<ExitCode> {
+    let mut random = args.random_flags().to_vec();
+    random.push(("--page-size", args.paged.page_size.is_some()));
     refuse_given(
-        &[
-            ("--batch", args.batch.is_some()),
-            ("--seqlen-q", args.seqlen_q.is_some()),
-            ("--seqlen-k", args.seqlen_k.is_some()),
-            ("--heads-q", args.heads_q.is_some()),
-            ("--heads-kv", args.heads_kv.is_some()),
-            ("--head-dim", args.head_dim.is_some()),
-            ("--head-dim-v", args.head_dim_v.is_some()),
-            ("--seed", args.seed.is_some()),
-            ("--page-size", args.paged.page_size.is_some()),
-        ],
+        &random,
         "describes a random problem; with --k-cache the shapes come from the files",
     )?;
     let pa = &args.paged;

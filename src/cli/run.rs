@@ -132,6 +132,23 @@ pub struct RunArgs {
     cp: super::cp::CpArgs,
 }
 
+impl RunArgs {
+    /// The flags that describe a random problem, and whether each was given (a run on files
+    /// refuses them: its shapes come from the files).
+    pub(super) fn random_flags(&self) -> [(&'static str, bool); 8] {
+        [
+            ("--batch", self.batch.is_some()),
+            ("--seqlen-q", self.seqlen_q.is_some()),
+            ("--seqlen-k", self.seqlen_k.is_some()),
+            ("--heads-q", self.heads_q.is_some()),
+            ("--heads-kv", self.heads_kv.is_some()),
+            ("--head-dim", self.head_dim.is_some()),
+            ("--head-dim-v", self.head_dim_v.is_some()),
+            ("--seed", self.seed.is_some()),
+        ]
+    }
+}
+
 /// Parses `LEFT,RIGHT`, each ≥ 0 or -1 (unbounded).
 fn parse_window(s: &str) -> std::result::Result<Mask, String> {
     let parts: Vec<&str> = s.split(',').map(str::trim).collect();
@@ -399,16 +416,7 @@ fn from_files(
     policy: CheckPolicy,
 ) -> Result<ExitCode> {
     refuse_given(
-        &[
-            ("--batch", args.batch.is_some()),
-            ("--seqlen-q", args.seqlen_q.is_some()),
-            ("--seqlen-k", args.seqlen_k.is_some()),
-            ("--heads-q", args.heads_q.is_some()),
-            ("--heads-kv", args.heads_kv.is_some()),
-            ("--head-dim", args.head_dim.is_some()),
-            ("--head-dim-v", args.head_dim_v.is_some()),
-            ("--seed", args.seed.is_some()),
-        ],
+        &args.random_flags(),
         "describes a random problem; with --q/--k/--v the shapes come from the files",
     )?;
     args.grad.validate(true)?;

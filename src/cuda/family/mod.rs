@@ -5,12 +5,12 @@
 //! to change), its plan (the family's planner in [`crate::config`], which also writes the
 //! prelude through the one builder, [`crate::config::prelude::Prelude`]), and its one params
 //! argument built from the common [`FwdParams`]. A plan is [`Launchable`]: it gives the kernel,
-//! grid and threads of a [`Launch`]. [`CudaBackend::launch`] is the one place where any fa4
+//! grid and threads of a [`Launch`]. `CudaBackend::launch` (below) is the one place where any fa4
 //! kernel is launched (the forward families and decode's split-KV, combine and append kernels),
 //! so the crate's launch `unsafe` is written once, with the contract every plan signs by
 //! implementing the `unsafe` trait [`Launchable`].
 //!
-//! The families are registered in one table, [`families!`](super) in `src/cuda/mod.rs`, which
+//! The families are registered in one table, `families!` in `src/cuda/mod.rs`, which
 //! generates [`super::Planned`] (one variant per family) and its dispatch. Adding a family is
 //! one new module here and one registration line (plus the name users select it by, a
 //! [`KernelKind`] variant):

@@ -290,6 +290,29 @@ fn plan_and_bench_decode_explain_and_validate() {
             "--heads-kv",
         ),
         (&["plan", "--depth", "64", "--batch", "2"], "--batch"),
+        // A random paged problem too large to hold names the length that made it so.
+        (
+            &[
+                "run",
+                "--backend",
+                "cpu",
+                "--paged",
+                "--seqlen-q",
+                "100000000",
+            ],
+            "--seqlen-q",
+        ),
+        (
+            &[
+                "run",
+                "--backend",
+                "cpu",
+                "--paged",
+                "--seqlen-k",
+                "100000000000",
+            ],
+            "--seqlen-k",
+        ),
         (&["bench", "--page-size", "4"], "--page-size"),
         (
             &["bench", "--decode", "--decode-shapes", "8"],

@@ -342,3 +342,16 @@ fn plan_and_bench_decode_explain_and_validate() {
     assert!(diff < 1e-4, "paged and contiguous disagree by {diff}");
     assert!(rows[0]["fa4_gbps"].as_f64().unwrap() > 0.0);
 }
+
+/// Zero query rows per sequence is a valid (empty) paged problem, as it is for the forward: it
+/// runs and its (empty) check passes, rather than being refused for overlapping strides.
+#[test]
+fn zero_query_rows_are_an_empty_problem() {
+    for extra in [&[][..], &["--causal"][..]] {
+        let mut args = vec!["run", "--backend", "cpu", "--paged", "--seqlen-q", "0"];
+        args.extend_from_slice(extra);
+        let (code, out, err) = fa4(&args);
+        assert_eq!(code, 0, "{args:?}\n{out}{err}");
+        assert!(out.contains("check    pass"), "{out}");
+    }
+}

@@ -12,7 +12,6 @@
 //! reported, after one untimed warm-up of each. Decode steps are fed a fixed token (no argmax,
 //! no host read between steps), so they queue back to back as a serving loop's would.
 
-#[allow(dead_code)] // The bench uses part of the model the example and the tests share.
 #[path = "llama/model.rs"]
 mod model;
 
@@ -22,7 +21,7 @@ use candle::{DType, Device, Result, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use candle_transformers::models::llama::Config;
 
-use model::{max_diff, tokens, AttnImpl, KvCache, Model};
+use model::{max_diff, small_config, tokens, AttnImpl, KvCache, Model};
 
 /// Decode steps per timed span.
 const STEPS: usize = 16;
@@ -60,14 +59,8 @@ fn main() -> Result<()> {
         num_hidden_layers: 4,
         num_attention_heads: 16,
         num_key_value_heads: 4,
-        use_flash_attn: false,
-        rms_norm_eps: 1e-5,
-        rope_theta: 10_000.0,
-        bos_token_id: None,
-        eos_token_id: None,
-        rope_scaling: None,
         max_position_embeddings: prompt + STEPS * (rounds + 1) + 1,
-        tie_word_embeddings: false,
+        ..small_config()
     };
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, dtype, &dev);

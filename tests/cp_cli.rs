@@ -84,6 +84,8 @@ fn run_cp_passes_the_oracle_and_matches_one_call() {
 fn bad_cp_input_names_the_flag() {
     for (args, flag) in [
         (&["run", "--cp", "0"][..], "--cp"),
+        (&["run", "--cp", "100000"], "--cp"),
+        (&["bench", "--cp", "257"], "--cp"),
         (&["run", "--cp", "-1"], "--cp"),
         (&["run", "--cp", "2", "--window", "4,0"], "--window"),
         (&["run", "--cp", "2", "--cp-split", "ring"], "--cp-split"),

@@ -290,6 +290,29 @@ fn plan_and_bench_decode_explain_and_validate() {
             "--heads-kv",
         ),
         (&["plan", "--depth", "64", "--batch", "2"], "--batch"),
+        // A random paged problem too large to hold names the length that made it so.
+        (
+            &[
+                "run",
+                "--backend",
+                "cpu",
+                "--paged",
+                "--seqlen-q",
+                "100000000",
+            ],
+            "--seqlen-q",
+        ),
+        (
+            &[
+                "run",
+                "--backend",
+                "cpu",
+                "--paged",
+                "--seqlen-k",
+                "100000000000",
+            ],
+            "--seqlen-k",
+        ),
         (&["bench", "--page-size", "4"], "--page-size"),
         (
             &["bench", "--decode", "--decode-shapes", "8"],
@@ -318,4 +341,17 @@ fn plan_and_bench_decode_explain_and_validate() {
     let diff = rows[0]["max_abs_diff"].as_f64().unwrap();
     assert!(diff < 1e-4, "paged and contiguous disagree by {diff}");
     assert!(rows[0]["fa4_gbps"].as_f64().unwrap() > 0.0);
+}
+
+/// Zero query rows per sequence is a valid (empty) paged problem, as it is for the forward: it
+/// runs and its (empty) check passes, rather than being refused for overlapping strides.
+#[test]
+fn zero_query_rows_are_an_empty_problem() {
+    for extra in [&[][..], &["--causal"][..]] {
+        let mut args = vec!["run", "--backend", "cpu", "--paged", "--seqlen-q", "0"];
+        args.extend_from_slice(extra);
+        let (code, out, err) = fa4(&args);
+        assert_eq!(code, 0, "{args:?}\n{out}{err}");
+        assert!(out.contains("check    pass"), "{out}");
+    }
 }

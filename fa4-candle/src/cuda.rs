@@ -1,22 +1,29 @@
 //! The CUDA forward: candle's device buffers in place, fa4's kernels on candle's own stream.
 //!
 //! candle ≥ 0.10 and fa4 share cudarc 0.19, so a candle `CudaSlice` is the type fa4's backend
-//! takes: views at each tensor's offset go to the kernel as they are (no copy, no host round
-//! trip), and the launch is ordered on candle's stream after the work that produced the inputs
-//! (no synchronisation). The output and LSE are allocated by candle's device on that stream.
+//! takes: the inputs go to the kernels as they are (no copy, no host round trip), and every
+//! launch is ordered on candle's stream after the work that produced the inputs (no
+//! synchronisation). The output and LSE are allocated by candle's device on that stream.
+//!
+//! What is uploaded per call is small and comes from the host values fa4 validated: the varlen
+//! offsets, or the paged table and lengths (copies on the stream, no wait). Those host values
+//! are why a CUDA `seqlens_*`, `page_table` or `seqlens_k` tensor costs one device-to-host read
+//! per call (see `op::host_ints`): fa4 places every row by them, so it checks them first.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-use candle::backend::{BackendDevice, BackendStorage};
-use candle::cuda_backend::cudarc::driver::CudaView;
+use candle::backend::BackendStorage;
+use candle::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
 use candle::cuda_backend::{CudaDType, CudaDevice, DeviceId};
 use candle::{CudaStorage, DType, Layout, Result, Shape, Storage};
 use half::{bf16, f16};
 
 use fa4::cuda::CudaBackend;
+use fa4::paged::PagedProblem;
+use fa4::problem::Problem;
 
-use crate::op::{cpu_view, fa4_err, Fa4Attn};
+use crate::op::{fa4_err, AttnOp, Fa4Attn, LseOf};
 use crate::paged::Fa4Paged;
 
 /// One fa4 backend per candle device (so per stream), created on first use: it holds the
@@ -36,8 +43,26 @@ fn backend_for(dev: &CudaDevice) -> Result<CudaBackend> {
     Ok(b)
 }
 
-pub(crate) fn forward(
-    op: &Fa4Attn,
+/// One input of an op: candle's storage and its layout.
+type Input<'a> = (&'a CudaStorage, &'a Layout);
+
+/// What an op runs on CUDA once its problem is validated and its outputs allocated.
+pub(crate) trait CudaRun: AttnOp {
+    /// Launches on `backend`'s stream (candle's). `out` holds at least the output's extent;
+    /// `lse`, when given, exactly the problem's LSE length.
+    fn run_cuda<T: fa4::Element + CudaDType>(
+        &self,
+        backend: &CudaBackend,
+        p: &Self::Problem,
+        inputs: [Input<'_>; 3],
+        out: &mut CudaSlice<T>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<()>;
+}
+
+/// The CUDA forward of either op: f16 and bf16.
+pub(crate) fn forward<O: CudaRun>(
+    op: &O,
     q: &CudaStorage,
     ql: &Layout,
     k: &CudaStorage,
@@ -45,16 +70,54 @@ pub(crate) fn forward(
     v: &CudaStorage,
     vl: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
+    let inputs = [(q, ql), (k, kl), (v, vl)];
     match q.dtype() {
-        DType::F16 => forward_t::<f16>(op, q, ql, k, kl, v, vl),
-        DType::BF16 => forward_t::<bf16>(op, q, ql, k, kl, v, vl),
+        DType::F16 => forward_t::<O, f16>(op, inputs),
+        DType::BF16 => forward_t::<O, bf16>(op, inputs),
         dt => candle::bail!(
-            "fa4-candle: `q` has dtype {dt:?}; on CUDA fa4 computes f16 and bf16 (convert with .to_dtype(), or run f32 on the CPU)"
+            "{}: `q` has dtype {dt:?}; on CUDA fa4 computes f16 and bf16 (convert with .to_dtype(), or run f32 on the CPU)",
+            op.context()
         ),
     }
 }
 
-/// `s`'s elements from `l`'s offset on.
+fn forward_t<O, T>(op: &O, inputs: [Input<'_>; 3]) -> Result<(CudaStorage, Shape)>
+where
+    O: CudaRun,
+    T: fa4::Element + CudaDType,
+{
+    let [q, k, v] = inputs;
+    let dev = q.0.device().clone();
+    for (name, (s, _)) in O::ARGS[1..].iter().zip([k, v]) {
+        if s.device().id() != dev.id() {
+            candle::bail!(
+                "{}: `{name}` is on another CUDA device than `q`",
+                op.context()
+            );
+        }
+    }
+    // Validated before anything is allocated or launched.
+    let (p, out_shape) = op.problem(<T as fa4::Element>::DTYPE, q.1, k.1, v.1)?;
+    let backend = backend_for(&dev)?;
+    // Zeroed, so that no element is ever uninitialised memory (a zero-size tensor still gets
+    // one element: cudarc does not allocate nothing).
+    let mut out = dev.alloc_zeros::<T>(out_shape.elem_count().max(1))?;
+    let mut lse = match op.wants_lse() {
+        true => Some(dev.alloc_zeros::<f32>(p.lse_len().max(1))?),
+        false => None,
+    };
+    // fa4 wants the LSE buffer at exactly the problem's length; an empty LSE has no row to
+    // write, so its one placeholder element is not handed over.
+    let lse_arg = lse.as_mut().filter(|_| p.lse_len() > 0);
+    op.run_cuda(&backend, &p, inputs, &mut out, lse_arg)?;
+    if let Some(lse) = lse {
+        let lse = CudaStorage::wrap_cuda_slice(lse, dev.clone());
+        op.store_lse(&p, Storage::Cuda(lse));
+    }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), out_shape))
+}
+
+/// The storage's elements from the layout's offset on.
 fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, name: &str) -> Result<CudaView<'a, T>> {
     let all = s.as_cuda_slice::<T>()?;
     if l.start_offset() > all.len() {
@@ -63,136 +126,86 @@ fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, name: &str) -> Result<
     Ok(all.slice(l.start_offset()..))
 }
 
-fn forward_t<T>(
-    op: &Fa4Attn,
-    q: &CudaStorage,
-    ql: &Layout,
-    k: &CudaStorage,
-    kl: &Layout,
-    v: &CudaStorage,
-    vl: &Layout,
-) -> Result<(CudaStorage, Shape)>
-where
-    T: fa4::Element + CudaDType,
-{
-    let dev = q.device().clone();
-    for (name, s) in [("k", k), ("v", v)] {
-        if s.device().id() != dev.id() {
-            candle::bail!("fa4-candle: `{name}` is on another CUDA device than `q`");
+impl CudaRun for Fa4Attn {
+    fn run_cuda<T: fa4::Element + CudaDType>(
+        &self,
+        backend: &CudaBackend,
+        p: &Problem,
+        [(q, ql), (k, kl), (v, vl)]: [Input<'_>; 3],
+        out: &mut CudaSlice<T>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<()> {
+        // Views at each tensor's offset, strides as the problem says: no copy.
+        let (qv, kv, vv) = (
+            view::<T>(q, ql, "q")?,
+            view::<T>(k, kl, "k")?,
+            view::<T>(v, vl, "v")?,
+        );
+        backend
+            .forward_device_views(p, &qv, &kv, &vv, out, lse)
+            .map_err(|e| self.err(e))
+    }
+}
+
+impl CudaRun for Fa4Paged {
+    /// fa4's device paged entry ([`CudaBackend::forward_paged_device`]) with the table and
+    /// lengths of [`CudaBackend::paged_tables`], both on candle's stream.
+    ///
+    /// That entry takes whole `CudaSlice`s, so a tensor must start at its storage's first
+    /// element. `q` (small: a decode step's rows) that does not — a view into a fused QKV
+    /// projection, say — is copied on the device to a buffer of its own; a cache that does not
+    /// is an error, since copying a cache per step would cost more than the attention.
+    fn run_cuda<T: fa4::Element + CudaDType>(
+        &self,
+        backend: &CudaBackend,
+        p: &PagedProblem,
+        [(q, ql), (k, kl), (v, vl)]: [Input<'_>; 3],
+        out: &mut CudaSlice<T>,
+        lse: Option<&mut CudaSlice<f32>>,
+    ) -> Result<()> {
+        for (name, l) in [("k_cache", kl), ("v_cache", vl)] {
+            if l.start_offset() != 0 {
+                candle::bail!(
+                    "{}: `{name}` starts at element {} of its storage; fa4's paged decode reads a cache from the start of its buffer: pass a cache tensor of its own (not a view into a larger one, such as one half of a [2, pages, …] pool; `.force_contiguous()` makes one)",
+                    self.context(),
+                    l.start_offset()
+                );
+            }
         }
-    }
-    let (p, out_shape) = op.problem(<T as fa4::Element>::DTYPE, ql, kl, vl)?;
-    let backend = backend_for(&dev)?;
-    let (qv, kv, vv) = (
-        view::<T>(q, ql, "q")?,
-        view::<T>(k, kl, "k")?,
-        view::<T>(v, vl, "v")?,
-    );
-    // Zeroed, so that no element is ever uninitialised memory (a zero-size tensor still gets
-    // one element: cudarc does not allocate nothing).
-    let mut out = dev.alloc_zeros::<T>(out_shape.elem_count().max(1))?;
-    let mut lse = match op.wants_lse() {
-        true => Some(dev.alloc_zeros::<f32>(p.lse_len().max(1))?),
-        false => None,
-    };
-    // The LSE buffer is exactly the problem's length (fa4 checks it), also when that is 0.
-    let mut lse_view = lse.as_mut().map(|l| l.slice_mut(..p.lse_len()));
-    backend
-        .forward_device_views(&p, &qv, &kv, &vv, &mut out, lse_view.as_mut())
-        .map_err(fa4_err)?;
-    if let Some(lse) = lse {
-        let lse = CudaStorage::wrap_cuda_slice(lse, dev.clone());
-        op.store_lse(&p, Storage::Cuda(lse));
-    }
-    Ok((CudaStorage::wrap_cuda_slice(out, dev), out_shape))
-}
-
-/// The paged forward on CUDA tensors, through fa4's [`fa4::Backend::run_paged`] on
-/// [`fa4::Backend::Cuda`].
-///
-/// fa4's paged entry takes host slices (its GPU decode kernels are being written; until they
-/// land it returns an error naming `backend`, passed on here with the entry's name). So this path
-/// copies `q` and the caches to the host and the result back: correct once fa4 runs it, but a
-/// round trip per call, until fa4 has a paged entry on device buffers to call instead.
-pub(crate) fn forward_paged(
-    op: &Fa4Paged,
-    q: &CudaStorage,
-    ql: &Layout,
-    k: &CudaStorage,
-    kl: &Layout,
-    v: &CudaStorage,
-    vl: &Layout,
-) -> Result<(CudaStorage, Shape)> {
-    match q.dtype() {
-        DType::F16 => forward_paged_t::<f16>(op, q, ql, k, kl, v, vl),
-        DType::BF16 => forward_paged_t::<bf16>(op, q, ql, k, kl, v, vl),
-        dt => candle::bail!(
-            "fa4-candle: {}: `q` has dtype {dt:?}; on CUDA fa4 computes f16 and bf16 (convert with .to_dtype(), or run f32 on the CPU)",
-            op.entry
-        ),
-    }
-}
-
-fn forward_paged_t<T>(
-    op: &Fa4Paged,
-    q: &CudaStorage,
-    ql: &Layout,
-    k: &CudaStorage,
-    kl: &Layout,
-    v: &CudaStorage,
-    vl: &Layout,
-) -> Result<(CudaStorage, Shape)>
-where
-    T: fa4::Element + CudaDType + candle::WithDType,
-{
-    let dev = q.device().clone();
-    for (name, s) in [("k_cache", k), ("v_cache", v)] {
-        if s.device().id() != dev.id() {
-            candle::bail!(
-                "fa4-candle: {}: `{name}` is on another CUDA device than `q`",
-                op.entry
-            );
-        }
-    }
-    // Validated before any copy: argument errors cost nothing.
-    let (p, out_shape) = op.problem(<T as fa4::Element>::DTYPE, ql, kl, vl)?;
-    let backend = fa4::Backend::Cuda(backend_for(&dev)?);
-    let (qh, kh, vh) = (
-        q.to_cpu_storage()?,
-        k.to_cpu_storage()?,
-        v.to_cpu_storage()?,
-    );
-    let mut out = vec![T::from_f32(0.0); out_shape.elem_count()];
-    let mut lse = op.wants_lse().then(|| vec![0f32; p.lse_len()]);
-    backend
-        .run_paged(
-            &p,
-            cpu_view::<T>(&qh, ql, "q")?,
-            cpu_view::<T>(&kh, kl, "k_cache")?,
-            cpu_view::<T>(&vh, vl, "v_cache")?,
-            &mut out,
-            lse.as_deref_mut(),
-            op.num_splits,
-        )
-        .map_err(|e| op.err(e))?;
-    if let Some(lse) = lse {
-        op.store_lse(&p, Storage::Cuda(upload(&dev, &lse)?));
-    }
-    Ok((upload(&dev, &out)?, out_shape))
-}
-
-/// A host result on candle's device; an empty one still gets one zeroed element (cudarc does
-/// not allocate nothing), as in [`forward`].
-fn upload<T>(dev: &CudaDevice, host: &[T]) -> Result<CudaStorage>
-where
-    T: fa4::Element + CudaDType + candle::WithDType,
-{
-    if host.is_empty() {
-        Ok(CudaStorage::wrap_cuda_slice(
-            dev.alloc_zeros::<T>(1)?,
-            dev.clone(),
-        ))
-    } else {
-        dev.storage_from_slice(host)
+        let q_all = q.as_cuda_slice::<T>()?;
+        let q_copy = match ql.start_offset() {
+            0 => None,
+            start => {
+                // The rows the problem reads, from the view's first element (its strides stay
+                // valid in the copy).
+                let extent = p.q_layout().extent().unwrap_or(0).max(1);
+                let end = start.saturating_add(extent).min(q_all.len());
+                if start >= end {
+                    candle::bail!("{}: `q` starts past its storage", self.context());
+                }
+                let copy = backend
+                    .stream()
+                    .clone_dtod(&q_all.slice(start..end))
+                    .map_err(|e| {
+                        candle::Error::Msg(format!("{}: copying `q`: {e}", self.context()))
+                    })?;
+                Some(copy)
+            }
+        };
+        let q_buf = q_copy.as_ref().unwrap_or(q_all);
+        let mut tables = backend.paged_tables(p).map_err(|e| self.err(e))?;
+        backend
+            .forward_paged_device(
+                p,
+                &mut tables,
+                q_buf,
+                k.as_cuda_slice::<T>()?,
+                v.as_cuda_slice::<T>()?,
+                out,
+                lse,
+                self.num_splits,
+            )
+            .map_err(|e| self.err(e))?;
+        Ok(())
     }
 }

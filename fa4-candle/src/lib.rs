@@ -121,6 +121,23 @@ pub struct Varlen<'a> {
     pub max_seqlen_k: usize,
 }
 
+impl<'a> Varlen<'a> {
+    /// The boundaries in candle-flash-attn's argument order.
+    pub fn new(
+        seqlens_q: &'a Tensor,
+        seqlens_k: &'a Tensor,
+        max_seqlen_q: usize,
+        max_seqlen_k: usize,
+    ) -> Self {
+        Varlen {
+            seqlens_q,
+            seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+        }
+    }
+}
+
 /// Attention over a fixed-length batch: `softmax(q·kᵀ·softmax_scale [+ causal mask])·v`.
 ///
 /// - `q`: `[batch, seqlen_q, heads_q, head_dim]`
@@ -175,12 +192,7 @@ pub fn flash_attn_varlen(
     softmax_scale: f32,
     causal: bool,
 ) -> Result<Tensor> {
-    let varlen = Varlen {
-        seqlens_q,
-        seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-    };
+    let varlen = Varlen::new(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k);
     let opts = AttnOptions::new(softmax_scale).causal_if(causal);
     attention_varlen(q, k, v, &varlen, &opts)
 }
@@ -199,12 +211,7 @@ pub fn flash_attn_varlen_windowed(
     window_size_left: Option<usize>,
     window_size_right: Option<usize>,
 ) -> Result<Tensor> {
-    let varlen = Varlen {
-        seqlens_q,
-        seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-    };
+    let varlen = Varlen::new(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k);
     let opts = AttnOptions::new(softmax_scale).window(window_size_left, window_size_right);
     attention_varlen(q, k, v, &varlen, &opts)
 }
@@ -246,12 +253,7 @@ pub fn flash_attn_varlen_with_lse(
     softmax_scale: f32,
     causal: bool,
 ) -> Result<(Tensor, Tensor)> {
-    let varlen = Varlen {
-        seqlens_q,
-        seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-    };
+    let varlen = Varlen::new(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k);
     let opts = AttnOptions::new(softmax_scale).causal_if(causal);
     attention_varlen_with_lse(q, k, v, &varlen, &opts)
 }
@@ -270,12 +272,7 @@ pub fn flash_attn_varlen_windowed_with_lse(
     window_size_left: Option<usize>,
     window_size_right: Option<usize>,
 ) -> Result<(Tensor, Tensor)> {
-    let varlen = Varlen {
-        seqlens_q,
-        seqlens_k,
-        max_seqlen_q,
-        max_seqlen_k,
-    };
+    let varlen = Varlen::new(seqlens_q, seqlens_k, max_seqlen_q, max_seqlen_k);
     let opts = AttnOptions::new(softmax_scale).window(window_size_left, window_size_right);
     attention_varlen_with_lse(q, k, v, &varlen, &opts)
 }
@@ -370,14 +367,7 @@ fn run(
         Some(vl) => Some(HostSeqlens::read(vl, q.dim(0)?, k.dim(0)?)?),
         None => None,
     };
-    let op = Fa4Attn::new(opts, seqlens, want_lse)?;
-    let lse_slot = op.lse_slot();
-    let out = q.apply_op3(k, v, op)?;
-    let lse = match lse_slot {
-        Some(slot) => Some(op::take_lse(&slot)?),
-        None => None,
-    };
-    Ok((out, lse))
+    op::apply(Fa4Attn::new(opts, seqlens, want_lse)?, q, k, v)
 }
 
 fn no_lse() -> candle::Error {

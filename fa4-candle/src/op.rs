@@ -107,7 +107,7 @@ fn read_cumulative(name: &str, t: &Tensor, total: usize, of: &str) -> Result<Vec
             t.dtype()
         );
     }
-    let values: Vec<i64> = t.to_dtype(DType::I64)?.to_vec1()?;
+    let values = host_ints(t)?;
     if values.first() != Some(&0) {
         candle::bail!(
             "fa4-candle: `{name}` must start at 0 and hold batch + 1 entries, got {values:?}"
@@ -136,6 +136,84 @@ fn read_cumulative(name: &str, t: &Tensor, total: usize, of: &str) -> Result<Vec
 /// Where the op leaves its LSE for the caller: candle's op API returns one tensor.
 pub(crate) type LseSlot = Arc<Mutex<Option<(Storage, Shape)>>>;
 
+/// The LSE's length and shape of a validated problem (dense or paged).
+pub(crate) trait LseOf {
+    fn lse_len(&self) -> usize;
+    fn lse_shape(&self) -> Vec<usize>;
+}
+
+impl LseOf for Problem {
+    fn lse_len(&self) -> usize {
+        Problem::lse_len(self)
+    }
+    fn lse_shape(&self) -> Vec<usize> {
+        Problem::lse_shape(self)
+    }
+}
+
+impl LseOf for fa4::paged::PagedProblem {
+    fn lse_len(&self) -> usize {
+        fa4::paged::PagedProblem::lse_len(self)
+    }
+    fn lse_shape(&self) -> Vec<usize> {
+        fa4::paged::PagedProblem::lse_shape(self)
+    }
+}
+
+/// What the dense and the paged op share: one validation step from candle layouts to an fa4
+/// problem, one run per backend, and the LSE hand-back. The candle entry points
+/// ([`cpu_forward`], `cuda::forward`) are written once over it.
+pub(crate) trait AttnOp {
+    type Problem: LseOf;
+
+    /// The names of the op's three tensors, for error messages (`q`, `k`/`k_cache`, …).
+    const ARGS: [&'static str; 3];
+
+    /// Where errors come from: `fa4-candle`, or `fa4-candle: flash_attn_paged`.
+    fn context(&self) -> String;
+
+    /// An fa4 error as a candle error, keeping fa4's message (which names the argument).
+    fn err(&self, e: fa4::Error) -> candle::Error {
+        candle::Error::Msg(format!("{}: {e}", self.context()))
+    }
+
+    /// Validates the call as an fa4 problem on views that start at each layout's offset.
+    /// Returns the problem and the output's shape (contiguous).
+    fn problem(
+        &self,
+        dtype: fa4::DType,
+        ql: &Layout,
+        kl: &Layout,
+        vl: &Layout,
+    ) -> Result<(Self::Problem, Shape)>;
+
+    /// The slot the caller reads the LSE from, if it asked for one.
+    fn lse_slot(&self) -> Option<&LseSlot>;
+
+    /// Runs a validated problem on the CPU, on host views from each layout's offset.
+    fn run_cpu<T: fa4::Element>(
+        &self,
+        p: &Self::Problem,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        out: &mut [T],
+        lse: Option<&mut [f32]>,
+    ) -> fa4::Result<()>;
+
+    fn wants_lse(&self) -> bool {
+        self.lse_slot().is_some()
+    }
+
+    /// Leaves the LSE for [`take_lse`].
+    fn store_lse(&self, p: &Self::Problem, storage: Storage) {
+        if let Some(slot) = self.lse_slot() {
+            let shape = Shape::from(p.lse_shape());
+            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some((storage, shape));
+        }
+    }
+}
+
 /// The attention op: options, varlen boundaries, and (if asked) a slot for the LSE.
 pub(crate) struct Fa4Attn {
     pub(crate) opts: Options,
@@ -155,18 +233,17 @@ impl Fa4Attn {
             lse: want_lse.then(LseSlot::default),
         })
     }
+}
 
-    pub(crate) fn lse_slot(&self) -> Option<LseSlot> {
-        self.lse.clone()
+impl AttnOp for Fa4Attn {
+    type Problem = Problem;
+    const ARGS: [&'static str; 3] = ["q", "k", "v"];
+
+    fn context(&self) -> String {
+        "fa4-candle".into()
     }
 
-    pub(crate) fn wants_lse(&self) -> bool {
-        self.lse.is_some()
-    }
-
-    /// Validates the call as an fa4 problem on views that start at each layout's offset.
-    /// Returns the problem and the output's shape (contiguous).
-    pub(crate) fn problem(
+    fn problem(
         &self,
         dtype: fa4::DType,
         ql: &Layout,
@@ -188,42 +265,63 @@ impl Fa4Attn {
         Ok((p, Shape::from(out_dims)))
     }
 
-    /// Leaves the LSE for [`take_lse`].
-    pub(crate) fn store_lse(&self, p: &Problem, storage: Storage) {
-        if let Some(slot) = &self.lse {
-            let shape = Shape::from(p.lse_shape());
-            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some((storage, shape));
-        }
+    fn lse_slot(&self) -> Option<&LseSlot> {
+        self.lse.as_ref()
     }
 
-    fn cpu_t<T>(
+    fn run_cpu<T: fa4::Element>(
         &self,
-        q: &CpuStorage,
-        ql: &Layout,
-        k: &CpuStorage,
-        kl: &Layout,
-        v: &CpuStorage,
-        vl: &Layout,
-    ) -> Result<(CpuStorage, Shape)>
-    where
-        T: fa4::Element + candle::WithDType,
-    {
-        let (p, out_shape) = self.problem(<T as fa4::Element>::DTYPE, ql, kl, vl)?;
-        // Borrowed views from each layout's offset: strides go to fa4 as they are, no copy.
+        p: &Problem,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        out: &mut [T],
+        lse: Option<&mut [f32]>,
+    ) -> fa4::Result<()> {
+        Backend::Cpu.run(p, q, k, v, out, lse)
+    }
+}
+
+/// The CPU forward of either op: f32, f16 and bf16 through fa4's CPU backend, on views from
+/// each layout's offset (strides go to fa4 as they are, no copy).
+pub(crate) fn cpu_forward<O: AttnOp>(
+    op: &O,
+    q: &CpuStorage,
+    ql: &Layout,
+    k: &CpuStorage,
+    kl: &Layout,
+    v: &CpuStorage,
+    vl: &Layout,
+) -> Result<(CpuStorage, Shape)> {
+    fn typed<O: AttnOp, T: fa4::Element + candle::WithDType>(
+        op: &O,
+        [q, k, v]: [(&CpuStorage, &Layout); 3],
+    ) -> Result<(CpuStorage, Shape)> {
+        let (p, out_shape) = op.problem(<T as fa4::Element>::DTYPE, q.1, k.1, v.1)?;
+        let [qn, kn, vn] = O::ARGS;
         let (qs, ks, vs) = (
-            cpu_view::<T>(q, ql, "q")?,
-            cpu_view::<T>(k, kl, "k")?,
-            cpu_view::<T>(v, vl, "v")?,
+            cpu_view::<T>(q.0, q.1, qn)?,
+            cpu_view::<T>(k.0, k.1, kn)?,
+            cpu_view::<T>(v.0, v.1, vn)?,
         );
         let mut out = vec![T::from_f32(0.0); out_shape.elem_count()];
-        let mut lse = self.wants_lse().then(|| vec![0f32; p.lse_len()]);
-        Backend::Cpu
-            .run(&p, qs, ks, vs, &mut out, lse.as_deref_mut())
-            .map_err(fa4_err)?;
+        let mut lse = op.wants_lse().then(|| vec![0f32; p.lse_len()]);
+        op.run_cpu(&p, qs, ks, vs, &mut out, lse.as_deref_mut())
+            .map_err(|e| op.err(e))?;
         if let Some(lse) = lse {
-            self.store_lse(&p, Storage::Cpu(CpuStorage::F32(lse)));
+            op.store_lse(&p, Storage::Cpu(CpuStorage::F32(lse)));
         }
         Ok((T::to_cpu_storage_owned(out), out_shape))
+    }
+    let args = [(q, ql), (k, kl), (v, vl)];
+    match q.dtype() {
+        DType::F32 => typed::<O, f32>(op, args),
+        DType::F16 => typed::<O, f16>(op, args),
+        DType::BF16 => typed::<O, bf16>(op, args),
+        dt => candle::bail!(
+            "{}: `q` has dtype {dt:?}; the CPU computes f32, f16 and bf16",
+            op.context()
+        ),
     }
 }
 
@@ -253,40 +351,68 @@ pub(crate) fn take_lse(slot: &LseSlot) -> Result<Tensor> {
     }
 }
 
-impl candle::CustomOp3 for Fa4Attn {
-    fn name(&self) -> &'static str {
-        "fa4-attention"
-    }
-
-    fn cpu_fwd(
-        &self,
-        q: &CpuStorage,
-        ql: &Layout,
-        k: &CpuStorage,
-        kl: &Layout,
-        v: &CpuStorage,
-        vl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        match q.dtype() {
-            DType::F32 => self.cpu_t::<f32>(q, ql, k, kl, v, vl),
-            DType::F16 => self.cpu_t::<f16>(q, ql, k, kl, v, vl),
-            DType::BF16 => self.cpu_t::<bf16>(q, ql, k, kl, v, vl),
-            dt => candle::bail!(
-                "fa4-candle: `q` has dtype {dt:?}; the CPU computes f32, f16 and bf16"
-            ),
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        q: &candle::CudaStorage,
-        ql: &Layout,
-        k: &candle::CudaStorage,
-        kl: &Layout,
-        v: &candle::CudaStorage,
-        vl: &Layout,
-    ) -> Result<(candle::CudaStorage, Shape)> {
-        crate::cuda::forward(self, q, ql, k, kl, v, vl)
-    }
+/// Applies an op to `q`, `k`, `v` and collects the LSE it left, if it was asked for one.
+pub(crate) fn apply<O>(
+    op: O,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+) -> Result<(Tensor, Option<Tensor>)>
+where
+    O: AttnOp + candle::CustomOp3 + Send + Sync + 'static,
+{
+    let slot = op.lse_slot().cloned();
+    let out = q.apply_op3(k, v, op)?;
+    let lse = slot.map(|s| take_lse(&s)).transpose()?;
+    Ok((out, lse))
 }
+
+/// An integer tensor's values on the host, as i64 (which holds every candle integer dtype's
+/// values: u8, u32, i16, i32, i64). A CUDA tensor is copied to the host first (one
+/// device-to-host copy, which waits for the stream), then converted there.
+pub(crate) fn host_ints(t: &Tensor) -> Result<Vec<i64>> {
+    t.to_device(&candle::Device::Cpu)?
+        .to_dtype(DType::I64)?
+        .flatten_all()?
+        .to_vec1::<i64>()
+}
+
+/// Makes an [`AttnOp`] a candle op: both forwards go through the shared entries
+/// ([`cpu_forward`], `cuda::forward`); there is no backward (candle reports its absence).
+macro_rules! custom_op3 {
+    ($op:ty, $name:literal) => {
+        impl candle::CustomOp3 for $op {
+            fn name(&self) -> &'static str {
+                $name
+            }
+
+            fn cpu_fwd(
+                &self,
+                q: &candle::CpuStorage,
+                ql: &candle::Layout,
+                k: &candle::CpuStorage,
+                kl: &candle::Layout,
+                v: &candle::CpuStorage,
+                vl: &candle::Layout,
+            ) -> candle::Result<(candle::CpuStorage, candle::Shape)> {
+                $crate::op::cpu_forward(self, q, ql, k, kl, v, vl)
+            }
+
+            #[cfg(feature = "cuda")]
+            fn cuda_fwd(
+                &self,
+                q: &candle::CudaStorage,
+                ql: &candle::Layout,
+                k: &candle::CudaStorage,
+                kl: &candle::Layout,
+                v: &candle::CudaStorage,
+                vl: &candle::Layout,
+            ) -> candle::Result<(candle::CudaStorage, candle::Shape)> {
+                $crate::cuda::forward(self, q, ql, k, kl, v, vl)
+            }
+        }
+    };
+}
+pub(crate) use custom_op3;
+
+custom_op3!(Fa4Attn, "fa4-attention");

@@ -1,19 +1,18 @@
 //! Attention over a paged KV cache (decode, speculative decode, chunked prefill), on fa4's
-//! paged decode ([`fa4::Backend::run_paged`]).
+//! paged decode: [`fa4::Backend::run_paged`] on the CPU, `CudaBackend::forward_paged_device` on
+//! candle's stream for CUDA tensors (`cuda.rs`).
 //!
 //! The page table and the key lengths are read on the host, checked here for what only the
 //! candle side knows (ranks, integer dtypes, values that do not fit fa4's `i32`), then validated
 //! by fa4 ([`PagedCache::new`], [`PagedProblem::new`]), whose errors name the argument. Every
 //! error also names the entry the caller used (`flash_attn_paged`, `attention_paged`, …).
 
-use candle::backend::BackendStorage;
-use candle::{CpuStorage, DType, Layout, Result, Shape, Storage, Tensor};
-use half::{bf16, f16};
+use candle::{DType, Layout, Result, Shape, Tensor};
 
 use fa4::paged::{PagedCache, PagedProblem};
 use fa4::{Backend, Options};
 
-use crate::op::{cpu_view, fa4_layout, fa4_options, take_lse, LseSlot};
+use crate::op::{apply, custom_op3, fa4_layout, fa4_options, host_ints, AttnOp, LseSlot};
 use crate::AttnOptions;
 
 /// The paged attention op: options, the host copy of the table and lengths, and (if asked) a
@@ -29,19 +28,15 @@ pub(crate) struct Fa4Paged {
     lse: Option<LseSlot>,
 }
 
-impl Fa4Paged {
-    /// An fa4 error as a candle error naming the entry (fa4's message names the argument).
-    pub(crate) fn err(&self, e: fa4::Error) -> candle::Error {
-        candle::Error::Msg(format!("fa4-candle: {}: {e}", self.entry))
+impl AttnOp for Fa4Paged {
+    type Problem = PagedProblem;
+    const ARGS: [&'static str; 3] = ["q", "k_cache", "v_cache"];
+
+    fn context(&self) -> String {
+        format!("fa4-candle: {}", self.entry)
     }
 
-    pub(crate) fn wants_lse(&self) -> bool {
-        self.lse.is_some()
-    }
-
-    /// Validates the call as an fa4 paged problem on views that start at each layout's
-    /// offset. Returns the problem and the output's shape (contiguous).
-    pub(crate) fn problem(
+    fn problem(
         &self,
         dtype: fa4::DType,
         ql: &Layout,
@@ -63,90 +58,26 @@ impl Fa4Paged {
         Ok((p, Shape::from(out_dims)))
     }
 
-    /// Leaves the LSE for [`take_lse`].
-    pub(crate) fn store_lse(&self, p: &PagedProblem, storage: Storage) {
-        if let Some(slot) = &self.lse {
-            let shape = Shape::from(p.lse_shape());
-            *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some((storage, shape));
-        }
+    fn lse_slot(&self) -> Option<&LseSlot> {
+        self.lse.as_ref()
     }
 
-    fn cpu_t<T>(
+    fn run_cpu<T: fa4::Element>(
         &self,
-        q: &CpuStorage,
-        ql: &Layout,
-        k: &CpuStorage,
-        kl: &Layout,
-        v: &CpuStorage,
-        vl: &Layout,
-    ) -> Result<(CpuStorage, Shape)>
-    where
-        T: fa4::Element + candle::WithDType,
-    {
-        let (p, out_shape) = self.problem(<T as fa4::Element>::DTYPE, ql, kl, vl)?;
-        let (qs, ks, vs) = (
-            cpu_view::<T>(q, ql, "q")?,
-            cpu_view::<T>(k, kl, "k_cache")?,
-            cpu_view::<T>(v, vl, "v_cache")?,
-        );
-        let mut out = vec![T::from_f32(0.0); out_shape.elem_count()];
-        let mut lse = self.wants_lse().then(|| vec![0f32; p.lse_len()]);
+        p: &PagedProblem,
+        q: &[T],
+        k: &[T],
+        v: &[T],
+        out: &mut [T],
+        lse: Option<&mut [f32]>,
+    ) -> fa4::Result<()> {
         Backend::Cpu
-            .run_paged(
-                &p,
-                qs,
-                ks,
-                vs,
-                &mut out,
-                lse.as_deref_mut(),
-                self.num_splits,
-            )
-            .map_err(|e| self.err(e))?;
-        if let Some(lse) = lse {
-            self.store_lse(&p, Storage::Cpu(CpuStorage::F32(lse)));
-        }
-        Ok((T::to_cpu_storage_owned(out), out_shape))
+            .run_paged(p, q, k, v, out, lse, self.num_splits)
+            .map(drop)
     }
 }
 
-impl candle::CustomOp3 for Fa4Paged {
-    fn name(&self) -> &'static str {
-        "fa4-paged-attention"
-    }
-
-    fn cpu_fwd(
-        &self,
-        q: &CpuStorage,
-        ql: &Layout,
-        k: &CpuStorage,
-        kl: &Layout,
-        v: &CpuStorage,
-        vl: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        match q.dtype() {
-            DType::F32 => self.cpu_t::<f32>(q, ql, k, kl, v, vl),
-            DType::F16 => self.cpu_t::<f16>(q, ql, k, kl, v, vl),
-            DType::BF16 => self.cpu_t::<bf16>(q, ql, k, kl, v, vl),
-            dt => candle::bail!(
-                "fa4-candle: {}: `q` has dtype {dt:?}; the CPU computes f32, f16 and bf16",
-                self.entry
-            ),
-        }
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_fwd(
-        &self,
-        q: &candle::CudaStorage,
-        ql: &Layout,
-        k: &candle::CudaStorage,
-        kl: &Layout,
-        v: &candle::CudaStorage,
-        vl: &Layout,
-    ) -> Result<(candle::CudaStorage, Shape)> {
-        crate::cuda::forward_paged(self, q, ql, k, kl, v, vl)
-    }
-}
+custom_op3!(Fa4Paged, "fa4-paged-attention");
 
 /// Attention of new queries over a paged KV cache: `softmax(q·kᵀ·softmax_scale [+ causal
 /// mask])·v` over each sequence's keys, gathered from their pages.
@@ -164,7 +95,9 @@ impl candle::CustomOp3 for Fa4Paged {
 ///
 /// The causal mask aligns to the bottom-right corner: the queries are the last `seqlen_q`
 /// positions of each sequence. Returns `[batch, seqlen_q, heads_q, head_dim_v]` in `q`'s dtype.
-/// `page_table` and `seqlens_k` are read on the host (a CUDA tensor costs a device-to-host copy).
+/// `page_table` and `seqlens_k` are read on the host (a CUDA tensor costs a device-to-host copy,
+/// which waits for the stream: keep them on the CPU). On CUDA (f16/bf16, head dims 64, 128,
+/// 256) the caches must start at their storage's first element (a cache tensor of its own).
 #[allow(clippy::too_many_arguments)]
 pub fn flash_attn_paged(
     q: &Tensor,
@@ -349,18 +282,11 @@ fn run(
         num_splits,
         lse: want_lse.then(LseSlot::default),
     };
-    let slot = op.lse.clone();
-    let out = q.apply_op3(k, v, op)?;
-    let lse = match slot {
-        Some(slot) => Some(take_lse(&slot)?),
-        None => None,
-    };
-    Ok((out, lse))
+    apply(op, q, k, v)
 }
 
-/// An integer tensor's values on the host, as i64 (which holds every candle integer dtype's
-/// values: u8, u32, i16, i32, i64).
-fn host_ints(entry: &str, name: &str, t: &Tensor, rank: usize, form: &str) -> Result<Vec<i64>> {
+/// An integer tensor's values on the host, after the checks that name the argument.
+fn host_ints_of(entry: &str, name: &str, t: &Tensor, rank: usize, form: &str) -> Result<Vec<i64>> {
     if t.rank() != rank {
         candle::bail!(
             "fa4-candle: {entry}: `{name}` must have rank {rank}, {form}; got shape {:?}",
@@ -373,13 +299,13 @@ fn host_ints(entry: &str, name: &str, t: &Tensor, rank: usize, form: &str) -> Re
             t.dtype()
         );
     }
-    t.to_dtype(DType::I64)?.flatten_all()?.to_vec1::<i64>()
+    host_ints(t)
 }
 
 /// `seqlens_k` `[batch]`: every entry in `0..=i32::MAX` (fa4 checks the upper bound against the
 /// table's capacity).
 fn read_seqlens(entry: &str, t: &Tensor) -> Result<Vec<i32>> {
-    let values = host_ints(entry, "seqlens_k", t, 1, "[batch]")?;
+    let values = host_ints_of(entry, "seqlens_k", t, 1, "[batch]")?;
     values
         .iter()
         .enumerate()
@@ -403,7 +329,7 @@ fn read_table(
     seqlens: &[i32],
     page_size: usize,
 ) -> Result<(Vec<i32>, usize)> {
-    let values = host_ints(entry, "page_table", t, 2, "[batch, max_pages_per_seq]")?;
+    let values = host_ints_of(entry, "page_table", t, 2, "[batch, max_pages_per_seq]")?;
     let (batch, max_pages) = t.dims2()?;
     if batch != seqlens.len() {
         candle::bail!(

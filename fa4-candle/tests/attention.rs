@@ -643,5 +643,29 @@ fn cuda_matches_candle_attention() -> R<()> {
         &lse_ref,
         &o_lowp,
     )?;
+    // Boundaries on the GPU, as candle-flash-attn takes them (read back once per call).
+    let cu_gpu = cu.to_device(&gpu)?;
+    let (out, lse) = fa4_candle::flash_attn_varlen_with_lse(
+        &pack(&q)?,
+        &pack(&k)?,
+        &pack(&v)?,
+        &cu_gpu,
+        &cu_gpu,
+        s,
+        s,
+        scale,
+        true,
+    )?;
+    assert_eq!(lse.dims(), &[h, b * s]);
+    let out = out.to_device(&cpu)?.reshape((b, s, h, d))?;
+    judge(
+        "cuda varlen, boundaries on the GPU",
+        DType::BF16,
+        &out,
+        None,
+        &o_ref,
+        &lse_ref,
+        &o_lowp,
+    )?;
     Ok(())
 }

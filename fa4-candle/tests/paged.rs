@@ -154,9 +154,9 @@ fn max_abs_diff(a: &[f64], b: &[f64]) -> f64 {
         .fold(0.0, f64::max)
 }
 
-/// Runs one case through `attention_paged_with_lse` on `dev` (inputs made on the CPU) and
-/// judges O and LSE on the CPU against candle.
-fn check(n: usize, c: &Case, dev: &Device) -> R<()> {
+/// Runs one case through `attention_paged_with_lse` on `dev` (inputs made on the CPU; the
+/// table and lengths on `index_dev`) and judges O and LSE on the CPU against candle.
+fn check(n: usize, c: &Case, dev: &Device, index_dev: &Device) -> R<()> {
     let what = format!("case {n} {c:?}");
     let batch = c.seqlens_k.len();
     let (table, max_pages, num_pages) = shuffled_table(&c.seqlens_k, c.page_size);
@@ -174,8 +174,8 @@ fn check(n: usize, c: &Case, dev: &Device) -> R<()> {
         &on(&q)?,
         &on(&kc)?,
         &on(&vc)?,
-        &on(&pt)?,
-        &on(&sk)?,
+        &pt.to_device(index_dev)?,
+        &sk.to_device(index_dev)?,
         &opts,
         c.num_splits,
     )?;
@@ -224,14 +224,14 @@ fn check(n: usize, c: &Case, dev: &Device) -> R<()> {
 #[test]
 fn paged_matches_candle_attention_on_gathered_keys() -> R<()> {
     for (n, c) in cases().iter().enumerate() {
-        check(n, c, &Device::Cpu)?;
+        check(n, c, &Device::Cpu, &Device::Cpu)?;
     }
     Ok(())
 }
 
-/// The 16-bit cases on the GPU. fa4's paged decode has no GPU kernels in this tree yet, so on a
-/// GPU this fails today with fa4's error (naming `backend`, passed on by `attention_paged`);
-/// it passes once the kernels land. Run with
+/// The 16-bit cases on the GPU, through fa4's paged decode kernels on candle's stream (head
+/// dims 64, 128 and 256 there: the cases' 32 becomes 64), with the table and lengths once on
+/// the GPU and once on the host. Run with
 /// `cargo test --release -p fa4-candle --features cuda --test paged -- --include-ignored`.
 #[cfg(feature = "cuda")]
 #[test]
@@ -240,9 +240,44 @@ fn cuda_paged_matches_candle_attention() -> R<()> {
     let dev = Device::new_cuda(0)?;
     for (n, c) in cases().iter().enumerate() {
         if c.dtype != DType::F32 {
-            check(n, c, &dev)?;
+            let c = Case { d: 64, ..c.clone() };
+            check(n, &c, &dev, &dev)?;
+            check(n, &c, &dev, &Device::Cpu)?;
         }
     }
+    Ok(())
+}
+
+/// On the GPU, a `q` that starts inside its storage (a view into a fused QKV row) gives what a
+/// `q` of its own gives; a cache that starts inside its storage is an error naming it.
+#[cfg(feature = "cuda")]
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_paged_views() -> R<()> {
+    let dev = Device::new_cuda(0)?;
+    let (batch, hq, hkv, d, page_size) = (2, 4, 2, 64, 16);
+    let seqlens = [40usize, 7];
+    let (table, max_pages, num_pages) = shuffled_table(&seqlens, page_size);
+    let qkv = randn(&[batch, 1, 3 * hq, d], DType::BF16)?.to_device(&dev)?;
+    let q_view = qkv.narrow(2, hq, hq)?;
+    let q_own = q_view.contiguous()?;
+    let pool = randn(&[2, num_pages, page_size, hkv, d], DType::BF16)?.to_device(&dev)?;
+    // Caches of their own (`contiguous` and `copy` would keep the view's offset).
+    let (kc, vc) = (
+        pool.i(0)?.force_contiguous()?,
+        pool.i(1)?.force_contiguous()?,
+    );
+    let pt = Tensor::from_vec(table, (batch, max_pages), &Device::Cpu)?;
+    let lens: Vec<u32> = seqlens.iter().map(|&l| l as u32).collect();
+    let sk = Tensor::from_vec(lens, batch, &Device::Cpu)?;
+    let run = |q: &Tensor, k: &Tensor, v: &Tensor| flash_attn_paged(q, k, v, &pt, &sk, 0.125, true);
+    let want = flat(&run(&q_own, &kc, &vc)?)?;
+    let got = flat(&run(&q_view, &kc, &vc)?)?;
+    assert_eq!(got, want, "q as a view into a fused projection");
+    expect_err(
+        run(&q_own, &kc, &pool.i(1)?),
+        &["flash_attn_paged", "`v_cache`", "starts at element"],
+    );
     Ok(())
 }
 

@@ -34,11 +34,23 @@ pub struct CpArgs {
     pub cp_split: SplitKind,
 }
 
+/// The most ranks `--cp` takes. The CPU simulates the ring in one process, `N` steps of `N`
+/// ranks (N² block computations and exchanges, one after another), and the CUDA ring is one
+/// host's GPUs: past a few hundred ranks neither is a meaningful run, and `--cp 100000` would
+/// only spin for hours.
+pub const MAX_RANKS: usize = 256;
+
 fn ranks(n: usize) -> Result<usize> {
     if n == 0 {
         return Err(Error::invalid(
             "--cp",
             "the number of ranks must be ≥ 1, got 0",
+        ));
+    }
+    if n > MAX_RANKS {
+        return Err(Error::invalid(
+            "--cp",
+            format!("at most {MAX_RANKS} ranks (the CPU simulates the ring's N² steps one after another), got {n}"),
         ));
     }
     Ok(n)

@@ -167,11 +167,17 @@ fn random(
         ));
     }
     // Keep a typo from allocating the machine away: the cache and queries are bounded.
-    let elems = (batch as f64) * (sk as f64) * (hkv as f64) * ((d + dv) as f64)
-        + (batch as f64) * (sq as f64) * (hq as f64) * (d as f64);
+    let cache = (batch as f64) * (sk as f64) * (hkv as f64) * ((d + dv) as f64);
+    let queries = (batch as f64) * (sq as f64) * (hq as f64) * (d as f64);
+    let elems = cache + queries;
     if elems > 1e9 {
+        // Name the length that made it large: the cache's keys or the queries' rows.
         return Err(Error::invalid(
-            "--seqlen-k",
+            if queries > cache {
+                "--seqlen-q"
+            } else {
+                "--seqlen-k"
+            },
             format!("the random problem would hold {elems:.2e} elements (limit 1e9)"),
         ));
     }

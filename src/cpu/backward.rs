@@ -457,6 +457,23 @@ fn ranges(
     }
 }
 
+/// `min(x, 0)`, keeping a NaN: the exponent `s·log2e − LSE·log2e` of `P = exp(s − LSE)`.
+///
+/// `s ≤ LSE` holds exactly, so `P ≤ 1`, but the two terms are rounded separately: at scores of
+/// 1e30 (a finite input, e.g. `--scale 1e30`) their difference is off by ulps of 1e30, and
+/// `exp2` of that overflows to +∞, whose product with a zero `dP − D` is NaN where the
+/// gradient is finite. Clamping the exponent at 0 keeps `P` in `[0, 1]` as the math says, and
+/// costs one `minss`; an ordinary row's `P` moves by at most the rounding it had. A NaN score
+/// (or `+∞ − +∞` after a +∞ score) stays NaN: `0 < NaN` is false.
+#[inline(always)]
+fn at_most_zero(x: f32) -> f32 {
+    if 0.0 < x {
+        0.0
+    } else {
+        x
+    }
+}
+
 /// One tile of `m` loaded query rows × `n` loaded keys: `P` into `sc.p` and `dX` (the gradient
 /// of the raw products `q·k`) into `sc.dx`, both `m × n` and 0 outside each row's allowed keys.
 #[inline(always)]
@@ -480,7 +497,7 @@ fn tile<S: Simd>(p: &Problem, m: usize, n: usize, sc: &mut Scratch) {
         match cap {
             None => {
                 for (s, dp) in prow.iter_mut().zip(xrow.iter_mut()) {
-                    let pij = exp2::<S>(S::fmadd(*s * scale, LOG2E, -lse2));
+                    let pij = exp2::<S>(at_most_zero(S::fmadd(*s * scale, LOG2E, -lse2)));
                     *s = pij;
                     *dp = pij * (*dp - dd) * scale;
                 }
@@ -489,7 +506,7 @@ fn tile<S: Simd>(p: &Problem, m: usize, n: usize, sc: &mut Scratch) {
                 // s = c·tanh(x/c), ds/dx = 1 − tanh²(x/c).
                 for (s, dp) in prow.iter_mut().zip(xrow.iter_mut()) {
                     let t = (*s * scale / c).tanh();
-                    let pij = exp2::<S>(S::fmadd(c * t, LOG2E, -lse2));
+                    let pij = exp2::<S>(at_most_zero(S::fmadd(c * t, LOG2E, -lse2)));
                     *s = pij;
                     *dp = pij * (*dp - dd) * (1.0 - t * t) * scale;
                 }

@@ -673,6 +673,10 @@ impl PagedProblem {
 /// each must start past the extent of the smaller ones).
 fn non_overlapping(l: &Layout) -> bool {
     let first = if l.packed { 1 } else { 0 };
+    // No element, no overlap: a batch of zero query rows is a valid (empty) problem.
+    if l.dims[first..].contains(&0) {
+        return true;
+    }
     let mut axes: Vec<(usize, usize)> = (first..3)
         .map(|a| (l.strides[a], l.dims[a]))
         .chain(std::iter::once((1, l.dims[3])))

@@ -37,7 +37,15 @@ fn main() -> Result<()> {
             std::process::exit(2);
         }
     };
-    let cfg = small_config();
+    // On the GPU, head dim 64: fa4's paged decode kernels take 64, 128 and 256.
+    let cfg = match dev.is_cuda() {
+        true => candle_transformers::models::llama::Config {
+            hidden_size: 512,
+            intermediate_size: 1024,
+            ..small_config()
+        },
+        false => small_config(),
+    };
     // Random weights, created once in the VarMap by candle-transformers' loader and read back
     // by the fa4 model under the same names.
     let varmap = VarMap::new();

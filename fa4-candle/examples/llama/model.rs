@@ -98,7 +98,9 @@ impl PagedCache {
         let table: Vec<u32> = (0..batch)
             .flat_map(|b| (0..max_pages).map(move |j| (num_pages - 1 - (j * batch + b)) as u32))
             .collect();
-        let table_t = Tensor::from_vec(table.clone(), (batch, max_pages), dev)?;
+        // The table and lengths stay on the host: fa4 validates them there before each launch,
+        // so a CUDA copy would cost a device-to-host read per call.
+        let table_t = Tensor::from_vec(table.clone(), (batch, max_pages), &Device::Cpu)?;
         let shape = (num_pages, page_size, model.kv_heads, model.head_dim);
         let pools = (0..model.layers.len())
             .map(|_| {
@@ -261,7 +263,7 @@ impl Model {
             let (k, v) = (k.transpose(1, 2)?, v.transpose(1, 2)?);
             cache.write(li, &k, &v, index_pos)?;
             let (kp, vp) = &cache.pools[li];
-            let seqlens = Tensor::from_vec(vec![(index_pos + s) as u32; b], b, x.device())?;
+            let seqlens = Tensor::from_vec(vec![(index_pos + s) as u32; b], b, &Device::Cpu)?;
             let scale = 1f32 / (d as f32).sqrt();
             let q = q.transpose(1, 2)?;
             let y =

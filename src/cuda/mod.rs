@@ -11,6 +11,7 @@
 //! uses); callers who keep data on the GPU use [`CudaBackend::forward_device`] with
 //! `CudaSlice`s from [`CudaBackend::upload`] or [`CudaBackend::alloc`].
 
+pub mod backward;
 pub mod bench;
 pub mod compile;
 pub mod decode;
@@ -684,7 +685,7 @@ impl CudaBackend {
 }
 
 /// `cu_seqlens_q`, `cu_seqlens_k` of a varlen problem.
-fn offsets(p: &Problem) -> (Vec<i32>, Vec<i32>) {
+pub(crate) fn offsets(p: &Problem) -> (Vec<i32>, Vec<i32>) {
     let seqs = p.sequences();
     let mut cq: Vec<i32> = seqs.iter().map(|s| s.q_start as i32).collect();
     let mut ck: Vec<i32> = seqs.iter().map(|s| s.k_start as i32).collect();
@@ -695,7 +696,7 @@ fn offsets(p: &Problem) -> (Vec<i32>, Vec<i32>) {
 
 /// The kernel parameters of a validated problem and its buffers' device addresses
 /// (`[q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k]`, 0 = absent).
-fn make_params(p: &Problem, ptrs: [u64; 7]) -> FwdParams {
+pub(crate) fn make_params(p: &Problem, ptrs: [u64; 7]) -> FwdParams {
     let i = |x: usize| x as i64;
     let (q, k, v, o) = (p.q_layout(), p.k_layout(), p.v_layout(), p.o_layout());
     let (left, right) = p.mask().bounds();

@@ -464,3 +464,89 @@ fn tiles_from_env() -> Result<Option<MainTiles>> {
         )),
     }
 }
+
+/// Milliseconds per backward call of a fixed-length problem on this device, bf16/fp16 random
+/// normal inputs (the forward on the GPU for O and LSE): `warmup` untimed calls, then `rounds`
+/// rounds of one CUDA event pair around `calls` back-to-back calls (the fair grid's method,
+/// docs/perf.md). Returns each round's milliseconds per call.
+pub fn time_backward<T: Element>(
+    cuda: &CudaBackend,
+    p: &Problem,
+    deterministic: bool,
+    warmup: usize,
+    rounds: usize,
+    calls: usize,
+) -> Result<Vec<f64>> {
+    use cudarc::driver::sys::CUevent_flags;
+    if p.is_varlen() {
+        return Err(Error::invalid(
+            "q",
+            "the backward timing takes fixed-length problems",
+        ));
+    }
+    cuda.plan_backward(p, deterministic)?;
+    let mut rng = rand::SeedableRng::seed_from_u64(1);
+    let mut host = |l: &Layout| -> Result<CudaSlice<T>> {
+        let mut v = vec![T::from_f32(0.0); l.extent().unwrap_or(0).max(1)];
+        crate::check::random_fill::<T, rand::rngs::StdRng>(&mut rng, &mut v, l.dims[3], 1.0);
+        cuda.upload(&v)
+    };
+    let (q, k, v) = (
+        host(p.q_layout())?,
+        host(p.k_layout())?,
+        host(p.v_layout())?,
+    );
+    let d_out = host(p.o_layout())?;
+    let mut out = cuda.alloc::<T>(p.o_layout().extent().unwrap_or(0).max(1))?;
+    let mut lse = cuda.alloc::<f32>(p.lse_len().max(1))?;
+    cuda.forward_device(p, &q, &k, &v, None, &mut out, Some(&mut lse))?;
+    let mut dq = cuda.alloc::<T>(q.len())?;
+    let mut dk = cuda.alloc::<T>(k.len())?;
+    let mut dv = cuda.alloc::<T>(v.len())?;
+    let x = BwdDeviceInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &out,
+        lse: &lse,
+        d_out: &d_out,
+        d_out_layout: *p.o_layout(),
+        cu_seqlens: None,
+    };
+    let mut o = BwdDeviceOutputs {
+        dq: &mut dq,
+        dq_layout: *p.q_layout(),
+        dk: &mut dk,
+        dk_layout: *p.k_layout(),
+        dv: &mut dv,
+        dv_layout: *p.v_layout(),
+    };
+    for _ in 0..warmup {
+        cuda.backward_device_trusted(p, &x, &mut o, deterministic)?;
+    }
+    cuda.synchronize()?;
+    let ev = || {
+        cuda.context()
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| Error::cuda("cuEventCreate", e))
+    };
+    let mut ms = Vec::with_capacity(rounds);
+    for _ in 0..rounds.max(1) {
+        let (start, end) = (ev()?, ev()?);
+        cuda.synchronize()?;
+        start
+            .record(cuda.stream())
+            .map_err(|e| Error::cuda("cuEventRecord", e))?;
+        for _ in 0..calls.max(1) {
+            cuda.backward_device_trusted(p, &x, &mut o, deterministic)?;
+        }
+        end.record(cuda.stream())
+            .map_err(|e| Error::cuda("cuEventRecord", e))?;
+        cuda.synchronize()?;
+        let t = start
+            .elapsed_ms(&end)
+            .map_err(|e| Error::cuda("cuEventElapsedTime", e))?;
+        ms.push(f64::from(t) / calls.max(1) as f64);
+    }
+    Ok(ms)
+}

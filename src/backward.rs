@@ -6,9 +6,8 @@
 //! The call takes the forward's O and LSE: P is recomputed from LSE, and `D_i = dO_i·O_i`
 //! from O, so both must come from a forward of the same inputs and options.
 //!
-//! Backends: the CPU computes it (always deterministic). The CUDA backend has no backward
-//! kernels yet and returns an error naming `backend`, rather than silently running the CPU
-//! path on a GPU caller's behalf.
+//! Backends: the CPU computes it (always deterministic); the CUDA backend runs the
+//! Ampere-class backward kernels (`cuda::backward`, fp16/bf16), deterministic on request.
 //!
 //! ```
 //! use fa4::{Backend, BackwardOptions, Options, Tensor, TensorMut};
@@ -199,17 +198,6 @@ impl Backend {
         check_grad_layout("dq", &dq_layout, q.layout(), "q")?;
         check_grad_layout("dk", &dk_layout, k.layout(), "k")?;
         check_grad_layout("dv", &dv_layout, v.layout(), "v")?;
-        let cpu = match self {
-            Backend::Cpu => CpuBackend::default(),
-            Backend::CpuWith(cpu) => cpu.clone(),
-            Backend::Cuda(_) => {
-                return Err(Error::invalid(
-                    "backend",
-                    "the CUDA backend has no backward kernels yet; compute the backward on \
-                     Backend::Cpu (the GPU kernels are planned, see docs/backward.md)",
-                ))
-            }
-        };
         let x = BwdInputs {
             q: q.data(),
             k: k.data(),
@@ -227,7 +215,11 @@ impl Backend {
             dv: dv_data,
             dv_layout,
         };
-        // The CPU backward is deterministic with or without `opts.deterministic`.
-        cpu.backward(&p, &x, &mut o)
+        match self {
+            // The CPU backward is deterministic with or without `opts.deterministic`.
+            Backend::Cpu => CpuBackend::default().backward(&p, &x, &mut o),
+            Backend::CpuWith(cpu) => cpu.backward(&p, &x, &mut o),
+            Backend::Cuda(cuda) => cuda.backward_host(&p, &x, &mut o, opts.deterministic),
+        }
     }
 }

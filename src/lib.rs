@@ -21,7 +21,7 @@
 //! | head dims | 1–1024, `head_dim_v` free | multiples of 8 up to 256, `head_dim_v == head_dim` |
 //! | fixed and varlen batches, zero-length sequences, strided views | yes | yes (strides in multiples of 8 elements) |
 //! | GQA/MQA, causal (bottom-right), local window, softcap, custom scale, LSE | yes | yes |
-//! | backward: dQ, dK, dV ([`Backend::backward`], `docs/backward.md`) | yes, every feature above, deterministic | not yet (an error) |
+//! | backward: dQ, dK, dV ([`Backend::backward`], `docs/backward.md`) | yes, every feature above, deterministic | yes: fp16/bf16, every feature above (`head_dim_v == head_dim`), deterministic on request |
 //!
 //! On Hopper GPUs the CUDA backend runs fp16/bf16 problems with head dim 64, 128 or 256, a
 //! fixed-length batch and a positive scale on the Hopper kernel (TMA, `wgmma`, warp

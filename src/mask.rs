@@ -146,6 +146,36 @@ impl SeqMask {
         }
         span.start / block_n..span.end.div_ceil(block_n)
     }
+
+    /// The query rows that may attend to key `j` (possibly empty): the backward's walk from
+    /// the key side. Both ends never decrease with `j`.
+    #[inline]
+    pub fn query_range(&self, j: usize) -> Range<usize> {
+        if j as i64 >= self.sk {
+            return 0..0;
+        }
+        let diag = j as i64 - (self.sk - self.sq);
+        let lo = self.right.map_or(0, |r| (diag - r).max(0)).min(self.sq);
+        let hi = self
+            .left
+            .map_or(self.sq, |l| (diag + l + 1).min(self.sq))
+            .max(0);
+        let lo = lo.min(hi);
+        lo as usize..hi as usize
+    }
+
+    /// Query blocks of size `block_m` (block index range) that the keys `keys` must visit.
+    pub fn query_blocks(&self, keys: Range<usize>, block_m: usize) -> Range<usize> {
+        if keys.is_empty() {
+            return 0..0;
+        }
+        let lo = self.query_range(keys.start).start;
+        let hi = self.query_range(keys.end - 1).end;
+        if hi <= lo {
+            return 0..0;
+        }
+        lo / block_m..hi.div_ceil(block_m)
+    }
 }
 
 #[cfg(test)]
@@ -262,6 +292,42 @@ mod tests {
                             }
                         }
                     }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn query_ranges_are_the_rows_that_see_each_key() {
+        let masks = [
+            Mask::None,
+            Mask::Causal,
+            Mask::Window {
+                left: Some(3),
+                right: Some(0),
+            },
+            Mask::Window {
+                left: Some(0),
+                right: Some(2),
+            },
+            Mask::Window {
+                left: None,
+                right: Some(5),
+            },
+            Mask::Window {
+                left: Some(7),
+                right: None,
+            },
+        ];
+        for mask in masks {
+            for (sq, sk) in [(1, 1), (7, 7), (5, 13), (13, 5), (0, 4), (4, 0)] {
+                let m = mask.for_sequence(sq, sk);
+                for j in 0..sk + 2 {
+                    let want: Vec<usize> = (0..sq)
+                        .filter(|&i| j < sk && crate::cpu::reference::allowed(mask, sq, sk, i, j))
+                        .collect();
+                    let got: Vec<usize> = m.query_range(j).collect();
+                    assert_eq!(got, want, "{mask:?} sq={sq} sk={sk} key {j}");
                 }
             }
         }

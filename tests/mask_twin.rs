@@ -171,3 +171,131 @@ fn trip_counts_and_masked_blocks_agree_on_every_mask_kind() {
     }
     assert!(checked > 1000, "{checked} blocks checked");
 }
+
+impl Cuda {
+    fn query_lo(&self, j: i64) -> i64 {
+        if !self.has_window || self.window_right < 0 {
+            return 0;
+        }
+        self.q_len
+            .min(0.max(j - (self.k_len - self.q_len) - self.window_right))
+    }
+    fn query_hi(&self, j: i64) -> i64 {
+        if !self.has_window || self.window_left < 0 {
+            return self.q_len;
+        }
+        0.max(
+            self.q_len
+                .min(j - (self.k_len - self.q_len) + self.window_left + 1),
+        )
+    }
+    /// `query_blocks`: (m_begin, m_end, free_lo, free_hi).
+    fn query_blocks(&self, first_key: i64, last_key: i64, block_m: i64) -> (i64, i64, i64, i64) {
+        let (span_lo, span_hi) = (self.query_lo(first_key), self.query_hi(last_key));
+        let m_begin = span_lo / block_m;
+        let m_end = if span_hi > span_lo {
+            (span_hi + block_m - 1) / block_m
+        } else {
+            m_begin
+        };
+        (
+            m_begin,
+            m_end,
+            self.query_lo(last_key),
+            self.query_hi(first_key),
+        )
+    }
+}
+
+#[test]
+fn the_backward_query_walk_is_the_headers_text() {
+    for line in [
+        "if (!HAS_WINDOW || p.window_right < 0) return 0;",
+        "return min(s.q_len, max(0, j - (s.k_len - s.q_len) - p.window_right));",
+        "if (!HAS_WINDOW || p.window_left < 0) return s.q_len;",
+        "return max(0, min(s.q_len, j - (s.k_len - s.q_len) + p.window_left + 1));",
+        "const int span_lo = query_lo(p, s, first_key), span_hi = query_hi(p, s, last_key);",
+        "qb.m_begin = span_lo / block_m;",
+        "qb.m_end = span_hi > span_lo ? (span_hi + block_m - 1) / block_m : qb.m_begin;",
+        "qb.free_lo = query_lo(p, s, last_key);",
+        "qb.free_hi = query_hi(p, s, first_key);",
+        "return row0 < free_lo || row0 + block_m > free_hi;",
+    ] {
+        assert!(MASK_CUH.contains(line), "mask.cuh no longer holds `{line}`");
+    }
+}
+
+/// The backward's key-side walk: for each key block, the header's query blocks are the Rust
+/// `query_blocks`, every query block that holds an allowed element is visited, and the blocks
+/// the header runs unmasked are exactly those the Rust mask calls free.
+#[test]
+fn query_blocks_of_key_blocks_agree_on_every_mask_kind() {
+    let masks = [
+        Mask::None,
+        Mask::Causal,
+        Mask::Window {
+            left: Some(0),
+            right: Some(0),
+        },
+        Mask::Window {
+            left: Some(5),
+            right: Some(0),
+        },
+        Mask::Window {
+            left: Some(100),
+            right: None,
+        },
+        Mask::Window {
+            left: None,
+            right: Some(37),
+        },
+        Mask::Window {
+            left: Some(1 << 40),
+            right: Some(3),
+        },
+    ];
+    let mut checked = 0usize;
+    for mask in masks {
+        for (sq, sk) in [
+            (1, 1),
+            (17, 300),
+            (128, 128),
+            (300, 17),
+            (513, 1000),
+            (64, 0),
+            (0, 64),
+        ] {
+            for (block_m, block_n) in [(64, 64), (64, 128), (32, 64)] {
+                let rust = mask.for_sequence(sq, sk);
+                let cuda = Cuda::new(mask, sq, sk, block_n);
+                for n0 in (0..sk).step_by(block_n) {
+                    let keys = n0..(n0 + block_n).min(sk);
+                    let (mb, me, free_lo, free_hi) =
+                        cuda.query_blocks(keys.start as i64, keys.end as i64 - 1, block_m as i64);
+                    let want = rust.query_blocks(keys.clone(), block_m);
+                    let ctx = format!("{mask:?} sq {sq} sk {sk} keys {keys:?} block_m {block_m}");
+                    assert_eq!((me - mb).max(0) as usize, want.len(), "trip count, {ctx}");
+                    if !want.is_empty() {
+                        assert_eq!((mb as usize, me as usize), (want.start, want.end), "{ctx}");
+                    }
+                    for m in 0..sq.div_ceil(block_m) {
+                        let rows = m * block_m..((m + 1) * block_m).min(sq);
+                        let kind = rust.tile_kind(rows.clone(), keys.clone());
+                        if kind != TileKind::Masked {
+                            assert!(want.contains(&m), "block {m} has an allowed element, {ctx}");
+                        }
+                        if !want.contains(&m) {
+                            continue;
+                        }
+                        let row0 = (m * block_m) as i64;
+                        let header_masked = row0 < free_lo || row0 + block_m as i64 > free_hi;
+                        let want_masked = kind != TileKind::Free || (m + 1) * block_m > sq;
+                        assert_eq!(header_masked, want_masked, "block {m} ({kind:?}), {ctx}");
+                        checked += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 500, "{checked} blocks checked");
+}

@@ -247,3 +247,53 @@ fn every_decode_variant_compiles_for_every_target_with_little_spilling() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// A handful of backward variants (CI time: six compiles) cover each kernel and feature
+/// switch: every entry, both dtypes, d64/d128/d256, window, softcap, deterministic. The main
+/// and dQ kernels must not spill (their accumulators are sized by the planner to fit).
+#[test]
+fn backward_variants_compile_without_spills() {
+    use fa4::config::bwd::{self, BwdKernel, BwdSpec};
+    let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    if let Err(e) = nvrtc_version() {
+        if required {
+            panic!("FA4_REQUIRE_NVRTC=1 but {e}");
+        }
+        let _ = writeln!(std::io::stderr(), "nvrtc_compile (bwd): skipped: {e}");
+        return;
+    }
+    let spec = |kernel, bf16, head_dim, window, softcap, deterministic| BwdSpec {
+        target: "sm_90",
+        kernel,
+        bf16,
+        head_dim,
+        window,
+        softcap,
+        deterministic,
+        main: bwd::main_tiles(head_dim),
+        dq: bwd::dq_tiles(head_dim),
+    };
+    let specs = [
+        spec(BwdKernel::Pre, false, 128, false, false, false),
+        spec(BwdKernel::Convert, true, 256, false, false, false),
+        spec(BwdKernel::Main, true, 128, true, false, false),
+        spec(BwdKernel::Main, false, 64, false, true, true),
+        spec(BwdKernel::Main, true, 256, true, true, false),
+        spec(BwdKernel::Dq, true, 128, true, true, true),
+    ];
+    let failures: Vec<String> = specs
+        .par_iter()
+        .filter_map(|s| match compile_with_log(s, &["--ptxas-options=-v"]) {
+            Err(e) => Some(e.to_string()),
+            Ok((_, log)) => {
+                eprintln!("{s}:\n{log}");
+                let spills = log
+                    .lines()
+                    .filter(|l| l.contains("spill stores") && !l.contains(" 0 bytes spill stores"))
+                    .count();
+                (spills > 0).then(|| format!("{s} spills:\n{log}"))
+            }
+        })
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -8,8 +8,8 @@
 //! - `fa4 bench --backward`: backward GFLOP/s (2.5 × the forward's FLOPs) beside the forward's
 //!   from the same run and the machine's FMA peak.
 //!
-//! The CUDA backend has no backward kernels yet: `--backend auto` computes a requested
-//! backward (and its forward) on the CPU; `--backend cuda` is an error naming `--backend`.
+//! `--backend cuda` runs the GPU backward kernels (fp16/bf16); `--backend auto` computes a
+//! requested backward (and its forward) on the CPU, which computes every dtype.
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
@@ -135,7 +135,9 @@ impl GradArgs {
 /// not be one computation), else what `arg` resolves to.
 pub fn resolve_backend(grad: &GradArgs, arg: BackendArg) -> Result<Backend> {
     if grad.wanted() && arg == BackendArg::Auto {
-        eprintln!("fa4: --backend auto chose cpu: the backward has no GPU kernels yet");
+        eprintln!(
+            "fa4: --backend auto chose cpu for the backward (--backend cuda runs it on the GPU)"
+        );
         Ok(Backend::Cpu)
     } else {
         arg.resolve()
@@ -318,13 +320,6 @@ pub fn check(
     seed: u64,
 ) -> Result<ExitCode> {
     let backend = if auto { Backend::Cpu } else { backend };
-    if let Backend::Cuda(_) = backend {
-        return Err(Error::invalid(
-            "--backend",
-            "cuda has no backward kernels yet; `fa4 check --backward` runs on the CPU \
-             (--backend cpu or auto)",
-        ));
-    }
     let cases = grad_matrix(dtypes, head_dims);
     let n = cases.len();
     let width = n.to_string().len();
@@ -396,6 +391,68 @@ struct BenchRow {
 
 /// Query rows per shape when `--heads` is not given (as `fa4 bench`).
 const DEFAULT_ROWS: usize = 8192;
+
+/// `fa4 bench --backward --backend cuda`: per shape, the median of `reps` rounds of one CUDA
+/// event pair around 10 back-to-back backward calls (bench/bwd_grid.py times the peers beside
+/// it), atomic dQ and deterministic.
+pub fn bench_cuda(g: &BenchGrid<'_>, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
+    use fa4::cuda::backward::time_backward;
+    println!(
+        "fa4 bench --backward --backend cuda: {} on {}; median of {} rounds of 10 calls; FLOPs = {BACKWARD_FLOP_FACTOR} × forward",
+        g.dtype,
+        cuda.info().name,
+        g.reps.max(1)
+    );
+    println!(
+        "{:>7} {:>4} {:>6} {:>9} {:>9} {:>9} {:>9}",
+        "seqlen", "d", "causal", "b×h", "bwd ms", "TFLOP/s", "det TF/s"
+    );
+    for &d in g.head_dims {
+        for &seqlen in g.seqlens {
+            for &causal in g.masks {
+                let heads = g.heads.unwrap_or((DEFAULT_ROWS / seqlen).max(1));
+                let l = fa4::tensor::Layout::new("q", &[g.batch, seqlen, heads, d], None)?;
+                let opts = if causal {
+                    Options::new().causal()
+                } else {
+                    Options::new()
+                };
+                let p = Problem::new(g.dtype, &l, &l, &l, &l, None, None, &opts)?;
+                let med = |det: bool| -> Result<f64> {
+                    let mut ms = match g.dtype {
+                        DType::F16 => {
+                            time_backward::<half::f16>(cuda, &p, det, g.warmup.max(1), g.reps, 10)?
+                        }
+                        DType::Bf16 => {
+                            time_backward::<half::bf16>(cuda, &p, det, g.warmup.max(1), g.reps, 10)?
+                        }
+                        other => {
+                            return Err(Error::invalid(
+                                "--dtype",
+                                format!("the CUDA backward computes fp16 and bf16, not {other}"),
+                            ))
+                        }
+                    };
+                    ms.sort_by(f64::total_cmp);
+                    Ok(ms[ms.len() / 2])
+                };
+                let (ms, det) = (med(false)?, med(true)?);
+                let flops = BACKWARD_FLOP_FACTOR * p.flops();
+                println!(
+                    "{:>7} {:>4} {:>6} {:>9} {:>9.3} {:>9.1} {:>9.1}",
+                    seqlen,
+                    d,
+                    if causal { "yes" } else { "no" },
+                    format!("{}×{}", g.batch, heads),
+                    ms,
+                    flops / ms / 1e9,
+                    flops / det / 1e9
+                );
+            }
+        }
+    }
+    Ok(())
+}
 
 /// Median of `reps` timed calls after `warmup` untimed ones, in seconds.
 fn time(warmup: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result<f64> {

@@ -206,10 +206,25 @@ pub fn run(args: BenchArgs) -> Result<()> {
     match args.backend {
         BackendArg::Cpu | BackendArg::Auto => {}
         BackendArg::Cuda if args.backward => {
-            return Err(Error::invalid(
-                "--backward",
-                "the CUDA backend has no backward kernels yet; use --backend cpu",
-            ))
+            let masks: &[bool] = match args.causal {
+                CausalArg::Both => &[false, true],
+                CausalArg::On => &[true],
+                CausalArg::Off => &[false],
+            };
+            let grid = super::backward::BenchGrid {
+                seqlens: &args.seqlens,
+                head_dims: &args.head_dims,
+                masks,
+                dtype: args.dtype,
+                batch: args.batch,
+                heads: args.heads,
+                reps: args.reps,
+                warmup: args.warmup,
+                json: args.json,
+            };
+            let cuda = fa4::cuda::CudaBackend::new(0)
+                .map_err(|e| Error::invalid("--backend", e.to_string()))?;
+            return super::backward::bench_cuda(&grid, &cuda);
         }
         BackendArg::Cuda => {
             return super::bench_cuda::run(

@@ -10,6 +10,7 @@
 //! - [`decode`]: split-KV and GQA packing of decode over a paged KV cache (CPU and GPU).
 //! - [`decode_gpu`]: the GPU decode kernels' specs (split-KV, combine, append) and launch grid.
 
+pub mod bwd;
 pub mod decode;
 pub mod decode_gpu;
 pub mod prelude;

@@ -14,6 +14,7 @@
 //! uses); callers who keep data on the GPU use [`CudaBackend::forward_device`] with
 //! `CudaSlice`s from [`CudaBackend::upload`] or [`CudaBackend::alloc`].
 
+pub mod backward;
 pub mod bench;
 pub mod compile;
 pub mod decode;
@@ -618,7 +619,7 @@ impl CudaBackend {
 }
 
 /// `cu_seqlens_q`, `cu_seqlens_k` of a varlen problem.
-fn offsets(p: &Problem) -> (Vec<i32>, Vec<i32>) {
+pub(crate) fn offsets(p: &Problem) -> (Vec<i32>, Vec<i32>) {
     let seqs = p.sequences();
     let mut cq: Vec<i32> = seqs.iter().map(|s| s.q_start as i32).collect();
     let mut ck: Vec<i32> = seqs.iter().map(|s| s.k_start as i32).collect();
@@ -629,7 +630,7 @@ fn offsets(p: &Problem) -> (Vec<i32>, Vec<i32>) {
 
 /// The kernel parameters of a validated problem and its buffers' device addresses
 /// (`[q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k]`, 0 = absent).
-fn make_params(p: &Problem, ptrs: [u64; 7]) -> FwdParams {
+pub(crate) fn make_params(p: &Problem, ptrs: [u64; 7]) -> FwdParams {
     // Fixed-length batches: every sequence's lengths. Varlen: the longest (the Hopper kernel
     // sizes its tile walk by them; each sequence's come from cu_seqlens).
     let longest =

@@ -1,0 +1,115 @@
+"""fa4's GPU backward beside PyTorch SDPA's (cuDNN and FlashAttention-2 backends forced), timed
+the same way in one run on one GPU: bf16, 16k tokens (batch = 16384 / seqlen), hidden 2048
+(heads = 2048 / d).
+
+Method (as bench/grid.py's fair grid): warm-up calls untimed; a round is one CUDA event pair
+around --calls back-to-back backward calls; --rounds rounds interleaved fa4, cuDNN, FA2, fa4, …;
+the median round per library and the interquartile spread. fa4 runs in its own process
+(`examples/bwd_bench.rs`, one request per round). A peer's backward call is
+`torch.autograd.grad(O, (Q, K, V), dO, retain_graph=True)` on a forward recorded once: the
+backward kernels (dO·O preprocess, main, dQ convert) and the gradient allocations, as fa4's
+call. FLOPs = 2.5 × fa4's `Problem::flops` (causal halved), one count for every library.
+
+    python3 bench/bwd_grid.py --fa4 ./bwd_bench [--shapes 128,16384,0 ...] [--calls 10] [--rounds 7]
+"""
+import argparse, json, os, subprocess, sys
+
+GRID = [(d, s, c) for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (0, 1)]
+
+
+def stats(xs):
+    xs = sorted(xs)
+    def at(f):
+        i = f * (len(xs) - 1)
+        lo = int(i)
+        hi = min(lo + 1, len(xs) - 1)
+        return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
+    return {"median": at(0.5), "q1": at(0.25), "q3": at(0.75), "min": xs[0], "max": xs[-1]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--fa4", required=True)
+    ap.add_argument("--shapes", nargs="*", default=None)
+    ap.add_argument("--calls", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--det", action="store_true", help="also time fa4's deterministic mode")
+    ap.add_argument("--tiles", default=None,
+                    help="also time fa4 with FA4_BWD_TILES=block_m,block_n,dsplit (column 'fa4 t')")
+    a = ap.parse_args()
+    shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else GRID
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    fa4 = subprocess.Popen([a.fa4], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+    fa4d = subprocess.Popen([a.fa4], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1) if a.det else None
+    fa4t = subprocess.Popen([a.fa4], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                            env=dict(os.environ, FA4_BWD_TILES=a.tiles)) if a.tiles else None
+
+    def ask(p, line):
+        p.stdin.write(line + "\n")
+        p.stdin.flush()
+        r = p.stdout.readline()
+        if not r:
+            raise SystemExit(f"bwd_bench ended early (rc={p.wait()})")
+        return r.split()
+
+    results = []
+    print(f"{'d':>4} {'seqlen':>6} {'causal':>6} | {'fa4':>7} {'fa4 det':>7} {'fa4 t':>7} {'cudnn':>7} {'fa2':>7} | TFLOP/s  (spread: IQR/median)", flush=True)
+    for d, s, c in shapes:
+        b, h = 16384 // s, 2048 // d
+        libs = {}
+        flops = float(ask(fa4, f"shape {d} {s} {c} {b} {h} 0")[1])
+        libs["fa4"] = lambda: float(ask(fa4, f"round {a.calls}")[0])
+        if fa4d is not None:
+            ask(fa4d, f"shape {d} {s} {c} {b} {h} 1")
+            libs["fa4 det"] = lambda: float(ask(fa4d, f"round {a.calls}")[0])
+        if fa4t is not None:
+            ask(fa4t, f"shape {d} {s} {c} {b} {h} 0")
+            libs["fa4 t"] = lambda: float(ask(fa4t, f"round {a.calls}")[0])
+        torch.manual_seed(0)
+        mk = lambda: torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        q, k, v = mk(), mk(), mk()
+        do = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+        for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("fa2", SDPBackend.FLASH_ATTENTION)):
+            try:
+                with sdpa_kernel([backend]):
+                    o = F.scaled_dot_product_attention(q, k, v, is_causal=bool(c))
+                def call(o=o):
+                    torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
+                for _ in range(3):
+                    call()
+                torch.cuda.synchronize()
+                def rnd(call=call):
+                    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    torch.cuda.synchronize()
+                    st.record()
+                    for _ in range(a.calls):
+                        call()
+                    en.record()
+                    torch.cuda.synchronize()
+                    return st.elapsed_time(en) / a.calls
+                libs[name] = rnd
+            except Exception as ex:
+                print(f"{name} d{d} s{s} c{c}: {type(ex).__name__}: {ex}", flush=True)
+        rounds = {n: [] for n in libs}
+        for _ in range(a.rounds):
+            for n, f in libs.items():
+                rounds[n].append(f())
+        st = {n: stats(r) for n, r in rounds.items()}
+        tf = {n: flops / (x["median"] * 1e-3) / 1e12 for n, x in st.items()}
+        sp = {n: (x["q3"] - x["q1"]) / x["median"] for n, x in st.items()}
+        cell = lambda n: f"{tf[n]:7.1f}" if n in tf else f"{'-':>7}"
+        print(f"{d:>4} {s:>6} {c:>6} | {cell('fa4')} {cell('fa4 det')} {cell('fa4 t')} {cell('cudnn')} {cell('fa2')} | "
+              + " ".join(f"{n} {sp[n]:.1%}" for n in sp), flush=True)
+        results.append({"d": d, "seqlen": s, "causal": c, "batch": b, "heads": h, "flops": flops,
+                        "rounds_ms": rounds, "tflops": tf})
+        del q, k, v, do
+        torch.cuda.empty_cache()
+    out = os.environ.get("OUT", ".")
+    with open(os.path.join(out, "bwd_grid.json"), "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,391 @@
+//! The GPU backward (`kernels/bwd/`) against the float64 gradient oracle under the gradient
+//! rule (docs/backward.md): the gradient matrix (masks, GQA/MQA, seqlens 1, 17, block ± 1, sq ≠
+//! sk both ways, ragged varlen batches with zero-length sequences, softcap, custom and negative
+//! scales, strided views, a NaN key) in fp16 and bf16 at head dims 64, 128 and 256, on
+//! NaN-poisoned gradients; the deterministic mode bit for bit; the device-buffer form; bad input.
+//! Every test is ignored unless run with `--include-ignored`, and fails, not passes, where no
+//! GPU works.
+
+use fa4::check::grad::{check_grads, grad_matrix, run_backward, run_grad_case, GradsView};
+use fa4::check::random_fill;
+use fa4::cuda::backward::{BwdDeviceInputs, BwdDeviceOutputs};
+use fa4::cuda::CudaBackend;
+use fa4::tensor::Layout;
+use fa4::{Backend, BackwardOptions, DType, Element, Error, Mask, Options, Problem};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+fn gpu() -> CudaBackend {
+    match CudaBackend::new(0) {
+        Ok(b) => b,
+        Err(e) => panic!("needs a CUDA GPU (run with --include-ignored only where one works): {e}"),
+    }
+}
+
+fn arg_of(e: Error) -> String {
+    match e {
+        Error::InvalidArgument { name, .. } => name,
+        other => panic!("expected InvalidArgument, got {other:?}"),
+    }
+}
+
+/// The rule, except where the exact gradient is identically 0 by cancellation (a row with one
+/// allowed key: P = 1 and dP = D): there the rule's bound is 0 (the oracle and the
+/// storage-precision evaluation compute dP and D by one summation, so both cancel exactly),
+/// while the kernels compute dP by MMA and D in the preprocess, in f32 in different orders: dS
+/// is f32 rounding noise (measured on the H200: at most 1.3e-5 in dQ, dK at unit-normal
+/// inputs). Such a tensor passes at 2^-14, far below any 16-bit rounding of a real gradient.
+fn passes(r: &fa4::check::grad::GradReport) -> bool {
+    r.tensors.iter().all(|t| {
+        t.passed()
+            || (t.bound == 0.0 && t.finiteness_mismatches == 0 && t.max_err <= 2f64.powi(-14))
+    })
+}
+
+fn matrix_for(head_dims: &[usize]) {
+    let backend = Backend::Cuda(gpu());
+    let cases = grad_matrix(&[DType::F16, DType::Bf16], head_dims);
+    let (mut run, mut failures) = (0, Vec::new());
+    for (i, case) in cases.iter().enumerate() {
+        let result = run_grad_case(&backend, case, 1000 + i as u64);
+        if case.head_dim_v != case.head_dim {
+            // The kernels need head_dim_v == head_dim, as the forward's: an error naming `v`.
+            match result {
+                Err(e) => assert_eq!(arg_of(e), "v", "{case}"),
+                Ok(_) => failures.push(format!("{case}: ran with head_dim_v ≠ head_dim")),
+            }
+            continue;
+        }
+        run += 1;
+        match result {
+            Ok(r) if passes(&r) => {}
+            Ok(r) => failures.push(format!("{case}: {r}")),
+            Err(e) => failures.push(format!("{case}: error {e}")),
+        }
+    }
+    eprintln!("{run} cases run, {} failed", failures.len());
+    assert!(run >= 20, "{run} cases");
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gradient_matrix_d64_passes_the_rule() {
+    matrix_for(&[64]);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gradient_matrix_d128_passes_the_rule() {
+    matrix_for(&[128]);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn gradient_matrix_d256_and_odd_head_dims_pass_the_rule() {
+    matrix_for(&[256, 40, 96]);
+}
+
+/// A GQA 8/2 varlen batch with a zero-length sequence, inputs drawn from `seed`.
+struct Inputs<T> {
+    p: Problem,
+    cu: (Vec<i32>, Vec<i32>),
+    q: Vec<T>,
+    k: Vec<T>,
+    v: Vec<T>,
+    o: Vec<T>,
+    lse: Vec<f32>,
+    d_out: Vec<T>,
+}
+
+fn inputs<T: Element>(d: usize, mask: Mask, softcap: Option<f32>, seed: u64) -> Inputs<T> {
+    let (cq, ck) = (vec![0, 300, 300, 813], vec![0, 317, 330, 1030]);
+    let (hq, hk) = (8, 2);
+    let ql = Layout::new("q", &[813, hq, d], None).unwrap();
+    let kl = Layout::new("k", &[1030, hk, d], None).unwrap();
+    let mut opts = Options::new().mask(mask);
+    if let Some(c) = softcap {
+        opts = opts.softcap(c);
+    }
+    let p = Problem::new(T::DTYPE, &ql, &kl, &kl, &ql, Some(&cq), Some(&ck), &opts).unwrap();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut fill = |n: usize| {
+        let mut x = vec![T::from_f32(0.0); n];
+        random_fill(&mut rng, &mut x, d, 1.0);
+        x
+    };
+    let (q, k, v, d_out) = (
+        fill(813 * hq * d),
+        fill(1030 * hk * d),
+        fill(1030 * hk * d),
+        fill(813 * hq * d),
+    );
+    let mut o = vec![T::NAN; q.len()];
+    let mut lse = vec![f32::NAN; p.lse_len()];
+    Backend::Cpu
+        .run(&p, &q, &k, &v, &mut o, Some(&mut lse))
+        .unwrap();
+    Inputs {
+        p,
+        cu: (cq, ck),
+        q,
+        k,
+        v,
+        o,
+        lse,
+        d_out,
+    }
+}
+
+fn backward<T: Element>(backend: &Backend, x: &Inputs<T>, deterministic: bool) -> [Vec<T>; 3] {
+    let mut dq = vec![T::NAN; x.q.len()];
+    let mut dk = vec![T::NAN; x.k.len()];
+    let mut dv = vec![T::NAN; x.v.len()];
+    let opts = BackwardOptions::new(Options::new().mask(x.p.mask())).deterministic(deterministic);
+    let opts = BackwardOptions {
+        attention: match x.p.softcap() {
+            Some(c) => opts.attention.softcap(c),
+            None => opts.attention,
+        },
+        ..opts
+    };
+    run_backward(
+        backend,
+        &x.p,
+        Some((&x.cu.0, &x.cu.1)),
+        [&x.q, &x.k, &x.v, &x.o],
+        &x.lse,
+        &x.d_out,
+        [&mut dq, &mut dk, &mut dv],
+        &opts,
+    )
+    .unwrap();
+    [dq, dk, dv]
+}
+
+fn judge<T: Element>(x: &Inputs<T>, g: &[Vec<T>; 3], what: &str) {
+    let p = &x.p;
+    let report = check_grads(
+        p,
+        &x.q,
+        &x.k,
+        &x.v,
+        &x.d_out,
+        p.o_layout(),
+        GradsView {
+            dq: (&g[0], p.q_layout()),
+            dk: (&g[1], p.k_layout()),
+            dv: (&g[2], p.v_layout()),
+        },
+    );
+    assert!(report.passed(), "{what}: {report}");
+    eprintln!("{what}: {report}");
+}
+
+fn bits<T: Element>(g: &[Vec<T>; 3]) -> Vec<u32> {
+    g.iter().flatten().map(|x| x.to_f32().to_bits()).collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn deterministic_mode_gives_the_same_bits_and_passes_the_rule() {
+    let backend = Backend::Cuda(gpu());
+    for (d, mask, cap) in [
+        (128, Mask::Causal, None),
+        (64, Mask::None, Some(5.0)),
+        (
+            256,
+            Mask::Window {
+                left: Some(100),
+                right: Some(30),
+            },
+            None,
+        ),
+    ] {
+        let x = inputs::<bf16>(d, mask, cap, d as u64);
+        let a = backward(&backend, &x, true);
+        let b = backward(&backend, &x, true);
+        assert_eq!(
+            bits(&a),
+            bits(&b),
+            "d{d} {mask:?}: two deterministic runs differ"
+        );
+        judge(&x, &a, &format!("deterministic d{d} {mask:?}"));
+        let c = backward(&backend, &x, false);
+        judge(&x, &c, &format!("atomic d{d} {mask:?}"));
+        // dK and dV take no atomics in either mode: the same bits.
+        assert_eq!(
+            bits(&[a[1].clone(), a[2].clone(), Vec::new()]),
+            bits(&[c[1].clone(), c[2].clone(), Vec::new()])
+        );
+    }
+    let x = inputs::<f16>(128, Mask::Causal, None, 7);
+    let a = backward(&backend, &x, true);
+    assert_eq!(bits(&a), bits(&backward(&backend, &x, true)), "fp16");
+    judge(&x, &a, "deterministic fp16");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_buffers_give_the_host_forms_result_and_bad_buffers_are_named() {
+    let cuda = gpu();
+    let x = inputs::<bf16>(128, Mask::Causal, None, 3);
+    let host = backward(&Backend::Cuda(cuda.clone()), &x, true);
+    let p = &x.p;
+    let up = |v: &[bf16]| cuda.upload(v).unwrap();
+    let (q, k, v, o, d_out) = (up(&x.q), up(&x.k), up(&x.v), up(&x.o), up(&x.d_out));
+    let lse = cuda.upload(&x.lse).unwrap();
+    let cq = cuda.upload_i32(&x.cu.0).unwrap();
+    let ck = cuda.upload_i32(&x.cu.1).unwrap();
+    let mut dq = cuda.alloc::<bf16>(x.q.len()).unwrap();
+    let mut dk = cuda.alloc::<bf16>(x.k.len()).unwrap();
+    let mut dv = cuda.alloc::<bf16>(x.v.len()).unwrap();
+    let inputs = BwdDeviceInputs {
+        q: &q,
+        k: &k,
+        v: &v,
+        out: &o,
+        lse: &lse,
+        d_out: &d_out,
+        d_out_layout: *p.o_layout(),
+        cu_seqlens: Some((&cq, &ck)),
+    };
+    let mut outputs = BwdDeviceOutputs {
+        dq: &mut dq,
+        dq_layout: *p.q_layout(),
+        dk: &mut dk,
+        dk_layout: *p.k_layout(),
+        dv: &mut dv,
+        dv_layout: *p.v_layout(),
+    };
+    cuda.backward_device(p, &inputs, &mut outputs, true)
+        .unwrap();
+    let got = [
+        cuda.download(&dq).unwrap(),
+        cuda.download(&dk).unwrap(),
+        cuda.download(&dv).unwrap(),
+    ];
+    assert_eq!(bits(&got), bits(&host), "device form vs host form");
+
+    // A gradient buffer too small, a cu_seqlens that is not the problem's: named.
+    let mut small = cuda.alloc::<bf16>(x.k.len() - 8).unwrap();
+    let mut dq2 = cuda.alloc::<bf16>(x.q.len()).unwrap();
+    let mut dv2 = cuda.alloc::<bf16>(x.v.len()).unwrap();
+    let mut bad = BwdDeviceOutputs {
+        dq: &mut dq2,
+        dq_layout: *p.q_layout(),
+        dk: &mut small,
+        dk_layout: *p.k_layout(),
+        dv: &mut dv2,
+        dv_layout: *p.v_layout(),
+    };
+    assert_eq!(
+        arg_of(
+            cuda.backward_device(p, &inputs, &mut bad, false)
+                .unwrap_err()
+        ),
+        "dk"
+    );
+    let wrong = cuda.upload_i32(&[0, 300, 301, 813]).unwrap();
+    let bad_in = BwdDeviceInputs {
+        cu_seqlens: Some((&wrong, &ck)),
+        ..inputs
+    };
+    let mut outputs = BwdDeviceOutputs {
+        dq: &mut dq,
+        dq_layout: *p.q_layout(),
+        dk: &mut dk,
+        dk_layout: *p.k_layout(),
+        dv: &mut dv,
+        dv_layout: *p.v_layout(),
+    };
+    assert_eq!(
+        arg_of(
+            cuda.backward_device(p, &bad_in, &mut outputs, false)
+                .unwrap_err()
+        ),
+        "cu_seqlens_q"
+    );
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn unsupported_problems_are_errors_naming_the_argument() {
+    let cuda = gpu();
+    let plan = |dtype, d: usize, opts: &Options| {
+        let l = Layout::new("q", &[1, 64, 2, d], None).unwrap();
+        Problem::new(dtype, &l, &l, &l, &l, None, None, opts)
+            .and_then(|p| cuda.plan_backward(&p, false).map(drop))
+    };
+    assert_eq!(
+        arg_of(plan(DType::F32, 64, &Options::new()).unwrap_err()),
+        "dtype"
+    );
+    assert_eq!(
+        arg_of(plan(DType::Bf16, 512, &Options::new()).unwrap_err()),
+        "q"
+    );
+    assert_eq!(
+        arg_of(plan(DType::Bf16, 12, &Options::new()).unwrap_err()),
+        "q"
+    );
+    assert_eq!(
+        arg_of(plan(DType::Bf16, 64, &Options::new().scale(0.0)).unwrap_err()),
+        "scale"
+    );
+    plan(DType::Bf16, 64, &Options::new()).unwrap();
+}
+
+/// A small problem in both modes, for the sanitizers (memcheck, racecheck, synccheck): causal
+/// GQA 4/2 over a varlen batch with a zero-length sequence and lengths off the block sizes.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn small_problem_for_the_sanitizers() {
+    let backend = Backend::Cuda(gpu());
+    let (cq, ck) = (vec![0, 17, 17, 150], vec![0, 65, 66, 190]);
+    let ql = Layout::new("q", &[150, 4, 64], None).unwrap();
+    let kl = Layout::new("k", &[190, 2, 64], None).unwrap();
+    let p = Problem::new(
+        DType::Bf16,
+        &ql,
+        &kl,
+        &kl,
+        &ql,
+        Some(&cq),
+        Some(&ck),
+        &Options::new().causal(),
+    )
+    .unwrap();
+    let mut rng = StdRng::seed_from_u64(5);
+    let mut fill = |n: usize| {
+        let mut x = vec![bf16::ZERO; n];
+        random_fill(&mut rng, &mut x, 64, 1.0);
+        x
+    };
+    let (q, k, v, d_out) = (
+        fill(150 * 4 * 64),
+        fill(190 * 2 * 64),
+        fill(190 * 2 * 64),
+        fill(150 * 4 * 64),
+    );
+    let mut o = vec![bf16::NAN; q.len()];
+    let mut lse = vec![f32::NAN; p.lse_len()];
+    Backend::Cpu
+        .run(&p, &q, &k, &v, &mut o, Some(&mut lse))
+        .unwrap();
+    let x = Inputs {
+        p,
+        cu: (cq, ck),
+        q,
+        k,
+        v,
+        o,
+        lse,
+        d_out,
+    };
+    for det in [false, true] {
+        let g = backward(&backend, &x, det);
+        judge(&x, &g, &format!("small, deterministic {det}"));
+    }
+}

@@ -362,3 +362,23 @@ fn paged_runs_reject_backward_flags() {
     assert_eq!(rc, 2, "{out}{err}");
     one_error_line(&err, "--backward");
 }
+
+/// A bench shape that cannot be held is refused before allocating, naming the flag (it aborted
+/// on a 200 GB allocation).
+#[test]
+fn bench_backward_sizes_its_shapes_first() {
+    let (code, out, err) = fa4(&[
+        "bench",
+        "--backward",
+        "--backend",
+        "cpu",
+        "--batch",
+        "1000000000",
+        "--seqlens",
+        "512",
+        "--head-dims",
+        "64",
+    ]);
+    assert_eq!(code, 2, "{out}{err}");
+    one_error_line(&err, "--seqlens");
+}

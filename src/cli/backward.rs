@@ -570,7 +570,16 @@ fn bench_shape<T: Element>(
 ) -> Result<BenchRow> {
     let b = g.batch;
     let shape = [b, s, h, d];
-    let l = Layout::new("q", &shape, None)?;
+    let l = Layout::new("--seqlens", &shape, None)?;
+    // Size the shape before allocating, as the forward bench does: eight tensors of the
+    // storage dtype (Q, K, V, dO, O, dQ, dK, dV), the f32 dQ the backward sums into, LSE and
+    // D per row. `--batch 100000` aborted on a 200 GB allocation.
+    let (elems, rows) = (l.numel() as f64, (b as f64) * (s as f64) * (h as f64));
+    super::memory::ensure(
+        "--seqlens",
+        &format!("seqlen {s}, d {d}, b×h {b}×{h}"),
+        elems * (8.0 * T::DTYPE.size_bytes() as f64 + 4.0) + 16.0 * rows,
+    )?;
     let opts = if causal {
         Options::new().causal()
     } else {

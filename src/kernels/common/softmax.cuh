@@ -68,3 +68,54 @@ __device__ __forceinline__ float exp2_poly(float x) {
     const float r = __int_as_float(__float_as_int(y) + j * (1 << 23));
     return x < -126.0f ? 0.0f : x <= 127.0f ? r : x * -NEG_INF;  // NaN stays NaN, +inf is +inf
 }
+
+// ---- Huge scores (docs/attention.md, rule 6) ----
+// The fast form shifts by RN(m·c), which is within half an ulp of m·c: for |m·c| < 2^22 that
+// is ≤ 1/4 (log2 units), so the row's largest P stays within 2^±1/4 (times 2^RESCALE_THRESHOLD
+// under LAZY_RESCALE), and since the correction factors use the same rounded shifts, O / sum is
+// unaffected. Past 2^31 the half ulp reaches 2^7: P overflows or underflows, giving NaN rows or
+// O = 0 with LSE = −inf. A row whose max is past EXACT_SHIFT_BOUND therefore takes the exact
+// form instead: its scores less m in f32 (exact near m by Sterbenz; far from m the result is so
+// negative that exp2 gives 0 either way) and a shift of 0. Whether a row's sum and O are in the
+// exact units or the rounded ones is a function of its max alone, so the correction between two
+// blocks knows both sides' units. The kernels test each row's fast shift against the bound
+// (`exact_shift_now`: one compare) and vote once per block; the exact path runs on a block when
+// some row of the warp needs it now or needed it on the previous block (its old max was past the
+// bound: the correction must leave the exact units), outside the exponent loop, which stays as
+// it was.
+constexpr float EXACT_SHIFT_BOUND = 4194304.0f;  // 2^22
+
+// Whether update_row_max's shift is past the bound: the row's new max takes the exact form (an
+// infinite max has shift 0; a finite one whose m·c overflows has shift ±inf, past it too).
+__device__ __forceinline__ bool exact_shift_now(float shift) { return fabsf(shift) >= EXACT_SHIFT_BOUND; }
+
+// Whether a row max m takes the exact form: finite with |m·c| ≥ 2^22 (m·c may overflow to inf).
+__device__ __forceinline__ bool exact_shift(float m, float scale_log2) {
+    return fabsf(m) < -NEG_INF && fabsf(m * scale_log2) >= EXACT_SHIFT_BOUND;
+}
+
+// Whether update_row_max's shift or correction for a row whose max went from m_old to m_new is
+// not exact (either max past the bound).
+__device__ __forceinline__ bool needs_exact_shift(float m_old, float m_new, float scale_log2) {
+    return exact_shift(m_old, scale_log2) || exact_shift(m_new, scale_log2);
+}
+
+// The exact replacements for such a row: returns the shift, sets `corr` (the factor the earlier
+// sum and O take) and `offset`, which the caller subtracts from each of the block's scores
+// (m_new in the exact form, else 0). m_new ≥ m_old; m_old may be −inf (the row's first key).
+__device__ __forceinline__ float exact_row_shift(float m_old, float m_new, float scale_log2, float& corr,
+                                                 float& offset) {
+    const bool exact_new = exact_shift(m_new, scale_log2), exact_old = exact_shift(m_old, scale_log2);
+    // The fast form's shift of m_new: RN(m_new·c), 0 for an infinite max (update_row_max).
+    const float fast_new = fabsf(m_new) == -NEG_INF ? 0.0f : m_new * scale_log2;
+    float x;  // log2 of corr: (old units) − (new units)
+    if (exact_new && exact_old)
+        x = (m_old - m_new) * scale_log2;  // exact where corr > 0: both maxima past 2^22/c, within 2^7/c
+    else if (exact_new)
+        x = fmaf(-m_new, scale_log2, m_old * scale_log2);  // RN(m_old·c) − m_new·c, one rounding
+    else
+        x = fmaf(m_old, scale_log2, -fast_new);  // m_old·c − RN(m_new·c), one rounding
+    corr = exp2_approx(x);
+    offset = exact_new ? m_new : 0.0f;
+    return exact_new ? 0.0f : fast_new;
+}

@@ -105,68 +105,6 @@ __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, long long ro
     }
 }
 
-// Whether a (ROWS, HEAD_DIM) tile holds ±inf or NaN among the chunks this thread copied with
-// load_tile<ROWS> (the same assignment): after this thread's cp.async wait they are visible to it,
-// so a block-wide OR of every thread's answer covers the tile without another barrier.
-template <int ROWS>
-__device__ __forceinline__ bool own_chunks_nonfinite(u32 s_tile, int tid) {
-    u32 bits = 0;
-    if constexpr (ROW_WALK) {
-        const int r0 = tid / CHUNKS, c = tid % CHUNKS;
-#pragma unroll
-        for (int i = 0; i < ROWS / ROW_STEP; ++i) bits |= ld_shared_nonfinite16(s_tile + swz(r0 + i * ROW_STEP, c));
-    } else {
-#pragma unroll
-        for (int i = 0; i < ROWS * CHUNKS / NUM_THREADS; ++i) {
-            const int idx = tid + i * NUM_THREADS;
-            bits |= ld_shared_nonfinite16(s_tile + swz(idx / CHUNKS, idx % CHUNKS));
-        }
-    }
-    return (bits & NONFINITE_BITS) != 0;
-}
-
-// O += P·V of one key block one product at a time, leaving out the keys each row masks: the
-// path of a block whose V holds ±inf or NaN where the MMA would multiply it by a masked P = 0
-// (docs/attention.md, rule 7). Rare, so written for size (a runtime key loop; P goes through a
-// local copy so that the loop can index it), not speed. Row slot r of this thread is query row
-// `lo`/`hi`'s; its P at key jj of the block is in lane 4g + (jj % 8) / 2 (the m16n8 layout).
-__device__ __forceinline__ void pv_masked_exact(float (&rO)[M_TILES][NTILES_D][4], const float (&rS)[M_TILES][NTILES_N][4],
-                                             u32 sVs, int key0, const int (&lo)[ROW_SLOTS], const int (&hi)[ROW_SLOTS],
-                                             int lane) {
-    const int g = lane / 4, t = lane % 4;
-    float pl[M_TILES][NTILES_N][4];
-#pragma unroll
-    for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-        for (int i = 0; i < NTILES_N; ++i)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) pl[mt][i][e] = rS[mt][i][e];
-#pragma unroll 1
-    for (int jj = 0; jj < BLOCK_N; ++jj) {
-        const int j = key0 + jj;
-        float pr[ROW_SLOTS];
-        bool ok[ROW_SLOTS];
-#pragma unroll
-        for (int r = 0; r < ROW_SLOTS; ++r) {
-            pr[r] = __shfl_sync(0xffffffffu, pl[r / 2][jj / 8][2 * (r % 2) + (jj & 1)], 4 * g + (jj % 8) / 2);
-            ok[r] = j >= lo[r] && j < hi[r];
-        }
-#pragma unroll
-        for (int i = 0; i < NTILES_D; ++i) {
-            const u32 x = ld_shared_u32(sVs + swz(jj, i) + 4 * t);  // V[jj, 8i + 2t .. + 1]
-            const float v0 = half_lo(x), v1 = half_hi(x);
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-                for (int h = 0; h < 2; ++h)
-                    if (ok[2 * mt + h]) {
-                        rO[mt][i][2 * h] += pr[2 * mt + h] * v0;
-                        rO[mt][i][2 * h + 1] += pr[2 * mt + h] * v1;
-                    }
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // The kernel
 
@@ -235,7 +173,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
         row_sum[r] = 0.0f;
     }
     const int warp_row0 = warp * ROWS_PER_WARP;
-    bool exact_before = false;  // some row of the warp took the exact shift on the last block
 
     // Lane roles in the ldmatrix patterns (see swz_bases): the A operand (Q) and the
     // transposed B operand (V) take matrices row-block-major and share one set of bases (Q's
@@ -249,15 +186,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
     for (int n = n_begin; n < n_end; ++n) {
         const int it = n - n_begin;
         cp_async_wait<STAGES - 2>();  // Q and tile `it` have landed (this thread's copies) …
-        const int stage = it % STAGES;
-        const u32 sKs = sK + stage * KV_TILE_ELEMS * 2, sVs = sV + stage * KV_TILE_ELEMS * 2;
-        // … and everyone's; everyone is done with tile it - 1. A block that some rows see only in
-        // part has its V checked for ±inf/NaN on the way (each thread its own chunks).
-        bool v_nonfinite = false;
-        if (HAS_WINDOW && kb.rows_differ(n, s.k_len))
-            v_nonfinite = __syncthreads_or(own_chunks_nonfinite<BLOCK_N>(sVs, tid)) != 0;
-        else
-            __syncthreads();
+        __syncthreads();              // … and everyone's; everyone is done with tile it - 1.
         if (it == 0 && p.negate_q) {
             // A negative scale: negate this warp's own Q rows once, in place (only this warp
             // reads them), instead of flipping every fragment in the key loop.
@@ -278,6 +207,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
         }
         if (n + STAGES - 1 < n_end) issue_kv(n + STAGES - 1, (it + STAGES - 1) % STAGES);
         cp_async_commit();
+        const int stage = it % STAGES;
+        const u32 sKs = sK + stage * KV_TILE_ELEMS * 2, sVs = sV + stage * KV_TILE_ELEMS * 2;
 
         // S = Q·Kᵀ, (ROWS_PER_WARP, BLOCK_N) per warp; each K fragment feeds M_TILES MMAs.
         float rS[M_TILES][NTILES_N][4];
@@ -345,7 +276,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
 
         // Online softmax: row slot r is row g + 8r; the 4 lanes of a quad share a row.
         // Every row's max first, then the exponentials: the rows' shuffles overlap.
-        float corr[ROW_SLOTS], row_mx[ROW_SLOTS], shift[ROW_SLOTS];
+        float corr[ROW_SLOTS], row_mx[ROW_SLOTS];
 #pragma unroll
         for (int r = 0; r < ROW_SLOTS; ++r) {
             const int mt = r / 2, h = r % 2;
@@ -354,41 +285,16 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
             for (int i = 0; i < NTILES_N; ++i) mx = fmaxf(mx, fmaxf(rS[mt][i][2 * h], rS[mt][i][2 * h + 1]));
             row_mx[r] = quad_max(mx);
         }
-        // The fast shift, and whether some row of the warp needs the exact one (huge scores,
-        // `common/softmax.cuh`): that rare path only adjusts the scores and the shift, outside
-        // the exponent loop.
-        bool any_exact = false;
-#pragma unroll
-        for (int r = 0; r < ROW_SLOTS; ++r) {
-            const float m_old = row_max[r];
-            shift[r] = update_row_max(row_max[r], row_mx[r], p.scale_log2, corr[r]);
-            any_exact |= exact_shift_now(shift[r]);
-            row_mx[r] = m_old;
-        }
-        const bool exact_now = __any_sync(0xffffffffu, any_exact);
-        if (exact_now || exact_before) {
-#pragma unroll
-            for (int r = 0; r < ROW_SLOTS; ++r) {
-                if (!needs_exact_shift(row_mx[r], row_max[r], p.scale_log2)) continue;
-                float offset;
-                shift[r] = exact_row_shift(row_mx[r], row_max[r], p.scale_log2, corr[r], offset);
-#pragma unroll
-                for (int i = 0; i < NTILES_N; ++i) {
-                    rS[r / 2][i][2 * (r % 2)] -= offset;
-                    rS[r / 2][i][2 * (r % 2) + 1] -= offset;
-                }
-            }
-        }
-        exact_before = exact_now;
 #pragma unroll
         for (int r = 0; r < ROW_SLOTS; ++r) {
             const int mt = r / 2, h = r % 2;
+            const float shift = update_row_max(row_max[r], row_mx[r], p.scale_log2, corr[r]);
             float sum = 0.0f;
 #pragma unroll
             for (int i = 0; i < NTILES_N; ++i) {
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                    rS[mt][i][e] = exp2_approx(score_exponent(rS[mt][i][e], p.scale_log2, shift[r]));
+                    rS[mt][i][e] = exp2_approx(score_exponent(rS[mt][i][e], p.scale_log2, shift));
                     sum += rS[mt][i][e];
                 }
             }
@@ -410,18 +316,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
                 }
         }
 
-        if (v_nonfinite) {
-            // Rows that mask a key must not see its V: the exact path, with the rows' bounds.
-            int row_lo[ROW_SLOTS], row_hi[ROW_SLOTS];
-#pragma unroll
-            for (int r = 0; r < ROW_SLOTS; ++r) {
-                const int i = m0 + warp_row0 + g + 8 * r;
-                row_lo[r] = key_lo(p, s, i);
-                row_hi[r] = key_hi(p, s, i);
-            }
-            pv_masked_exact(rO, rS, sVs, key0, row_lo, row_hi, lane);
-            continue;
-        }
         // O += P·V: the S accumulator layout is the A-fragment layout, P never leaves registers.
 #pragma unroll
         for (int ks = 0; ks < KSTEPS_N; ++ks) {

@@ -16,7 +16,6 @@
 // which `fa4 plan --arch sm90` prints):
 //   warpgroup 0      ROLE_PRODUCER   PRODUCER_REGS   thread 0 issues every TMA load;
 //                                                    warp 1 zeroes V rows past a sequence (VARLEN)
-//                                                    and checks V of blocks rows see in part (HAS_WINDOW)
 //   warpgroup 1 + c  ROLE_CONSUMER   CONSUMER_REGS   consumer c: rows [64c, 64c + 64): S, softmax, O
 // Pipelines (`pipeline.cuh`; each barrier array is named after the edge it carries, in this
 // table and in the code; phase bits flip on every completion):
@@ -25,11 +24,10 @@
 //             release_q[t]    consumers → producer    one per consumer warp
 //   pipe_k    load_k[s]       producer → consumers    1 (expect_tx) + K bytes
 //             release_k[s]    consumers → producer    one per consumer warp
-//   pipe_v    load_v[s]       producer → consumers    1 (expect_tx) + V bytes, or for a block
-//                                                     with foreign rows (VARLEN) or rows that see
-//                                                     it in part (HAS_WINDOW) warp 1's arrival
+//   pipe_v    load_v[s]       producer → consumers    1 (expect_tx) + V bytes, or for a VARLEN
+//                                                     block with foreign rows warp 1's arrival
 //             release_v[s]    consumers → producer    one per consumer warp
-//   (none)    load_v_tail[s]  producer → warp 1       1 (expect_tx) + V bytes (VARLEN, HAS_WINDOW, below)
+//   (none)    load_v_tail[s]  producer → warp 1       1 (expect_tx) + V bytes (VARLEN, below)
 // K and V of a stage are released separately: with the intra-warpgroup overlap a consumer is
 // done with K of block n one step before V of block n.
 //
@@ -40,13 +38,6 @@
 // 0 · inf or NaN is NaN. So such a V block is loaded onto load_v_tail[s]; warp 1 of the producer
 // warpgroup waits for it there, zeroes the foreign rows and then completes load_v[s] with a plain
 // arrival. Fixed-length batches have a map per batch entry, whose reads past the end are zeros.
-//
-// Non-finite V at masked keys (HAS_WINDOW): in a key block that some rows see only in part
-// (causal diagonal, window edges) P·V multiplies the V row of a key by P = 0 for the rows that
-// mask it, so a NaN or inf there would reach them. Such blocks also go through warp 1, which
-// checks the tile for ±inf/NaN and writes the answer to v_nonfinite[s] before its arrival; the
-// consumers read it after their load_v wait and, when set, compute that block's P·V without the
-// masked keys (masked_pv_exact). Blocks every row sees in full run as before.
 //
 // Shared-memory tiles are TMA boxes with the 128-byte swizzle: a (rows, HEAD_DIM) tile is
 // stored as HEAD_DIM / 64 slabs of (rows, 64), each row 128 bytes, each slab 1024-aligned.
@@ -61,14 +52,6 @@ constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2;    // (BLOCK_N, HEAD_DIM)
 constexpr int NUM_BARRIERS = 2 * Q_STAGES + 5 * STAGES;  // v_tail is allocated whether used or not
 constexpr int TILE_ALIGN = 1024;
 constexpr int SMEM_BYTES = Q_STAGES * Q_BYTES + 2 * STAGES * KV_BYTES + 8 * NUM_BARRIERS + TILE_ALIGN;
-// v_nonfinite's STAGES words follow the barriers, in the alignment slack: the dynamic shared base
-// is 16-byte aligned at least, so at least 16 of TILE_ALIGN's bytes are left after them.
-// Not with INTRA_WG_OVERLAP: there ptxas serializes every wgmma of the kernel when the exact P·V
-// path is present (C7515/C7520, wherever in the loop it was placed), so those variants keep the
-// known limit (README) until the exact path can avoid writing O with ordinary instructions. Nor
-// with fp16 and three consumer warpgroups (160 registers each), where it made ptxas spill 24 bytes.
-constexpr bool CHECK_V = HAS_WINDOW && !INTRA_WG_OVERLAP && (IS_BF16 || CONSUMER_WGS == 2);
-static_assert(4 * STAGES <= 16, "v_nonfinite fits the alignment slack");
 constexpr int S_REGS = BLOCK_N / 2;                 // f32 S accumulator per thread, (64, BLOCK_N) per warpgroup
 constexpr int O_REGS = HEAD_DIM / 2;                // f32 O accumulator per thread, (64, HEAD_DIM)
 constexpr int P_REGS = BLOCK_N / 4;                 // packed 16-bit P pairs per thread
@@ -103,7 +86,6 @@ struct Smem {
     u32 q, k, v;                // tiles: Q_STAGES × (BLOCK_M, HEAD_DIM), STAGES × (BLOCK_N, HEAD_DIM) each
     // The barriers, by edge (the table at the top), in their shared-memory order.
     Barriers load_q, release_q, load_k, load_v, release_k, release_v, load_v_tail;
-    u32 v_nonfinite;  // STAGES words: whether V of stage s holds ±inf/NaN (set for checked blocks)
     __device__ Pipeline<Q_STAGES> pipe_q() const { return {load_q, release_q}; }
     __device__ Pipeline<STAGES> pipe_k() const { return {load_k, release_k}; }
     __device__ Pipeline<STAGES> pipe_v() const { return {load_v, release_v}; }
@@ -111,11 +93,6 @@ struct Smem {
     __device__ u32 k_stage(int s) const { return k + s * KV_BYTES; }
     __device__ u32 v_stage(int s) const { return v + s * KV_BYTES; }
 };
-
-// Whether key block n of tile w is checked for non-finite V (see the top).
-__device__ __forceinline__ bool check_v(const Tile& w, int n) { return CHECK_V && w.kb.rows_differ(n, w.s.k_len); }
-// Whether its V goes through producer warp 1.
-__device__ __forceinline__ bool v_via_warp1(const Tile& w, int n) { return foreign_rows(w.s, n) || check_v(w, n); }
 
 // ---------------------------------------------------------------------------------------------
 // Producer: one thread loads, tile after tile, Q and then K and V of every key block into the
@@ -146,20 +123,19 @@ __device__ __forceinline__ void producer(const Sm90Params& P, const Smem& sm) {
             sm.pipe_k().expect(r, KV_BYTES);
             tma_load_5d(sm.k_stage(r.stage), &P.tk, sm.load_k[r.stage], 0, row, 0, kv_head, w.bi);
             sm.pipe_v().acquire(r);
-            // A block with foreign rows or one to check lands on load_v_tail; warp 1 completes its load_v.
-            const u32 v_bar = (v_via_warp1(w, n) ? sm.load_v_tail : sm.load_v)[r.stage];
+            // A block with foreign rows lands on load_v_tail; warp 1 completes its load_v.
+            const u32 v_bar = (foreign_rows(w.s, n) ? sm.load_v_tail : sm.load_v)[r.stage];
             mbar_expect_tx(v_bar, KV_BYTES);
             tma_load_5d(sm.v_stage(r.stage), &P.tv, v_bar, 0, row, 0, kv_head, w.bi);
         }
     }
 }
 
-// Producer warp 1 (VARLEN or CHECK_V): walks the same tiles and key blocks as the producer; for
-// each block it routes here, waits for its V (v_tail), zeroes the rows of the next sequence
-// (whole 128-byte swizzle rows of every slab, so the swizzle does not matter; the writes are
-// made visible to wgmma, the async proxy), checks the sequence's rows for ±inf/NaN into
-// v_nonfinite[s] when the block is checked, and completes the block's load_v.
-__device__ __forceinline__ void prepare_v_tiles(const Sm90Params& P, const Smem& sm, int lane) {
+// VARLEN, producer warp 1: walks the same tiles and key blocks as the producer; for each block
+// with rows of the next sequence, waits for its V (v_tail), zeroes those rows (whole 128-byte
+// swizzle rows of every slab, so the swizzle does not matter), makes the writes visible to
+// wgmma (the async proxy) and completes the block's load_v.
+__device__ __forceinline__ void zero_foreign_v_rows(const Sm90Params& P, const Smem& sm, int lane) {
     const FwdParams& p = P.p;
     const int total = num_tiles(p);
     int j = 0;
@@ -170,29 +146,17 @@ __device__ __forceinline__ void prepare_v_tiles(const Sm90Params& P, const Smem&
         const Tile w = tile_at(p, t);
         if (w.empty) continue;
         for (int n = w.kb.n_begin; n < w.kb.n_end; ++n, ++j) {
-            if (!v_via_warp1(w, n)) continue;
+            if (!foreign_rows(w.s, n)) continue;
             const KvState r = KvState::at(j);
             mbar_wait(sm.load_v_tail[r.stage], (tail_phase >> r.stage) & 1);
             tail_phase ^= 1u << r.stage;
-            const int valid = min(BLOCK_N, w.s.k_len - n * BLOCK_N);  // ≥ 1: the block holds an allowed key
-            if (foreign_rows(w.s, n)) {
-                const int chunks = (BLOCK_N - valid) * (SLAB_ROW_BYTES / 16);
-                for (int slab = 0; slab < SLABS; ++slab) {
-                    const u32 base = sm.v_stage(r.stage) + slab * (BLOCK_N * SLAB_ROW_BYTES) + valid * SLAB_ROW_BYTES;
-                    for (int c = lane; c < chunks; c += 32) st_shared_zero16(base + 16 * c);
-                }
-                fence_proxy_async();
+            const int valid = w.s.k_len - n * BLOCK_N;  // ≥ 1: the block holds an allowed key
+            const int chunks = (BLOCK_N - valid) * (SLAB_ROW_BYTES / 16);
+            for (int slab = 0; slab < SLABS; ++slab) {
+                const u32 base = sm.v_stage(r.stage) + slab * (BLOCK_N * SLAB_ROW_BYTES) + valid * SLAB_ROW_BYTES;
+                for (int c = lane; c < chunks; c += 32) st_shared_zero16(base + 16 * c);
             }
-            if (check_v(w, n)) {
-                u32 bits = 0;
-                const int chunks = valid * (SLAB_ROW_BYTES / 16);  // the sequence's rows of a slab
-                for (int slab = 0; slab < SLABS; ++slab) {
-                    const u32 base = sm.v_stage(r.stage) + slab * (BLOCK_N * SLAB_ROW_BYTES);
-                    for (int c = lane; c < chunks; c += 32) bits |= ld_shared_nonfinite16(base + 16 * c);
-                }
-                const bool bad = __any_sync(0xffffffffu, (bits & NONFINITE_BITS) != 0);
-                if (lane == 0) st_shared_u32(sm.v_nonfinite + 4 * r.stage, bad ? 1u : 0u);
-            }
+            fence_proxy_async();
             __syncwarp();
             if (lane == 0) mbar_arrive(sm.load_v[r.stage]);
         }
@@ -211,9 +175,8 @@ __device__ __forceinline__ void prepare_v_tiles(const Sm90Params& P, const Smem&
 
 // The consumer's running state: O, and each of its two rows' max and partial sum.
 struct RowState {
-    float max[2];       // raw scores (before scale_log2)
-    float sum[2];       // this thread's columns only
-    bool exact_before;  // some row of the warp took the exact shift on the last block
+    float max[2];  // raw scores (before scale_log2)
+    float sum[2];  // this thread's columns only
 };
 
 // The prelude's named barriers BAR_CONSUMER0_TURN and BAR_CONSUMER1_TURN (BAR_SYNC_ALL is
@@ -288,41 +251,19 @@ __device__ __forceinline__ void softmax_block(const FwdParams& p, const Seq& s, 
             if (j < lo[h] || j >= hi[h]) rS[i] = NEG_INF;
         }
     }
-    // The 4 lanes of a quad share a row. The fast shift, and whether some row of the warp needs
-    // the exact one (huge scores, `common/softmax.cuh`): that rare path only adjusts the scores
-    // and the shift, outside the exponent loop.
-    float shift[2], m_old[2];
-    bool any_exact = false;
+    // The 4 lanes of a quad share a row.
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         float mx = st.max[h];
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i)
             if (acc_slot(i) == h) mx = fmaxf(mx, rS[i]);
-        m_old[h] = st.max[h];
-        shift[h] = update_row_max(st.max[h], quad_max(mx), p.scale_log2, corr[h]);
-        any_exact |= exact_shift_now(shift[h]);
-    }
-    const bool exact_now = __any_sync(0xffffffffu, any_exact);
-    if (exact_now || st.exact_before) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            if (!needs_exact_shift(m_old[h], st.max[h], p.scale_log2)) continue;
-            float offset;
-            shift[h] = exact_row_shift(m_old[h], st.max[h], p.scale_log2, corr[h], offset);
-#pragma unroll
-            for (int i = 0; i < S_REGS; ++i)
-                if (acc_slot(i) == h) rS[i] -= offset;
-        }
-    }
-    st.exact_before = exact_now;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
+        const float shift = update_row_max(st.max[h], quad_max(mx), p.scale_log2, corr[h]);
         float sum = 0.0f;
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i)
             if (acc_slot(i) == h) {
-                rS[i] = exp2_mixed(i, score_exponent(rS[i], p.scale_log2, shift[h]));
+                rS[i] = exp2_mixed(i, score_exponent(rS[i], p.scale_log2, shift));
                 sum += rS[i];
             }
         st.sum[h] = st.sum[h] * corr[h] + sum;
@@ -333,71 +274,6 @@ __device__ __forceinline__ void softmax_block(const FwdParams& p, const Seq& s, 
 __device__ __forceinline__ void pack_p(const float (&rS)[S_REGS], u32 (&rP)[P_REGS]) {
 #pragma unroll
     for (int j = 0; j < P_REGS; ++j) rP[j] = pack2(rS[2 * j], rS[2 * j + 1]);
-}
-
-// O += P·V of one key block one product at a time, leaving out the keys each row masks: the
-// path of a checked block whose V holds ±inf or NaN (see the top). Rare, so written for size (a
-// runtime key loop; P goes through a local copy so that the loop can index it), not speed. The
-// thread's row slot h is query row lo[h]/hi[h]'s; P at key jj of the block is half jj & 1 of
-// rP[2(jj / 8) + h] in lane 4(lane / 4) + (jj % 8) / 2 (the accumulator layout above). V is the
-// TMA tile: slab col / 64, row jj at 128 bytes, 16-byte chunk (col % 64) / 8 XOR (jj % 8).
-__device__ __forceinline__ void pv_masked_exact(float (&rO)[O_REGS], const u32 (&rP)[P_REGS], u32 v_base, int key0,
-                                                const int (&lo)[2], const int (&hi)[2], int lane) {
-    u32 pl[P_REGS];
-#pragma unroll
-    for (int i = 0; i < P_REGS; ++i) pl[i] = rP[i];
-#pragma unroll 1
-    for (int jj = 0; jj < BLOCK_N; ++jj) {
-        const int j = key0 + jj;
-        float pr[2];
-        bool ok[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const u32 pair = __shfl_sync(0xffffffffu, pl[2 * (jj / 8) + h], 4 * (lane / 4) + (jj % 8) / 2);
-            pr[h] = jj & 1 ? half_hi(pair) : half_lo(pair);
-            ok[h] = j >= lo[h] && j < hi[h];
-        }
-        const u32 row = v_base + jj * SLAB_ROW_BYTES;
-#pragma unroll
-        for (int q = 0; q < HEAD_DIM / 8; ++q) {
-            const u32 chunk = static_cast<u32>(((q % 8) ^ (jj % 8)) * 16);
-            const u32 x = ld_shared_u32(row + (q / 8) * (BLOCK_N * SLAB_ROW_BYTES) + chunk + 4 * (lane % 4));
-            const float v0 = half_lo(x), v1 = half_hi(x);
-#pragma unroll
-            for (int h = 0; h < 2; ++h)
-                if (ok[h]) {
-                    rO[4 * q + 2 * h] += pr[h] * v0;
-                    rO[4 * q + 2 * h + 1] += pr[h] * v1;
-                }
-        }
-    }
-}
-
-// Whether key block n's P·V takes the exact path: a checked block whose V, in stage `stage`,
-// holds ±inf or NaN (after the stage's load_v wait). Then `masked_pv_exact` updates O where no
-// wgmma is in flight, and in the P·V's place `pv_or_empty` commits an empty group, so that the
-// caller's group counts hold either way. (O changed by ordinary instructions while any wgmma is
-// in flight, or inside a fence … commit stage, makes ptxas serialize every wgmma of the kernel:
-// measured with the exact path beside rescale_o.)
-__device__ __forceinline__ bool pv_exact(const Smem& sm, const Tile& w, int n, int stage) {
-    // A vote, so that ptxas sees a warp-uniform branch around the wgmma.
-    return check_v(w, n) && __any_sync(0xffffffffu, ld_shared_u32(sm.v_nonfinite + 4 * stage) != 0);
-}
-__device__ __forceinline__ void masked_pv_exact(const FwdParams& p, const Smem& sm, const Tile& w, float (&rO)[O_REGS],
-                                                const u32 (&rP)[P_REGS], int n, int stage, int row0, int lane) {
-    int lo[2], hi[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        lo[h] = key_lo(p, w.s, row0 + 8 * h);
-        hi[h] = key_hi(p, w.s, row0 + 8 * h);
-    }
-    pv_masked_exact(rO, rP, sm.v_stage(stage), n * BLOCK_N, lo, hi, lane);
-}
-__device__ __forceinline__ void pv_or_empty(bool exact, float (&rO)[O_REGS], const u32 (&rP)[P_REGS], u32 v_base) {
-    if (exact)
-        wgmma_commit();
-    else
-        issue_pv(rO, rP, v_base);
 }
 
 __device__ __forceinline__ void rescale_o(float (&rO)[O_REGS], const float (&corr)[2]) {
@@ -434,7 +310,7 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
 
     float rO[O_REGS];  // (64, HEAD_DIM) per warpgroup
     zero(rO, O_REGS);
-    RowState st = {{NEG_INF, NEG_INF}, {0.0f, 0.0f}, false};
+    RowState st = {{NEG_INF, NEG_INF}, {0.0f, 0.0f}};
     float rS[S_REGS];  // (64, BLOCK_N) per warpgroup
     u32 rP[P_REGS];
     float corr[2] = {1.0f, 1.0f};
@@ -459,9 +335,8 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
             wgmma_fence();
             issue_qk(rS, q_base, sm.k_stage(r.stage));  // block n's S …
             rescale_o(rO, corr);                        // (block n - 1's correction, while Q·Kᵀ runs)
-            const bool exact = pv_exact(sm, w, n - 1, prev.stage);
             wgmma_fence();
-            pv_or_empty(exact, rO, rP, sm.v_stage(prev.stage));  // … and block n - 1's P·V, in flight together
+            issue_pv(rO, rP, sm.v_stage(prev.stage));   // … and block n - 1's P·V, in flight together
             sched_pass(c);
             wgmma_wait<1>();  // S is in
             sm.pipe_k().release(r, lane);
@@ -473,9 +348,6 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
                 sm.pipe_k().wait(KvState::at(j + n + 1 - n_begin));
             }
             wgmma_wait<0>();  // P·V of block n - 1 is in: its V is free, O and P may change
-            // (The exact P·V of block n - 1 runs here, with no wgmma in flight: O changed by
-            // ordinary instructions while this iteration's Q·Kᵀ runs makes ptxas serialize.)
-            if (exact) masked_pv_exact(p, sm, w, rO, rP, n - 1, prev.stage, row0, lane);
             sm.pipe_v().release(prev, lane);
             pack_p(rS, rP);
         }
@@ -484,10 +356,8 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
             const KvState last = KvState::at(j + n_end - 1 - n_begin);
             sm.pipe_v().wait(last);
             rescale_o(rO, corr);
-            const bool exact = pv_exact(sm, w, n_end - 1, last.stage);
-            if (exact) masked_pv_exact(p, sm, w, rO, rP, n_end - 1, last.stage, row0, lane);
             wgmma_fence();
-            pv_or_empty(exact, rO, rP, sm.v_stage(last.stage));
+            issue_pv(rO, rP, sm.v_stage(last.stage));
             wgmma_wait<0>();
             sm.pipe_v().release(last, lane);
         }
@@ -499,11 +369,9 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
             rescale_o(rO, corr);
             pack_p(rS, rP);
             sm.pipe_v().wait(r);
-            const bool exact = pv_exact(sm, w, n, r.stage);
-            if (exact) masked_pv_exact(p, sm, w, rO, rP, n, r.stage, row0, lane);
             sched_wait(c);
             wgmma_fence();
-            pv_or_empty(exact, rO, rP, sm.v_stage(r.stage));
+            issue_pv(rO, rP, sm.v_stage(r.stage));
             sched_pass(c);
             wgmma_wait<0>();
             sm.pipe_v().release(r, lane);
@@ -569,7 +437,6 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_fwd_sm90(const 
     sm.release_k.base = sm.load_v[STAGES];
     sm.release_v.base = sm.release_k[STAGES];
     sm.load_v_tail.base = sm.release_v[STAGES];
-    sm.v_nonfinite = sm.load_v_tail[STAGES];
 
     if (threadIdx.x == 0) {
         constexpr u32 consumer_warps = 4 * CONSUMER_WGS;  // one release arrival per consumer warp
@@ -582,7 +449,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_fwd_sm90(const 
             mbar_init(sm.load_v[s], 1);
             mbar_init(sm.release_k[s], consumer_warps);
             mbar_init(sm.release_v[s], consumer_warps);
-            if constexpr (VARLEN || CHECK_V) mbar_init(sm.load_v_tail[s], 1);
+            if constexpr (VARLEN) mbar_init(sm.load_v_tail[s], 1);
         }
         fence_mbarrier_init();
         fence_proxy_async();
@@ -594,8 +461,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_fwd_sm90(const 
     case ROLE_PRODUCER:
         setmaxnreg_dec<PRODUCER_REGS>();
         if (threadIdx.x == 0) producer(P, sm);
-        if constexpr (VARLEN || CHECK_V) {
-            if (warp == 1) prepare_v_tiles(P, sm, threadIdx.x % 32);
+        if constexpr (VARLEN) {
+            if (warp == 1) zero_foreign_v_rows(P, sm, threadIdx.x % 32);
         }
         break;
     case ROLE_CONSUMER:

@@ -4,7 +4,8 @@
 // Self-contained (no CUDA headers). The planner (`config::decode_gpu`) prepends a prelude
 // defining HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, M_TILES, STAGES, IS_BF16, HAS_WINDOW,
 // HAS_SOFTCAP, LAZY_RESCALE and FA4_SMEM_BYTES; then come the shared layer
-// (`../common/{base,params,mask,softmax}.cuh`), `../sm80/ptx.cuh`, `params.cuh`, this file.
+// (`../common/{base,params,mask,softmax}.cuh`), `../sm80/{ptx,tile_ops}.cuh`, `ptx.cuh`,
+// `params.cuh`, this file.
 //
 // Work split: one CTA per (sequence · KV head, tile of BLOCK_M packed rows, split). GQA packing:
 // packed row r of a (sequence, KV head) is query row r / group of query head
@@ -14,6 +15,11 @@
 // keys of each block, with its own online softmax; the warps' states are merged at the end
 // through shared memory. Keys are gathered from their pages row by row (any page size; a block
 // may span pages) with cp.async into a STAGES-deep ring.
+//
+// Non-finite V: a masked key's P is 0, but the MMA computes 0·NaN = NaN, which would leak a NaN
+// (or ∞) in V into rows that mask the key. Blocks that mask some key (the edges) check the
+// warp's V rows; if one holds a non-finite value, that block's P·V runs as scalar FMAs that skip
+// P = 0 (the spec's rule: rows that mask key j never see v_j).
 //
 // The CTA's split of the keys is whole key blocks: with one split it writes O (16-bit) and LSE;
 // with more it writes its normalised partial O (f32) and LSE to the workspace, and
@@ -26,7 +32,6 @@ constexpr int CHUNK_ELEMS = 8;                    // one 16-byte cp.async / ldma
 constexpr int CHUNKS = HEAD_DIM / CHUNK_ELEMS;    // 16-byte chunks per tile row
 constexpr int KSTEPS_D = HEAD_DIM / 16;           // k16 steps over the head dim (Q·Kᵀ)
 constexpr int NTILES_W = KEYS_W / 8;              // n8 tiles of a warp's S
-constexpr int KSTEPS_W = KEYS_W / 16;             // k16 steps over a warp's keys (P·V)
 constexpr int NTILES_D = HEAD_DIM / 8;            // n8 tiles of O
 constexpr int ROW_STEP = NUM_THREADS / CHUNKS;    // rows one pass of the threads' copies covers
 constexpr u32 SIGN_BITS = 0x80008000u;            // the sign bits of a packed 16-bit pair
@@ -92,6 +97,47 @@ __device__ __forceinline__ void load_kv_block(const DecodeParams& d, const int* 
         cp_async_16(sK + swizzle(r, c), gK + k_off, ok ? 16 : 0);
         cp_async_16(sV + swizzle(r, c), gV + v_off, ok ? 16 : 0);
     }
+}
+
+// Whether any value of the warp's KEYS_W rows of a V tile is an infinity or NaN (warp-uniform).
+__device__ __forceinline__ bool warp_v_nonfinite(u32 sVs, int wk0, int lane) {
+    bool bad = false;
+#pragma unroll
+    for (int i = 0; i < KEYS_W * CHUNKS / 32; ++i) {
+        const int idx = lane + 32 * i;
+        u32 x[4];
+        ld_shared_v4(x, sVs + swizzle(wk0 + idx / CHUNKS, idx % CHUNKS));
+        bad |= nonfinite_pair(x[0]) || nonfinite_pair(x[1]) || nonfinite_pair(x[2]) || nonfinite_pair(x[3]);
+    }
+    return __any_sync(0xffffffffu, bad);
+}
+
+// O += P·V over the warp's keys as scalar FMAs that skip P = 0, for a block whose V holds a
+// non-finite value (see the header). P of (row slot (mt, h), key 8i + 2tt + e) sits in lane
+// 4g + tt's rS[mt][i][2h + e]; this lane owns O's columns 8j + 2t + {0, 1}.
+__device__ __forceinline__ void pv_skip_zero(float (&rO)[M_TILES][NTILES_D][4], const float (&rS)[M_TILES][NTILES_W][4],
+                                             u32 sVs, int wk0, int g, int t) {
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int i = 0; i < NTILES_W; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+#pragma unroll
+                for (int tt = 0; tt < 4; ++tt) {
+                    const float pv = __shfl_sync(0xffffffffu, rS[mt][i][e], 4 * g + tt);
+                    if (pv == 0.0f) continue;
+                    const int key = wk0 + 8 * i + 2 * tt + (e & 1);
+#pragma unroll
+                    for (int j = 0; j < NTILES_D; ++j)
+#pragma unroll
+                        for (int c2 = 0; c2 < 2; ++c2) {
+                            const int col = 8 * j + 2 * t + c2;
+                            const float v = ld_shared_16_f32(sVs + swizzle(key, col / CHUNK_ELEMS) +
+                                                             2 * (col % CHUNK_ELEMS));
+                            rO[mt][j][2 * (e / 2) + c2] = fmaf(pv, v, rO[mt][j][2 * (e / 2) + c2]);
+                        }
+                }
 }
 
 // The tile's packed rows into sQ (rows past `valid` zero), negated for a negative scale.
@@ -220,7 +266,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_splitkv(
         }
 
         // Mask: only blocks that cross some row's key bounds (or the end of the keys).
-        if (kb.masked(n)) {
+        const bool masked = kb.masked(n);
+        if (masked) {
             const int key0 = n * BLOCK_N + wk0;
 #pragma unroll
             for (int r = 0; r < ROW_SLOTS; ++r) {
@@ -256,36 +303,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_splitkv(
                 }
             row_sum[r] = row_sum[r] * corr[r] + sum;
         }
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-            for (int i = 0; i < NTILES_D; ++i) {
-                rO[mt][i][0] *= corr[2 * mt];
-                rO[mt][i][1] *= corr[2 * mt];
-                rO[mt][i][2] *= corr[2 * mt + 1];
-                rO[mt][i][3] *= corr[2 * mt + 1];
-            }
+        rescale_o(rO, corr);
 
-        // O += P·V over this warp's keys: S's accumulator layout is P's A-fragment layout.
+        // O += P·V over this warp's keys.
+        if (masked && warp_v_nonfinite(sVs, wk0, lane)) {
+            pv_skip_zero(rO, rS, sVs, wk0, g, t);
+        } else {
 #pragma unroll
-        for (int ks = 0; ks < KSTEPS_W; ++ks) {
-            u32 pa[M_TILES][4];
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) {
-                pa[mt][0] = pack2(rS[mt][2 * ks][0], rS[mt][2 * ks][1]);
-                pa[mt][1] = pack2(rS[mt][2 * ks][2], rS[mt][2 * ks][3]);
-                pa[mt][2] = pack2(rS[mt][2 * ks + 1][0], rS[mt][2 * ks + 1][1]);
-                pa[mt][3] = pack2(rS[mt][2 * ks + 1][2], rS[mt][2 * ks + 1][3]);
-            }
-#pragma unroll
-            for (int dp = 0; dp < NTILES_D / 2; ++dp) {
-                u32 vb[4];
-                ldmatrix_x4_trans(vb, sVs + swizzle(wk0 + 16 * ks + a_row, 2 * dp + a_chunk));
-#pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt) {
-                    mma_16816(rO[mt][2 * dp], pa[mt], vb[0], vb[1]);
-                    mma_16816(rO[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
-                }
+            for (int ks = 0; ks < KEYS_W / 16; ++ks) {
+                u32 pa[M_TILES][4];
+                pack_p(pa, rS, ks);
+                pv_k16(rO, pa, [&](int dp) { return sVs + swizzle(wk0 + 16 * ks + a_row, 2 * dp + a_chunk); });
             }
         }
     }

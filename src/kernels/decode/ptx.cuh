@@ -11,6 +11,15 @@ __device__ __forceinline__ void st_global_f32x4(float* dst, float a, float b, fl
     asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d));
 }
 
+__device__ __forceinline__ void st_shared_f32(u32 addr, float x) {
+    asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(addr), "f"(x));
+}
+__device__ __forceinline__ float ld_shared_f32(u32 addr) {
+    float x;
+    asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(x) : "r"(addr));
+    return x;
+}
+
 // One 16-bit element of shared memory as f32 (the scalar P·V of blocks with non-finite V).
 __device__ __forceinline__ float ld_shared_16_f32(u32 addr) {
     unsigned short h;

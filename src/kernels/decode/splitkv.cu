@@ -113,31 +113,47 @@ __device__ __forceinline__ bool warp_v_nonfinite(u32 sVs, int wk0, int lane) {
 }
 
 // O += P·V over the warp's keys as scalar FMAs that skip P = 0, for a block whose V holds a
-// non-finite value (see the header). P of (row slot (mt, h), key 8i + 2tt + e) sits in lane
-// 4g + tt's rS[mt][i][2h + e]; this lane owns O's columns 8j + 2t + {0, 1}.
+// non-finite value (see the header). P goes through shared memory, into this warp's own K rows
+// of the stage: the warp has read them for S, no other warp reads them, and the stage is
+// refilled only after the next __syncthreads. Each O element this lane owns takes its sum over
+// the keys in a rolled loop, so the branch adds a few live registers: unrolled over the keys
+// with shuffles, it made ptxas spill 0.4–1.6 KB per thread in every variant, slowing the hot
+// loop too; with all of a key's FMAs at once, d256 spilled 0.7 KB.
 __device__ __forceinline__ void pv_skip_zero(float (&rO)[M_TILES][NTILES_D][4], const float (&rS)[M_TILES][NTILES_W][4],
-                                             u32 sVs, int wk0, int g, int t) {
+                                             u32 sKs, u32 sVs, int wk0, int g, int t) {
+    static_assert(BLOCK_M * KEYS_W * 4 <= KEYS_W * HEAD_DIM * 2, "P (BLOCK_M, KEYS_W) f32 fits in the warp's K rows");
+    const u32 sP = sKs + static_cast<u32>(wk0 * CHUNKS * 16);  // (BLOCK_M, KEYS_W) f32, row-major
+    __syncwarp();  // every lane's ldmatrix of these K rows is done
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
         for (int i = 0; i < NTILES_W; ++i)
 #pragma unroll
-            for (int e = 0; e < 4; ++e)
+            for (int e = 0; e < 4; ++e) {
+                const int row = 16 * mt + g + 8 * (e / 2), key = 8 * i + 2 * t + (e & 1);
+                st_shared_f32(sP + static_cast<u32>((row * KEYS_W + key) * 4), rS[mt][i][e]);
+            }
+    __syncwarp();
 #pragma unroll
-                for (int tt = 0; tt < 4; ++tt) {
-                    const float pv = __shfl_sync(0xffffffffu, rS[mt][i][e], 4 * g + tt);
-                    if (pv == 0.0f) continue;
-                    const int key = wk0 + 8 * i + 2 * tt + (e & 1);
+    for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
-                    for (int j = 0; j < NTILES_D; ++j)
+        for (int h = 0; h < 2; ++h) {
+            const u32 sProw = sP + static_cast<u32>((16 * mt + g + 8 * h) * KEYS_W * 4);
 #pragma unroll
-                        for (int c2 = 0; c2 < 2; ++c2) {
-                            const int col = 8 * j + 2 * t + c2;
-                            const float v = ld_shared_16_f32(sVs + swizzle(key, col / CHUNK_ELEMS) +
-                                                             2 * (col % CHUNK_ELEMS));
-                            rO[mt][j][2 * (e / 2) + c2] = fmaf(pv, v, rO[mt][j][2 * (e / 2) + c2]);
-                        }
+            for (int j = 0; j < NTILES_D; ++j)
+#pragma unroll
+                for (int c2 = 0; c2 < 2; ++c2) {
+                    float acc = 0.0f;
+#pragma unroll 1
+                    for (int k = 0; k < KEYS_W; ++k) {
+                        const float pv = ld_shared_f32(sProw + static_cast<u32>(k * 4));
+                        if (pv != 0.0f)
+                            acc = fmaf(pv, ld_shared_16_f32(sVs + swizzle(wk0 + k, j) + 2 * (2 * t + c2)), acc);
+                    }
+                    rO[mt][j][2 * h + c2] += acc;
                 }
+        }
+    __syncwarp();
 }
 
 // The tile's packed rows into sQ (rows past `valid` zero), negated for a negative scale.
@@ -307,7 +323,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_splitkv(
 
         // O += P·V over this warp's keys.
         if (masked && warp_v_nonfinite(sVs, wk0, lane)) {
-            pv_skip_zero(rO, rS, sVs, wk0, g, t);
+            pv_skip_zero(rO, rS, sKs, sVs, wk0, g, t);
         } else {
 #pragma unroll
             for (int ks = 0; ks < KEYS_W / 16; ++ks) {

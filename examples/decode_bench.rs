@@ -1,12 +1,23 @@
 //! Times the GPU decode kernels on the decode grid (bf16, 32 query / 8 KV heads, d128):
-//! one event pair around 10 back-to-back calls, the median of 9 rounds, the caches rotated over
-//! enough copies that the calls of a round read more than 400 MB (the H200's L2 is 50 MB).
-//! Prints one line per case: page size, seqlen_q, batch, keys, splits, µs per call, TB/s of K+V
-//! read, and the rounds' spread. Usage: `decode_bench [ROUNDS]`. The caches hold zeros (the
-//! kernels' memory traffic does not depend on the values); `bench/decode_peers.py` times cuDNN
-//! the same way on contiguous caches.
+//! one event pair around 10 back-to-back calls per round, the caches rotated over enough copies
+//! that the calls of a round read more than 400 MB (the H200's L2 is 50 MB), the caches filled
+//! with random values (a 32 MiB random block repeated), page tables shuffled.
+//!
+//! - `decode_bench [ROUNDS]`: the grid at pages 16, 64, 256, speculative decode (seqlen_q 4,
+//!   causal) and page 1, the planner's plan, the median of ROUNDS (9) rounds. One line per case:
+//!   page size, seqlen_q, batch, keys, splits, µs per call, TB/s of K+V read, host µs per call
+//!   and the rounds' spread.
+//! - `decode_bench --serve`: one round per stdin line `PAGE SQ BATCH KEYS SPLITS FILL` (SPLITS
+//!   0 = the planner's; FILL `random`, or `zeros` for caches and queries of zeros), answered
+//!   with one line `SPLITS US_PER_CALL`. `bench/decode_peers.py` drives it so that fa4's rounds alternate with
+//!   cuDNN's round by round; the last case's buffers stay allocated between requests.
+//! - `decode_bench --precompile`: fills the kernel cache for an H200, no GPU needed.
+
+use std::io::{BufRead, Write};
 
 use cudarc::driver::sys::CUevent_flags;
+use cudarc::driver::CudaSlice;
+use fa4::cuda::decode::PagedTables;
 use fa4::cuda::CudaBackend;
 use fa4::paged::{PagedCache, PagedProblem};
 use fa4::tensor::Layout;
@@ -15,14 +26,234 @@ use half::bf16;
 
 const CALLS: usize = 10;
 const ROTATE_BYTES: f64 = 4e8;
+const HQ: usize = 32;
+const HKV: usize = 8;
+const D: usize = 128;
+/// Elements of the random block the caches repeat.
+const RANDOM_ELEMS: usize = 16 << 20;
+
+/// One decode case's problem and device buffers.
+struct Case {
+    key: (usize, usize, usize, usize, bool),
+    p: PagedProblem,
+    tables: PagedTables,
+    ks: Vec<CudaSlice<bf16>>,
+    vs: Vec<CudaSlice<bf16>>,
+    q: CudaSlice<bf16>,
+    o: CudaSlice<bf16>,
+    lse: CudaSlice<f32>,
+    bytes: f64,
+    i: usize,
+}
+
+/// A block of pseudo-random bf16 values in [−2, 2) (xorshift; the values only need to be
+/// non-zero, varied and finite).
+fn random_block(cuda: &CudaBackend) -> fa4::Result<CudaSlice<bf16>> {
+    let mut s = 0x2545_f491_4f6c_dd1du64;
+    let host: Vec<bf16> = (0..RANDOM_ELEMS)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            bf16::from_f32(((s >> 40) as f32 / (1u64 << 24) as f32) * 4.0 - 2.0)
+        })
+        .collect();
+    cuda.upload(&host)
+}
+
+/// A device buffer of `n` elements filled from the random block (repeated), or zeros.
+fn random_buffer(
+    cuda: &CudaBackend,
+    block: &CudaSlice<bf16>,
+    n: usize,
+    zeros: bool,
+) -> Result<CudaSlice<bf16>, Box<dyn std::error::Error>> {
+    let mut b = cuda.alloc::<bf16>(n)?;
+    if zeros {
+        cuda.stream().memset_zeros(&mut b)?;
+        return Ok(b);
+    }
+    let mut at = 0;
+    while at < n {
+        let len = RANDOM_ELEMS.min(n - at);
+        cuda.stream()
+            .memcpy_dtod(&block.slice(..len), &mut b.slice_mut(at..at + len))?;
+        at += len;
+    }
+    Ok(b)
+}
+
+impl Case {
+    fn new(
+        cuda: &CudaBackend,
+        block: &CudaSlice<bf16>,
+        (page, sq, batch, keys, zeros): (usize, usize, usize, usize, bool),
+    ) -> Result<Case, Box<dyn std::error::Error>> {
+        let per_seq = keys.div_ceil(page);
+        let num_pages = batch * per_seq;
+        // A shuffled pool: page i of sequence b is a pseudo-random permutation's entry.
+        let mut table: Vec<i32> = (0..num_pages as i32).collect();
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        for i in (1..table.len()).rev() {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            table.swap(i, (state >> 33) as usize % (i + 1));
+        }
+        let kl = Layout::new("k_cache", &[num_pages, page, HKV, D], None)?;
+        let seqlens = vec![keys as i32; batch];
+        let cache = PagedCache::new(&kl, &kl, &table, per_seq, &seqlens)?;
+        let ql = Layout::new("q", &[batch, sq, HQ, D], None)?;
+        let opts = if sq > 1 {
+            Options::new().causal()
+        } else {
+            Options::new()
+        };
+        let p = PagedProblem::new(DType::Bf16, &ql, &ql, &cache, None, &opts)?;
+        let bytes = cache.kv_bytes(2);
+        let copies = ((ROTATE_BYTES / bytes).ceil() as usize).max(2);
+        let elems = num_pages * page * HKV * D;
+        let mut ks = Vec::new();
+        let mut vs = Vec::new();
+        for _ in 0..copies {
+            ks.push(random_buffer(cuda, block, elems, zeros)?);
+            vs.push(random_buffer(cuda, block, elems, zeros)?);
+        }
+        let q = random_buffer(cuda, block, batch * sq * HQ * D, zeros)?;
+        Ok(Case {
+            key: (page, sq, batch, keys, zeros),
+            tables: cuda.paged_tables(&p)?,
+            o: cuda.alloc::<bf16>(batch * sq * HQ * D)?,
+            lse: cuda.alloc::<f32>(p.lse_len())?,
+            p,
+            ks,
+            vs,
+            q,
+            bytes,
+            i: 0,
+        })
+    }
+
+    /// One call on the next cache copy; returns the split count run.
+    fn call(&mut self, cuda: &CudaBackend, splits: Option<usize>) -> fa4::Result<usize> {
+        self.i += 1;
+        let c = self.i % self.ks.len();
+        Ok(cuda
+            .forward_paged_device(
+                &self.p,
+                &mut self.tables,
+                &self.q,
+                &self.ks[c],
+                &self.vs[c],
+                &mut self.o,
+                Some(&mut self.lse),
+                splits,
+            )?
+            .num_splits)
+    }
+
+    /// One round: an event pair around CALLS calls; (splits, µs per call, host µs per call).
+    fn round(
+        &mut self,
+        cuda: &CudaBackend,
+        splits: Option<usize>,
+    ) -> Result<(usize, f64, f64), Box<dyn std::error::Error>> {
+        let ctx = cuda.context();
+        let ev = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
+        let (a, b) = (ev()?, ev()?);
+        a.record(cuda.stream())?;
+        let t0 = std::time::Instant::now();
+        let mut s = 0;
+        for _ in 0..CALLS {
+            s = self.call(cuda, splits)?;
+        }
+        let host = t0.elapsed().as_secs_f64() * 1e6 / CALLS as f64;
+        b.record(cuda.stream())?;
+        cuda.synchronize()?;
+        Ok((s, f64::from(a.elapsed_ms(&b)?) * 1e3 / CALLS as f64, host))
+    }
+}
+
+fn serve(cuda: &CudaBackend, block: &CudaSlice<bf16>) -> Result<(), Box<dyn std::error::Error>> {
+    let mut case: Option<Case> = None;
+    let stdout = std::io::stdout();
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let w: Vec<&str> = line.split_whitespace().collect();
+        if w.len() != 6 {
+            return Err(format!("expected PAGE SQ BATCH KEYS SPLITS FILL, got `{line}`").into());
+        }
+        let n = |i: usize| {
+            w[i].parse::<usize>()
+                .map_err(|e| format!("`{}`: {e}", w[i]))
+        };
+        let zeros = match w[5] {
+            "random" => false,
+            "zeros" => true,
+            other => return Err(format!("FILL is random or zeros, got `{other}`").into()),
+        };
+        let key = (n(0)?, n(1)?, n(2)?, n(3)?, zeros);
+        let splits = Some(n(4)?).filter(|&s| s > 0);
+        if case.as_ref().is_none_or(|c| c.key != key) {
+            drop(case.take()); // free the last case's buffers first
+            let mut c = Case::new(cuda, block, key)?;
+            c.call(cuda, splits)?;
+            cuda.synchronize()?;
+            case = Some(c);
+        }
+        let c = case.as_mut().expect("set above");
+        // An untimed call first: the switch from the driver's GPU context lands on it.
+        c.call(cuda, splits)?;
+        let (s, us, _) = c.round(cuda, splits)?;
+        let mut out = stdout.lock();
+        writeln!(out, "{s} {us:.2}")?;
+        out.flush()?;
+    }
+    Ok(())
+}
+
+/// `--precompile`: fills the kernel cache ($FA4_CACHE_DIR) for an H200 without a GPU, so that a
+/// device run spends no time in NVRTC: every split-kernel variant the planner emits for sm_90a,
+/// the combines and the append.
+fn precompile() -> Result<(), Box<dyn std::error::Error>> {
+    use fa4::config::decode_gpu::{all_specs, AppendSpec, CombineSpec, HEAD_DIMS};
+    use fa4::cuda::compile::compile;
+    let smem = fa4::arch::H200.max_smem_per_block() as usize;
+    let specs = all_specs("sm_90a", smem);
+    for s in &specs {
+        let c = compile(s)?;
+        println!(
+            "{s}: {:.1} s{}",
+            c.seconds,
+            if c.cached { " (cached)" } else { "" }
+        );
+    }
+    for bf16 in [false, true] {
+        for head_dim in HEAD_DIMS {
+            compile(&CombineSpec {
+                target: "sm_90a",
+                bf16,
+                head_dim,
+            })?;
+        }
+    }
+    compile(&AppendSpec { target: "sm_90a" })?;
+    Ok(())
+}
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::args().nth(1).as_deref() == Some("--precompile") {
+        return precompile();
+    }
+    let cuda = CudaBackend::new(0)?;
+    let block = random_block(&cuda)?;
+    if std::env::args().nth(1).as_deref() == Some("--serve") {
+        return serve(&cuda, &block);
+    }
     let rounds: usize = std::env::args()
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(9);
-    let cuda = CudaBackend::new(0)?;
-    let (hq, hkv, d) = (32usize, 8usize, 128usize);
     let shapes = [
         (1usize, 32768usize),
         (8, 8192),
@@ -33,81 +264,26 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("page | sq | batch | keys | splits | us/call | TB/s | host us/call | spread");
     for (page, sq) in [(16usize, 1usize), (64, 1), (256, 1), (16, 4), (1, 1)] {
         for &(batch, keys) in &shapes {
-            let per_seq = keys.div_ceil(page);
-            let num_pages = batch * per_seq;
-            // A shuffled pool: page i of sequence b is a pseudo-random permutation's entry.
-            let mut table: Vec<i32> = (0..num_pages as i32).collect();
-            let mut state = 0x9e37_79b9_7f4a_7c15u64;
-            for i in (1..table.len()).rev() {
-                state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                table.swap(i, (state >> 33) as usize % (i + 1));
-            }
-            let kl = Layout::new("k_cache", &[num_pages, page, hkv, d], None)?;
-            let seqlens = vec![keys as i32; batch];
-            let cache = PagedCache::new(&kl, &kl, &table, per_seq, &seqlens)?;
-            let ql = Layout::new("q", &[batch, sq, hq, d], None)?;
-            let opts = if sq > 1 {
-                Options::new().causal()
-            } else {
-                Options::new()
-            };
-            let p = PagedProblem::new(DType::Bf16, &ql, &ql, &cache, None, &opts)?;
-            let bytes = cache.kv_bytes(2);
-            let copies = ((ROTATE_BYTES / bytes).ceil() as usize).max(2);
-            let elems = num_pages * page * hkv * d;
-            let ks: Vec<_> = (0..copies)
-                .map(|_| cuda.alloc::<bf16>(elems))
-                .collect::<fa4::Result<_>>()?;
-            let vs: Vec<_> = (0..copies)
-                .map(|_| cuda.alloc::<bf16>(elems))
-                .collect::<fa4::Result<_>>()?;
-            let q = cuda.alloc::<bf16>(batch * sq * hq * d)?;
-            let mut o = cuda.alloc::<bf16>(batch * sq * hq * d)?;
-            let mut lse = cuda.alloc::<f32>(p.lse_len())?;
-            let mut tables = cuda.paged_tables(&p)?;
-            let mut i = 0usize;
-            let mut call = |o: &mut _, lse: &mut _| {
-                i += 1;
-                cuda.forward_paged_device(
-                    &p,
-                    &mut tables,
-                    &q,
-                    &ks[i % copies],
-                    &vs[i % copies],
-                    o,
-                    Some(lse),
-                    None,
-                )
-            };
-            let mut splits = 0;
+            let mut c = Case::new(&cuda, &block, (page, sq, batch, keys, false))?;
             for _ in 0..3 {
-                splits = call(&mut o, &mut lse)?.num_splits;
+                c.call(&cuda, None)?;
             }
             cuda.synchronize()?;
-            let ctx = cuda.context();
             let mut samples = Vec::new();
             let mut host = Vec::new();
+            let mut splits = 0;
             for _ in 0..rounds {
-                let ev = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
-                let (a, b) = (ev()?, ev()?);
-                a.record(cuda.stream())?;
-                let t0 = std::time::Instant::now();
-                for _ in 0..CALLS {
-                    call(&mut o, &mut lse)?;
-                }
-                host.push(t0.elapsed().as_secs_f64() * 1e6 / CALLS as f64);
-                b.record(cuda.stream())?;
-                cuda.synchronize()?;
-                samples.push(f64::from(a.elapsed_ms(&b)?) * 1e3 / CALLS as f64);
+                let (s, us, h) = c.round(&cuda, None)?;
+                splits = s;
+                samples.push(us);
+                host.push(h);
             }
             samples.sort_by(f64::total_cmp);
             host.sort_by(f64::total_cmp);
             let med = samples[samples.len() / 2];
             println!(
                 "{page} | {sq} | {batch} | {keys} | {splits} | {med:.1} | {:.2} | {:.1} | {:.1}-{:.1}",
-                bytes / (med * 1e-6) / 1e12,
+                c.bytes / (med * 1e-6) / 1e12,
                 host[host.len() / 2],
                 samples[0],
                 samples[samples.len() - 1]

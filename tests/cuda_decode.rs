@@ -417,3 +417,86 @@ fn the_gpu_append_writes_what_the_cpu_append_writes() {
         assert_eq!(arg_of(e), "page_table");
     }
 }
+
+/// Sets element `c` of key `j` of sequence `b`, KV head `h` in a paged cache laid out
+/// `[num_pages, page_size, heads_kv, dim]` (the test's own indexing, not the kernels').
+fn set_key<T: Element>(
+    inputs: &mut PagedInputs<T>,
+    v: bool,
+    b: usize,
+    j: usize,
+    h: usize,
+    c: usize,
+    x: f32,
+) {
+    let shape = if v { inputs.v_shape } else { inputs.k_shape };
+    let [_, ps, hkv, dim] = shape;
+    let page = inputs.page_table[b * inputs.max_pages_per_seq + j / ps] as usize;
+    let at = ((page * ps + j % ps) * hkv + h) * dim + c;
+    let cache = if v {
+        &mut inputs.v_cache
+    } else {
+        &mut inputs.k_cache
+    };
+    cache[at] = T::from_f32(x);
+}
+
+/// The spec's non-finite rule on the GPU (docs/attention.md, rule 7): a NaN or ∞ in V at a key
+/// that some rows mask reaches exactly the rows that allow it (0·NaN must not leak through the
+/// masked P = 0 of an MMA), in a speculative decode with causal bottom-right masks and in a
+/// window that masks part of a block; a +∞ score gives LSE = +∞ (O NaN) even with more key
+/// blocks after it, at every split count. The oracle (reference::check) demands NaN where it has
+/// NaN, the same infinity where it has one, and finite values elsewhere.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn non_finite_values_reach_only_the_rows_that_allow_them() {
+    let cuda = gpu();
+    let mut rng = StdRng::seed_from_u64(12);
+    let spec = PagedSpec {
+        seqlens_q: vec![4, 4],
+        seqlens_k: vec![300, 129],
+        heads_q: 8,
+        heads_kv: 2,
+        head_dim: 128,
+        head_dim_v: 128,
+        page_size: 16,
+        varlen: false,
+    };
+    let mut inputs = random_paged::<bf16, _>(&mut rng, &spec).unwrap();
+    // Causal bottom-right: key 299 is seen by query row 3 only, key 127 of the second
+    // sequence by rows 2 and 3; both sit in blocks that mask them for other rows.
+    set_key(&mut inputs, true, 0, 299, 0, 5, f32::NAN);
+    set_key(&mut inputs, true, 1, 127, 1, 70, f32::INFINITY);
+    for s in [1, 2, 3] {
+        run_and_check(
+            &cuda,
+            &inputs,
+            Options::new().causal(),
+            Some(s),
+            "causal NaN/inf in V",
+        );
+    }
+    // Window (5, 0) at seqlen_q 4: keys before each row's window are masked for it; key 290
+    // of the first sequence is inside no row's window (rows see 291..299 at most).
+    set_key(&mut inputs, true, 0, 290, 1, 9, f32::NAN);
+    run_and_check(
+        &cuda,
+        &inputs,
+        Options::new().window(Some(5), Some(0)),
+        Some(1),
+        "window NaN in V",
+    );
+
+    // A +∞ score: query column 0 positive everywhere, K[5][0] = +∞ for KV head 0 of sequence
+    // 0: the rows of that head group allow key 5 (no mask) and two more key blocks follow.
+    let mut inf = random_paged::<bf16, _>(&mut rng, &spec).unwrap();
+    for (i, x) in inf.q.iter_mut().enumerate() {
+        if i % 128 == 0 {
+            *x = bf16::from_f32(1.0);
+        }
+    }
+    set_key(&mut inf, false, 0, 5, 0, 0, f32::INFINITY);
+    for s in [1, 3] {
+        run_and_check(&cuda, &inf, Options::new(), Some(s), "+inf score");
+    }
+}

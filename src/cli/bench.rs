@@ -163,13 +163,6 @@ pub fn run(args: BenchArgs) -> Result<()> {
             "`fa4 bench --decode` times the forward only; drop one of --decode and --backward",
         ));
     }
-    if args.decode.wanted() && args.backend == BackendArg::Cuda {
-        return Err(Error::invalid(
-            "--backend",
-            "cuda: `fa4 bench --decode` times the CPU backend; GPU decode timings come from \
-             examples/decode_bench.rs (docs/decode.md)",
-        ));
-    }
     if args.cp.cp.is_some() {
         for (flag, given) in [
             ("--decode", args.decode.wanted()),
@@ -202,6 +195,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
             json: args.json,
         };
         return super::with_threads(args.threads, || super::cp::bench(&args.cp, n, &plan));
+    }
+    if args.decode.wanted() && args.backend == BackendArg::Cuda {
+        return decode_bench::run(&args, true);
     }
     match args.backend {
         BackendArg::Cpu | BackendArg::Auto => {}
@@ -261,7 +257,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .build()
         .map_err(|e| Error::invalid("--threads", e.to_string()))?;
     if args.decode.wanted() {
-        return pool.install(|| decode_bench::run(&args));
+        return pool.install(|| decode_bench::run(&args, false));
     }
     if args.backward {
         let masks: &[bool] = match args.causal {

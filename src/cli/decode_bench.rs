@@ -7,8 +7,14 @@
 //! issue's grid is uniform); pages are shuffled. Bandwidth is [`PagedCache::kv_bytes`] (every key
 //! of every sequence and KV head, K and V) over the median time; the peer is credited with the
 //! same bytes, so the two ratios are time ratios. The default grid is the issue's H200 decode
-//! grid with the keys divided by 8, so that a 2-core machine runs it in about a minute; the
-//! GPU decode kernels, when written, take `--backend cuda` and the full grid.
+//! grid with the keys divided by 8, so that a 2-core machine runs it in about a minute.
+//!
+//! With `--backend cuda` it times the GPU decode kernels on the full grid by default: the
+//! inputs uploaded into enough copies that a round's calls read more than 400 MB (past the L2),
+//! one event pair around 10 back-to-back calls per round on rotating copies, the median of
+//! `--reps` rounds after `--warmup` calls, TB/s of K and V read; the output is cross-checked
+//! against the CPU backend (max |O_gpu − O_cpu|). The peers (cuDNN, FlashAttention-2) are timed
+//! in Python, interleaved with fa4 round by round: `bench/decode_peers.py`.
 //!
 //! [`PagedCache::kv_bytes`]: fa4::paged::PagedCache::kv_bytes
 
@@ -113,15 +119,26 @@ fn parse_shapes(s: &str) -> Result<Vec<(usize, usize)>> {
         .collect()
 }
 
+fn print_json<R: Serialize>(rows: &[R]) {
+    println!(
+        "{}",
+        serde_json::to_string_pretty(rows).expect("plain data serializes")
+    );
+}
+
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(f64::total_cmp);
     xs[xs.len() / 2]
 }
 
-/// Runs the decode bench inside `bench`'s thread pool.
-pub fn run(args: &BenchArgs) -> Result<()> {
+/// The issue's H200 decode grid (batch, keys), the GPU default.
+const GPU_SHAPES: &str = "1:32768,8:8192,8:32768,32:4096,4:131072";
+
+/// Runs the decode bench inside `bench`'s thread pool (`gpu`: on CUDA device 0).
+pub fn run(args: &BenchArgs, gpu: bool) -> Result<()> {
     let a = &args.decode;
-    let shapes = parse_shapes(a.decode_shapes.as_deref().unwrap_or(DEFAULT_SHAPES))?;
+    let default = if gpu { GPU_SHAPES } else { DEFAULT_SHAPES };
+    let shapes = parse_shapes(a.decode_shapes.as_deref().unwrap_or(default))?;
     let ps = a.page_size.unwrap_or(16);
     let sq = a.seqlen_q.unwrap_or(1);
     let hq = a.heads_q.unwrap_or(32);
@@ -143,6 +160,9 @@ pub fn run(args: &BenchArgs) -> Result<()> {
             "--heads-kv",
             format!("{hkv} must divide --heads-q {hq}"),
         ));
+    }
+    if gpu {
+        return run_cuda(args, &shapes, (ps, sq, hq, hkv, d));
     }
     if !args.json {
         println!(
@@ -193,10 +213,7 @@ pub fn run(args: &BenchArgs) -> Result<()> {
         rows.push(row);
     }
     if args.json {
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&rows).expect("plain data serializes")
-        );
+        print_json(&rows);
     }
     Ok(())
 }
@@ -253,5 +270,182 @@ fn one<T: Element>(spec: &PagedSpec, args: &BenchArgs) -> Result<Row> {
         contiguous_gbps: bytes / tc / 1e9,
         speedup: tc / tp,
         max_abs_diff,
+    })
+}
+
+#[derive(Debug, Serialize)]
+struct GpuRow {
+    batch: usize,
+    keys: usize,
+    page_size: usize,
+    seqlen_q: usize,
+    num_splits: usize,
+    kv_bytes: f64,
+    us_per_call: f64,
+    tbps: f64,
+    /// (max − min) / median of the rounds.
+    spread: f64,
+    /// `max|O_gpu − O_cpu|` against the CPU backend, a cross-check.
+    max_abs_diff_cpu: f64,
+}
+
+/// Calls per timed round (one event pair around them).
+const GPU_CALLS: usize = 10;
+/// A round reads at least this many bytes, so that the 50 MB L2 of an H200 holds little of it.
+const GPU_ROTATE_BYTES: f64 = 4e8;
+
+fn run_cuda(
+    args: &BenchArgs,
+    shapes: &[(usize, usize)],
+    (ps, sq, hq, hkv, d): (usize, usize, usize, usize, usize),
+) -> Result<()> {
+    let cuda = fa4::cuda::CudaBackend::new(0)
+        .map_err(|e| Error::invalid("--backend", format!("cuda: {e}")))?;
+    if !args.json {
+        println!(
+            "fa4 bench --decode --backend cuda: {}, {}, page {ps}, seqlen_q {sq}{}, heads \
+             {hq}/{hkv}, d {d}; median of {} rounds of {GPU_CALLS} calls after {} warm-up calls, \
+             caches rotated past the L2; TB/s = K+V bytes / time; peers: bench/decode_peers.py",
+            args.dtype,
+            cuda.info().name,
+            if sq > 1 { " causal" } else { "" },
+            args.reps.max(1),
+            args.warmup
+        );
+        println!(
+            "{:>5} {:>7} {:>6} {:>9} {:>7} {:>7} {:>10}",
+            "batch", "keys", "splits", "us/call", "TB/s", "spread", "|O-O_cpu|"
+        );
+    }
+    let mut rows = Vec::new();
+    for &(batch, keys) in shapes {
+        let spec = PagedSpec {
+            seqlens_q: vec![sq; batch],
+            seqlens_k: vec![keys; batch],
+            heads_q: hq,
+            heads_kv: hkv,
+            head_dim: d,
+            head_dim_v: d,
+            page_size: ps,
+            varlen: false,
+        };
+        let row = match args.dtype {
+            DType::F16 => one_cuda::<half::f16>(&cuda, &spec, args)?,
+            DType::Bf16 => one_cuda::<half::bf16>(&cuda, &spec, args)?,
+            other => {
+                return Err(Error::invalid(
+                    "--dtype",
+                    format!("the GPU decode kernels take fp16 or bf16, got {other}"),
+                ))
+            }
+        };
+        if !args.json {
+            println!(
+                "{:>5} {:>7} {:>6} {:>9.1} {:>7.2} {:>6.1}% {:>10.2e}",
+                row.batch,
+                row.keys,
+                row.num_splits,
+                row.us_per_call,
+                row.tbps,
+                row.spread * 100.0,
+                row.max_abs_diff_cpu
+            );
+        }
+        rows.push(row);
+    }
+    if args.json {
+        print_json(&rows);
+    }
+    Ok(())
+}
+
+fn one_cuda<T: Element>(
+    cuda: &fa4::cuda::CudaBackend,
+    spec: &PagedSpec,
+    args: &BenchArgs,
+) -> Result<GpuRow> {
+    let mut rng = StdRng::seed_from_u64(0);
+    let inputs = random_paged::<T, _>(&mut rng, spec)?;
+    let opts = if spec.seqlens_q[0] > 1 {
+        Options::new().causal()
+    } else {
+        Options::new()
+    };
+    let p = inputs.problem(&opts)?;
+    let bytes = p.cache().kv_bytes(std::mem::size_of::<T>());
+    let copies = ((GPU_ROTATE_BYTES / bytes).ceil() as usize).max(2);
+    let q = cuda.upload(&inputs.q)?;
+    let ks = (0..copies)
+        .map(|_| cuda.upload(&inputs.k_cache))
+        .collect::<Result<Vec<_>>>()?;
+    let vs = (0..copies)
+        .map(|_| cuda.upload(&inputs.v_cache))
+        .collect::<Result<Vec<_>>>()?;
+    let mut o = cuda.alloc::<T>(p.o_layout().numel())?;
+    let mut lse = cuda.alloc::<f32>(p.lse_len().max(1))?;
+    let mut tables = cuda.paged_tables(&p)?;
+    let mut i = 0usize;
+    let mut call = |o: &mut _, lse: &mut _| -> Result<usize> {
+        i += 1;
+        let c = i % copies;
+        Ok(cuda
+            .forward_paged_device(&p, &mut tables, &q, &ks[c], &vs[c], o, Some(lse), None)?
+            .num_splits)
+    };
+    let mut splits = 1;
+    for _ in 0..args.warmup.max(1) {
+        splits = call(&mut o, &mut lse)?;
+    }
+    cuda.synchronize()?;
+    let ctx = cuda.context();
+    let cu = |e: cudarc::driver::DriverError| Error::Cuda {
+        op: "decode bench events".into(),
+        message: e.to_string(),
+    };
+    let mut times = Vec::new();
+    for _ in 0..args.reps.max(1) {
+        // Timing events (new_event(None) makes events without timing, which elapsed_ms refuses).
+        let ev = || {
+            ctx.new_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT))
+                .map_err(cu)
+        };
+        let (a, b) = (ev()?, ev()?);
+        a.record(cuda.stream()).map_err(cu)?;
+        for _ in 0..GPU_CALLS {
+            call(&mut o, &mut lse)?;
+        }
+        b.record(cuda.stream()).map_err(cu)?;
+        cuda.synchronize()?;
+        times.push(f64::from(a.elapsed_ms(&b).map_err(cu)?) * 1e3 / GPU_CALLS as f64);
+    }
+    times.sort_by(f64::total_cmp);
+    let med = times[times.len() / 2];
+    let o_gpu = cuda.download(&o)?;
+    let mut o_cpu = vec![T::NAN; p.o_layout().numel()];
+    Backend::Cpu.run_paged(
+        &p,
+        &inputs.q,
+        &inputs.k_cache,
+        &inputs.v_cache,
+        &mut o_cpu,
+        None,
+        None,
+    )?;
+    let max_abs_diff_cpu = o_gpu
+        .iter()
+        .zip(&o_cpu)
+        .map(|(a, b)| f64::from((a.to_f32() - b.to_f32()).abs()))
+        .fold(0.0, f64::max);
+    Ok(GpuRow {
+        batch: spec.seqlens_k.len(),
+        keys: spec.seqlens_k[0],
+        page_size: spec.page_size,
+        seqlen_q: spec.seqlens_q[0],
+        num_splits: splits,
+        kv_bytes: bytes,
+        us_per_call: med,
+        tbps: bytes / (med * 1e-6) / 1e12,
+        spread: (times[times.len() - 1] - times[0]) / med,
+        max_abs_diff_cpu,
     })
 }

@@ -20,7 +20,8 @@ use crate::paged::PagedProblem;
 /// Most warps of the split kernel: each owns `block_n / warps` keys of every block, at least 16
 /// (one k16 step of P·V), so 128-key blocks get 8 warps and the 64-key blocks of d256 get 4.
 /// More warps issue the cp.async gather faster: on the H200 (d128, 3 stages, bf16) 8 warps read
-/// 2.1–3.4 TB/s on the issue's grid where 4 read 1.7–2.5 (same run, `examples/decode_bench.rs`).
+/// 2.1–3.4 TB/s on the issue's grid where 4 read 1.7–2.5 (same run, `examples/decode_bench.rs`,
+/// caches of zeros; on random caches the 8-warp kernel reads 1.3–2.0 TB/s, docs/perf.md).
 pub const MAX_WARPS: usize = 8;
 
 /// Warps of the split kernel for a key block.

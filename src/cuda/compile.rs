@@ -31,6 +31,8 @@ pub const COMMON_SRCS: [&str; 4] = [
 pub const PARAMS_SRC: &str = include_str!("../kernels/common/params.cuh");
 /// The Ampere-class kernel's PTX wrappers.
 pub const SM80_PTX_SRC: &str = include_str!("../kernels/sm80/ptx.cuh");
+/// The register-tile steps the Ampere-class forward and the decode kernel share.
+pub const SM80_TILE_OPS_SRC: &str = include_str!("../kernels/sm80/tile_ops.cuh");
 /// The Ampere-class forward kernel.
 pub const SM80_FWD_SRC: &str = include_str!("../kernels/sm80/fwd.cu");
 /// The Hopper kernels' params (TMA maps around [`PARAMS_SRC`]'s struct).
@@ -81,7 +83,11 @@ impl KernelSource for sm80::KernelSpec {
         sm80::KernelSpec::prelude(self)
     }
     fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>> {
-        vec![SM80_PTX_SRC.into(), SM80_FWD_SRC.into()]
+        vec![
+            SM80_PTX_SRC.into(),
+            SM80_TILE_OPS_SRC.into(),
+            SM80_FWD_SRC.into(),
+        ]
     }
     fn entry(&self) -> &'static str {
         sm80::KernelSpec::entry(self)

@@ -9,7 +9,7 @@
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 
-use super::compile::{KernelSource, COMMON_SRCS, PARAMS_SRC, SM80_PTX_SRC};
+use super::compile::{KernelSource, COMMON_SRCS, PARAMS_SRC, SM80_PTX_SRC, SM80_TILE_OPS_SRC};
 use super::family::decode::{Append, Combine};
 use super::params::FwdParams;
 use super::CudaBackend;
@@ -90,6 +90,7 @@ impl KernelSource for SplitKvSpec {
     fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>> {
         vec![
             SM80_PTX_SRC.into(),
+            SM80_TILE_OPS_SRC.into(),
             DECODE_PTX_SRC.into(),
             DECODE_PARAMS_SRC.into(),
             SPLITKV_SRC.into(),

@@ -4,7 +4,8 @@
 // Self-contained (no CUDA headers). The planner (`config::decode_gpu`) prepends a prelude
 // defining HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, M_TILES, STAGES, IS_BF16, HAS_WINDOW,
 // HAS_SOFTCAP, LAZY_RESCALE and FA4_SMEM_BYTES; then come the shared layer
-// (`../common/{base,params,mask,softmax}.cuh`), `../sm80/ptx.cuh`, `params.cuh`, this file.
+// (`../common/{base,params,mask,softmax}.cuh`), `../sm80/{ptx,tile_ops}.cuh`, `ptx.cuh`,
+// `params.cuh`, this file.
 //
 // Work split: one CTA per (sequence · KV head, tile of BLOCK_M packed rows, split). GQA packing:
 // packed row r of a (sequence, KV head) is query row r / group of query head
@@ -14,6 +15,11 @@
 // keys of each block, with its own online softmax; the warps' states are merged at the end
 // through shared memory. Keys are gathered from their pages row by row (any page size; a block
 // may span pages) with cp.async into a STAGES-deep ring.
+//
+// Non-finite V: a masked key's P is 0, but the MMA computes 0·NaN = NaN, which would leak a NaN
+// (or ∞) in V into rows that mask the key. Blocks that mask some key (the edges) check the
+// warp's V rows; if one holds a non-finite value, that block's P·V runs as scalar FMAs that skip
+// P = 0 (the spec's rule: rows that mask key j never see v_j).
 //
 // The CTA's split of the keys is whole key blocks: with one split it writes O (16-bit) and LSE;
 // with more it writes its normalised partial O (f32) and LSE to the workspace, and
@@ -26,7 +32,6 @@ constexpr int CHUNK_ELEMS = 8;                    // one 16-byte cp.async / ldma
 constexpr int CHUNKS = HEAD_DIM / CHUNK_ELEMS;    // 16-byte chunks per tile row
 constexpr int KSTEPS_D = HEAD_DIM / 16;           // k16 steps over the head dim (Q·Kᵀ)
 constexpr int NTILES_W = KEYS_W / 8;              // n8 tiles of a warp's S
-constexpr int KSTEPS_W = KEYS_W / 16;             // k16 steps over a warp's keys (P·V)
 constexpr int NTILES_D = HEAD_DIM / 8;            // n8 tiles of O
 constexpr int ROW_STEP = NUM_THREADS / CHUNKS;    // rows one pass of the threads' copies covers
 constexpr u32 SIGN_BITS = 0x80008000u;            // the sign bits of a packed 16-bit pair
@@ -92,6 +97,63 @@ __device__ __forceinline__ void load_kv_block(const DecodeParams& d, const int* 
         cp_async_16(sK + swizzle(r, c), gK + k_off, ok ? 16 : 0);
         cp_async_16(sV + swizzle(r, c), gV + v_off, ok ? 16 : 0);
     }
+}
+
+// Whether any value of the warp's KEYS_W rows of a V tile is an infinity or NaN (warp-uniform).
+__device__ __forceinline__ bool warp_v_nonfinite(u32 sVs, int wk0, int lane) {
+    bool bad = false;
+#pragma unroll
+    for (int i = 0; i < KEYS_W * CHUNKS / 32; ++i) {
+        const int idx = lane + 32 * i;
+        u32 x[4];
+        ld_shared_v4(x, sVs + swizzle(wk0 + idx / CHUNKS, idx % CHUNKS));
+        bad |= nonfinite_pair(x[0]) || nonfinite_pair(x[1]) || nonfinite_pair(x[2]) || nonfinite_pair(x[3]);
+    }
+    return __any_sync(0xffffffffu, bad);
+}
+
+// O += P·V over the warp's keys as scalar FMAs that skip P = 0, for a block whose V holds a
+// non-finite value (see the header). P goes through shared memory, into this warp's own K rows
+// of the stage: the warp has read them for S, no other warp reads them, and the stage is
+// refilled only after the next __syncthreads. Each O element this lane owns takes its sum over
+// the keys in a rolled loop, so the branch adds a few live registers: unrolled over the keys
+// with shuffles, it made ptxas spill 0.4–1.6 KB per thread in every variant, slowing the hot
+// loop too; with all of a key's FMAs at once, d256 spilled 0.7 KB.
+__device__ __forceinline__ void pv_skip_zero(float (&rO)[M_TILES][NTILES_D][4], const float (&rS)[M_TILES][NTILES_W][4],
+                                             u32 sKs, u32 sVs, int wk0, int g, int t) {
+    static_assert(BLOCK_M * KEYS_W * 4 <= KEYS_W * HEAD_DIM * 2, "P (BLOCK_M, KEYS_W) f32 fits in the warp's K rows");
+    const u32 sP = sKs + static_cast<u32>(wk0 * CHUNKS * 16);  // (BLOCK_M, KEYS_W) f32, row-major
+    __syncwarp();  // every lane's ldmatrix of these K rows is done
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int i = 0; i < NTILES_W; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const int row = 16 * mt + g + 8 * (e / 2), key = 8 * i + 2 * t + (e & 1);
+                st_shared_f32(sP + static_cast<u32>((row * KEYS_W + key) * 4), rS[mt][i][e]);
+            }
+    __syncwarp();
+#pragma unroll
+    for (int mt = 0; mt < M_TILES; ++mt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const u32 sProw = sP + static_cast<u32>((16 * mt + g + 8 * h) * KEYS_W * 4);
+#pragma unroll
+            for (int j = 0; j < NTILES_D; ++j)
+#pragma unroll
+                for (int c2 = 0; c2 < 2; ++c2) {
+                    float acc = 0.0f;
+#pragma unroll 1
+                    for (int k = 0; k < KEYS_W; ++k) {
+                        const float pv = ld_shared_f32(sProw + static_cast<u32>(k * 4));
+                        if (pv != 0.0f)
+                            acc = fmaf(pv, ld_shared_16_f32(sVs + swizzle(wk0 + k, j) + 2 * (2 * t + c2)), acc);
+                    }
+                    rO[mt][j][2 * h + c2] += acc;
+                }
+        }
+    __syncwarp();
 }
 
 // The tile's packed rows into sQ (rows past `valid` zero), negated for a negative scale.
@@ -220,7 +282,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_splitkv(
         }
 
         // Mask: only blocks that cross some row's key bounds (or the end of the keys).
-        if (kb.masked(n)) {
+        const bool masked = kb.masked(n);
+        if (masked) {
             const int key0 = n * BLOCK_N + wk0;
 #pragma unroll
             for (int r = 0; r < ROW_SLOTS; ++r) {
@@ -256,36 +319,17 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_splitkv(
                 }
             row_sum[r] = row_sum[r] * corr[r] + sum;
         }
-#pragma unroll
-        for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-            for (int i = 0; i < NTILES_D; ++i) {
-                rO[mt][i][0] *= corr[2 * mt];
-                rO[mt][i][1] *= corr[2 * mt];
-                rO[mt][i][2] *= corr[2 * mt + 1];
-                rO[mt][i][3] *= corr[2 * mt + 1];
-            }
+        rescale_o(rO, corr);
 
-        // O += P·V over this warp's keys: S's accumulator layout is P's A-fragment layout.
+        // O += P·V over this warp's keys.
+        if (masked && warp_v_nonfinite(sVs, wk0, lane)) {
+            pv_skip_zero(rO, rS, sKs, sVs, wk0, g, t);
+        } else {
 #pragma unroll
-        for (int ks = 0; ks < KSTEPS_W; ++ks) {
-            u32 pa[M_TILES][4];
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) {
-                pa[mt][0] = pack2(rS[mt][2 * ks][0], rS[mt][2 * ks][1]);
-                pa[mt][1] = pack2(rS[mt][2 * ks][2], rS[mt][2 * ks][3]);
-                pa[mt][2] = pack2(rS[mt][2 * ks + 1][0], rS[mt][2 * ks + 1][1]);
-                pa[mt][3] = pack2(rS[mt][2 * ks + 1][2], rS[mt][2 * ks + 1][3]);
-            }
-#pragma unroll
-            for (int dp = 0; dp < NTILES_D / 2; ++dp) {
-                u32 vb[4];
-                ldmatrix_x4_trans(vb, sVs + swizzle(wk0 + 16 * ks + a_row, 2 * dp + a_chunk));
-#pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt) {
-                    mma_16816(rO[mt][2 * dp], pa[mt], vb[0], vb[1]);
-                    mma_16816(rO[mt][2 * dp + 1], pa[mt], vb[2], vb[3]);
-                }
+            for (int ks = 0; ks < KEYS_W / 16; ++ks) {
+                u32 pa[M_TILES][4];
+                pack_p(pa, rS, ks);
+                pv_k16(rO, pa, [&](int dp) { return sVs + swizzle(wk0 + 16 * ks + a_row, 2 * dp + a_chunk); });
             }
         }
     }

@@ -5,7 +5,8 @@
 // Self-contained: no CUDA headers (NVRTC may have none). The planner (`config::sm80`) prepends
 // a prelude defining HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, STAGES, MIN_BLOCKS_PER_SM,
 // M_TILES, Q_IN_REGS, LAZY_RESCALE, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, then the shared layer
-// (`../common/{base,params,mask,softmax}.cuh`), its PTX wrappers (`ptx.cuh`), then this file.
+// (`../common/{base,params,mask,softmax}.cuh`), its PTX wrappers (`ptx.cuh`), the tile steps it
+// shares with the decode kernel (`tile_ops.cuh`), then this file.
 //
 // Work split: one CTA = BLOCK_M query rows of one (batch, head); warp w owns M_TILES MMA tiles
 // of 16 rows, [16·M_TILES·w, 16·M_TILES·(w + 1)); in each, lane = 4·g + t owns rows g and g + 8
@@ -304,39 +305,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
         bool moved = false;
 #pragma unroll
         for (int r = 0; r < ROW_SLOTS; ++r) moved |= corr[r] != 1.0f;
-        if (!LAZY_RESCALE || __any_sync(0xffffffffu, moved)) {
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt)
-#pragma unroll
-                for (int i = 0; i < NTILES_D; ++i) {
-                    rO[mt][i][0] *= corr[2 * mt];
-                    rO[mt][i][1] *= corr[2 * mt];
-                    rO[mt][i][2] *= corr[2 * mt + 1];
-                    rO[mt][i][3] *= corr[2 * mt + 1];
-                }
-        }
+        if (!LAZY_RESCALE || __any_sync(0xffffffffu, moved)) rescale_o(rO, corr);
 
         // O += P·V: the S accumulator layout is the A-fragment layout, P never leaves registers.
 #pragma unroll
         for (int ks = 0; ks < KSTEPS_N; ++ks) {
             u32 pa[M_TILES][4];
-#pragma unroll
-            for (int mt = 0; mt < M_TILES; ++mt) {
-                pa[mt][0] = pack2(rS[mt][2 * ks][0], rS[mt][2 * ks][1]);
-                pa[mt][1] = pack2(rS[mt][2 * ks][2], rS[mt][2 * ks][3]);
-                pa[mt][2] = pack2(rS[mt][2 * ks + 1][0], rS[mt][2 * ks + 1][1]);
-                pa[mt][3] = pack2(rS[mt][2 * ks + 1][2], rS[mt][2 * ks + 1][3]);
-            }
-#pragma unroll
-            for (int dp = 0; dp < NTILES_D / 2; ++dp) {
-                u32 b[4];
-                ldmatrix_x4_trans(b, sVs + swz_at(bQV, ks * 16, dp * 2));
-#pragma unroll
-                for (int mt = 0; mt < M_TILES; ++mt) {
-                    mma_16816(rO[mt][2 * dp], pa[mt], b[0], b[1]);
-                    mma_16816(rO[mt][2 * dp + 1], pa[mt], b[2], b[3]);
-                }
-            }
+            pack_p(pa, rS, ks);
+            pv_k16(rO, pa, [&](int dp) { return sVs + swz_at(bQV, ks * 16, dp * 2); });
         }
     }
     cp_async_wait<0>();

@@ -398,8 +398,11 @@ fn one_cuda<T: Element>(
     }
     cuda.synchronize()?;
     let ctx = cuda.context();
+    // The driver error keeps its CUresult (code and name), as the library's own errors do.
     let cu = |e: cudarc::driver::DriverError| Error::Cuda {
         op: "decode bench events".into(),
+        code: Some(e.0 as u32),
+        name: format!("{:?}", e.0),
         message: e.to_string(),
     };
     let mut times = Vec::new();

@@ -14,10 +14,7 @@ __device__ __forceinline__ float update_row_max(float& row_max, float mx, float 
     // An infinite max shifts by 0, as the spec's formula: a row with no allowed key so far
     // (−inf) gets exp2(−inf) = 0; an infinite score (+inf) makes the sum and LSE +inf, O NaN.
     const float shift = fabsf(m_new) == -NEG_INF ? 0.0f : m_new * scale_log2;
-    // The exponent is ≤ 0 (m_new ≥ row_max, rounding is monotonic) except where the new max is
-    // +inf: from +inf (or a finite max past 2^7 in log2 units) it would be +inf, and a lane
-    // whose partial sum is still 0 (all its keys masked so far) would get 0 · inf = NaN.
-    corr = move ? exp2_approx(fminf(row_max * scale_log2 - shift, 0.0f)) : 1.0f;
+    corr = move ? exp2_approx(row_max * scale_log2 - shift) : 1.0f;
     row_max = m_new;
     return shift;
 }

@@ -146,7 +146,17 @@ fn every_sm100_variant_compiles_for_sm100a() {
                                 ));
                             }
                         }
-                        None => bad.push(format!("no ptxas report in the log:\n{log}")),
+                        // CI's NVRTC (13.0.88, FA4_REQUIRE_NVRTC=1) writes the report; the
+                        // H200 image's NVRTC writes none for sm_100a (seventh session), and
+                        // there only the compile itself is checked.
+                        None if required => bad.push(format!("no ptxas report in the log:\n{log}")),
+                        None => {
+                            let _ = writeln!(
+                                std::io::stderr(),
+                                "{spec}: this NVRTC wrote no ptxas report; registers and static \
+                                 shared memory not checked"
+                            );
+                        }
                     }
                     if log.lines().any(|l| {
                         l.contains("spill")

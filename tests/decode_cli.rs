@@ -355,3 +355,19 @@ fn zero_query_rows_are_an_empty_problem() {
         assert!(out.contains("check    pass"), "{out}");
     }
 }
+
+/// `fa4 bench --decode` refuses the prefill grid's flags instead of ignoring them.
+#[test]
+fn bench_decode_refuses_prefill_grid_flags() {
+    for (args, flag) in [
+        (&["bench", "--decode", "--batch", "4"][..], "--batch"),
+        (&["bench", "--decode", "--seqlens", "1024"], "--seqlens"),
+        (&["bench", "--decode", "--head-dims", "128"], "--head-dims"),
+        (&["bench", "--decode", "--heads", "8"], "--heads"),
+        (&["bench", "--decode", "--causal", "on"], "--causal"),
+    ] {
+        let (code, _, err) = fa4(args);
+        assert_eq!(code, 2, "{args:?}: {err}");
+        one_error_line(&err, flag);
+    }
+}

@@ -157,6 +157,31 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if let Some(flag) = args.decode.stray() {
         return Err(Error::invalid(flag, "belongs to `fa4 bench --decode`"));
     }
+    if args.decode.wanted() {
+        // The prefill grid's flags shape nothing in the decode grid: refuse a value other than
+        // the default rather than run a grid the user did not ask for.
+        #[derive(clap::Parser)]
+        struct Defaults {
+            #[command(flatten)]
+            bench: BenchArgs,
+        }
+        let defaults = <Defaults as clap::Parser>::parse_from(["bench"]).bench;
+        for (flag, differs) in [
+            ("--batch", args.batch != defaults.batch),
+            ("--seqlens", args.seqlens != defaults.seqlens),
+            ("--head-dims", args.head_dims != defaults.head_dims),
+            ("--heads", args.heads.is_some()),
+            ("--causal", args.causal != defaults.causal),
+        ] {
+            if differs {
+                return Err(Error::invalid(
+                    flag,
+                    "belongs to the prefill grid; `fa4 bench --decode` takes --decode-shapes, \
+                     --page-size, --seqlen-q, --heads-q, --heads-kv and --head-dim",
+                ));
+            }
+        }
+    }
     if args.decode.wanted() && args.backward {
         return Err(Error::invalid(
             "--backward",

@@ -19,7 +19,6 @@ use std::fmt;
 
 use super::prelude::Prelude;
 use crate::arch::GpuArch;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 
@@ -344,16 +343,6 @@ impl fmt::Display for BwdPlan {
     }
 }
 
-fn aligned(name: &str, what: &str, v: usize) -> Result<()> {
-    if !v.is_multiple_of(8) {
-        return Err(Error::invalid(
-            name,
-            format!("{what} {v} must be a multiple of 8 elements (16-byte copies) for the CUDA backward"),
-        ));
-    }
-    Ok(())
-}
-
 fn grid_dim(name: &str, x: usize) -> Result<u32> {
     u32::try_from(x)
         .ok()
@@ -370,38 +359,8 @@ pub fn plan(
     deterministic: bool,
     main: Option<MainTiles>,
 ) -> Result<BwdPlan> {
-    let bf16 = match p.dtype() {
-        DType::Bf16 => true,
-        DType::F16 => false,
-        other => {
-            return Err(Error::invalid(
-                "dtype",
-                format!(
-                    "the CUDA backward computes fp16 and bf16, not {other}; use the CPU backend"
-                ),
-            ))
-        }
-    };
+    let (bf16, head_dim) = super::sm80::sixteen_bit_head(p, &HEAD_DIMS, "backward", "backward")?;
     let d = p.head_dim();
-    if p.head_dim_v() != d {
-        return Err(Error::invalid(
-            "v",
-            format!(
-                "head_dim_v {} must equal head_dim {d} on the CUDA backend",
-                p.head_dim_v()
-            ),
-        ));
-    }
-    let Some(&head_dim) = HEAD_DIMS.iter().find(|&&h| h >= d) else {
-        return Err(Error::invalid(
-            "q",
-            format!(
-                "head_dim {d} exceeds the CUDA backward's maximum {}",
-                HEAD_DIMS[2]
-            ),
-        ));
-    };
-    aligned("q", "head_dim", d)?;
     if p.scale() == 0.0 {
         return Err(Error::invalid(
             "scale",
@@ -497,6 +456,7 @@ pub fn plan(
 mod tests {
     use super::*;
     use crate::arch;
+    use crate::dtype::DType;
     use crate::problem::Options;
     use crate::tensor::Layout;
 

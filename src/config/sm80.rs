@@ -322,33 +322,36 @@ pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
     out
 }
 
-fn aligned(name: &str, what: &str, v: usize) -> Result<()> {
+/// An error naming `name` unless `v` is a whole number of 16-byte vectors (the kernels'
+/// copies); `who` is what requires it (`backend`, `backward`).
+pub(crate) fn aligned(name: &str, what: &str, v: usize, who: &str) -> Result<()> {
     if !v.is_multiple_of(VECTOR_ELEMS) {
         return Err(Error::invalid(
             name,
-            format!("{what} {v} must be a multiple of {VECTOR_ELEMS} elements (16-byte copies) for the CUDA backend"),
+            format!("{what} {v} must be a multiple of {VECTOR_ELEMS} elements (16-byte copies) for the CUDA {who}"),
         ));
     }
     Ok(())
 }
 
-/// Plans a problem for a GPU, or says why this kernel cannot run it. `tiles` overrides the
-/// planner's tile choice (benchmarks); it is checked like everything else.
-pub fn plan(
+/// The checks every `mma.sync` planner (this forward and the backward) makes first: a 16-bit
+/// dtype (returns whether bf16), `head_dim_v == head_dim`, the head dim padded to the first of
+/// `head_dims` that holds it (returned), and whole 16-byte vectors per row. `who` names the
+/// caller in the dtype and alignment errors (`backend`, `backward`), `kernel` in the
+/// head-dim limit's (`kernel`, `backward`).
+pub(crate) fn sixteen_bit_head(
     p: &Problem,
-    arch: &GpuArch,
-    target: &'static str,
-    tiles: Option<Tiles>,
-) -> Result<Plan> {
+    head_dims: &[usize],
+    who: &str,
+    kernel: &str,
+) -> Result<(bool, usize)> {
     let bf16 = match p.dtype() {
         DType::Bf16 => true,
         DType::F16 => false,
         other => {
             return Err(Error::invalid(
                 "dtype",
-                format!(
-                    "the CUDA backend computes fp16 and bf16, not {other}; use the CPU backend"
-                ),
+                format!("the CUDA {who} computes fp16 and bf16, not {other}; use the CPU backend"),
             ))
         }
     };
@@ -362,18 +365,31 @@ pub fn plan(
             ),
         ));
     }
-    let Some(&head_dim) = HEAD_DIMS.iter().find(|&&h| h >= d) else {
+    let Some(&head_dim) = head_dims.iter().find(|&&h| h >= d) else {
         return Err(Error::invalid(
             "q",
             format!(
-                "head_dim {d} exceeds the CUDA kernel's maximum {}",
-                HEAD_DIMS[HEAD_DIMS.len() - 1]
+                "head_dim {d} exceeds the CUDA {kernel}'s maximum {}",
+                head_dims[head_dims.len() - 1]
             ),
         ));
     };
-    aligned("q", "head_dim", d)?;
+    aligned("q", "head_dim", d, who)?;
+    Ok((bf16, head_dim))
+}
+
+/// Plans a problem for a GPU, or says why this kernel cannot run it. `tiles` overrides the
+/// planner's tile choice (benchmarks); it is checked like everything else.
+pub fn plan(
+    p: &Problem,
+    arch: &GpuArch,
+    target: &'static str,
+    tiles: Option<Tiles>,
+) -> Result<Plan> {
+    let (bf16, head_dim) = sixteen_bit_head(p, &HEAD_DIMS, "backend", "kernel")?;
+    let d = p.head_dim();
     for (name, axis, st) in super::strides(p) {
-        aligned(name, axis, st)?;
+        aligned(name, axis, st, "backend")?;
     }
     if p.scale() == 0.0 {
         return Err(Error::invalid(

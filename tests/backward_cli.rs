@@ -171,7 +171,9 @@ fn run_on_files_writes_gradients_that_pass_the_rule() {
         dk: (&dk, &kl),
         dv: (&dvv, &vl),
     };
-    let r = check_grads(&prob, &q, &k, &v, &d_out, &ol, got);
+    // O as written (the forward's output, the backward's input).
+    let o = read_f32(&p("o.npy"), &[tq, hq, dv]);
+    let r = check_grads(&prob, &q, &k, &v, &o, &d_out, &ol, got);
     assert!(r.passed(), "{r}");
     // Keys of the sequence without queries get zero gradients.
     assert!(dk[..10 * hkv * d].iter().all(|&x| x == 0.0));

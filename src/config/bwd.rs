@@ -254,26 +254,31 @@ impl BwdSpec {
             BwdKernel::Pre | BwdKernel::Convert => (16, 16, AUX_WARPS, 1),
         };
         let main = self.kernel == BwdKernel::Main;
-        Prelude::new("config::bwd", self)
-            .int("HEAD_DIM", self.head_dim)
-            .int("BLOCK_M", block_m)
-            .int("BLOCK_N", block_n)
-            .int("NUM_WARPS", warps)
-            .int("DSPLIT", dsplit)
+        let rows = matches!(self.kernel, BwdKernel::Pre | BwdKernel::Convert);
+        // Each kernel gets the numbers it reads: NVRTC warns (#177) about a constant nothing
+        // references, and a warning-free log keeps real warnings visible. The row kernels read
+        // no BLOCK_M; only the main kernel has column groups and a mode switch.
+        let mut pre = Prelude::new("config::bwd", self).int("HEAD_DIM", self.head_dim);
+        if !rows {
+            pre = pre.int("BLOCK_M", block_m);
+        }
+        pre = pre.int("BLOCK_N", block_n).int("NUM_WARPS", warps);
+        if main {
+            pre = pre.int("DSPLIT", dsplit);
+        }
+        pre = pre
             .flag("IS_BF16", self.bf16)
-            .flag(
-                "HAS_WINDOW",
-                self.window && self.kernel != BwdKernel::Pre && self.kernel != BwdKernel::Convert,
-            )
+            .flag("HAS_WINDOW", self.window && !rows)
             .flag(
                 "HAS_SOFTCAP",
                 self.softcap && (main || self.kernel == BwdKernel::Dq),
             )
-            .flag("DETERMINISTIC", self.deterministic && main)
             .flag("LAZY_RESCALE", false)
-            .flag("VEC_RED", vector_reductions(self.target))
-            .define("FA4_SMEM_BYTES", self.smem_bytes())
-            .finish()
+            .flag("VEC_RED", vector_reductions(self.target));
+        if main {
+            pre = pre.flag("DETERMINISTIC", self.deterministic);
+        }
+        pre.define("FA4_SMEM_BYTES", self.smem_bytes()).finish()
     }
 
     /// The same problem's spec of another kernel.

@@ -1,19 +1,8 @@
 //! `fa4 plan` end to end: the JSON form reproduces the contract's table; bad input is one line
 //! on stderr and exit code 2.
 
-use std::process::Command;
-
-fn fa4(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fa4"))
-        .args(args)
-        .output()
-        .expect("the fa4 binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+use common::fa4;
 
 #[test]
 fn json_reproduces_every_worked_row() {

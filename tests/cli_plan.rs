@@ -551,6 +551,23 @@ fn backward_plan_refuses_what_it_would_ignore_or_cannot_plan() {
             "--batch",
         ),
         (
+            &["plan", "--backward", "--depth", "64", "--heads-q", "70000"],
+            "--heads-q",
+        ),
+        (
+            &[
+                "plan",
+                "--backward",
+                "--depth",
+                "64",
+                "--batch",
+                "70000",
+                "--seqlen-q",
+                "1",
+            ],
+            "--batch",
+        ),
+        (
             &["plan", "--backward", "--depth", "64", "--softcap", "-1"],
             "--softcap",
         ),

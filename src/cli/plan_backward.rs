@@ -194,6 +194,12 @@ fn flag_error(e: Error) -> Error {
                 "dtype" => "--dtype",
                 "softcap" => "--softcap",
                 "window" | "mask" => "--window",
+                // The planner names `q` for the grid's limits and the row count too.
+                "q" if reason.ends_with("heads exceed the CUDA grid") => "--heads-q",
+                "q" if reason.ends_with("sequences exceed the CUDA grid") => "--batch",
+                "q" if reason.ends_with("exceed the CUDA grid") || reason.contains("2^31 rows") => {
+                    "--seqlen-q"
+                }
                 // The head dim (too large, not a multiple of 8) and the shared memory it needs.
                 "q" | "k" | "v" | "out" => "--depth",
                 _ => return Error::invalid(name, reason),

@@ -363,7 +363,8 @@ pub fn cu_seqlens(p: &Problem) -> Option<(Vec<i32>, Vec<i32>)> {
 fn run_grad_typed<T: Element>(backend: &Backend, case: &Case, seed: u64) -> Result<GradReport> {
     let (p, mut x) = setup::<T>(case, seed)?;
     // The forward on the CPU: its O and LSE are the backward's inputs, whatever runs the
-    // backward (the CUDA backend has no backward yet and says so).
+    // backward, so every backend's gradients are judged from the same O (the rule's model
+    // takes D from it too).
     Backend::Cpu.run(&p, &x.q, &x.k, &x.v, &mut x.o, Some(&mut x.lse))?;
     let mut rng = StdRng::seed_from_u64(seed ^ 0x6772_6164);
     let mut d_out = vec![T::NAN; x.o.len()];

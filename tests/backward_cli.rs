@@ -3,7 +3,6 @@
 //! `fa4 bench --backward`, and bad input as one line naming the flag with exit code 2.
 
 use std::path::PathBuf;
-use std::process::Command;
 
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -14,17 +13,8 @@ use fa4::npy::{self, Data};
 use fa4::tensor::Layout;
 use fa4::{DType, Options, Problem};
 
-fn fa4(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fa4"))
-        .args(args)
-        .output()
-        .expect("the fa4 binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+use common::fa4;
 
 /// A fresh directory under the system temp dir, removed on drop.
 struct TempDir(PathBuf);
@@ -171,7 +161,9 @@ fn run_on_files_writes_gradients_that_pass_the_rule() {
         dk: (&dk, &kl),
         dv: (&dvv, &vl),
     };
-    let r = check_grads(&prob, &q, &k, &v, &d_out, &ol, got);
+    // O as written (the forward's output, the backward's input).
+    let o = read_f32(&p("o.npy"), &[tq, hq, dv]);
+    let r = check_grads(&prob, &q, &k, &v, &o, &d_out, &ol, got);
     assert!(r.passed(), "{r}");
     // Keys of the sequence without queries get zero gradients.
     assert!(dk[..10 * hkv * d].iter().all(|&x| x == 0.0));

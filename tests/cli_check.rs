@@ -1,22 +1,11 @@
 //! `fa4 check` end to end: one line per case of the matrix and the summary line
 //! `N passed, M failed`; bad filters are one line on stderr and exit code 2.
 
-use std::process::Command;
-
 use fa4::check::matrix;
 use fa4::DType;
 
-fn fa4(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fa4"))
-        .args(args)
-        .output()
-        .expect("the fa4 binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+use common::fa4;
 
 /// Runs `fa4 check` with `args`, expects every case to pass and returns the case lines.
 fn passes(args: &[&str], want_cases: usize) -> Vec<String> {

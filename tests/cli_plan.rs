@@ -1,19 +1,8 @@
 //! `fa4 plan` end to end: the JSON form reproduces the contract's table; bad input is one line
 //! on stderr and exit code 2.
 
-use std::process::Command;
-
-fn fa4(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fa4"))
-        .args(args)
-        .output()
-        .expect("the fa4 binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+use common::fa4;
 
 #[test]
 fn json_reproduces_every_worked_row() {
@@ -265,5 +254,349 @@ fn plan_compile_refuses_what_it_cannot_build_and_compiles_nothing() {
         assert!(out.is_empty(), "{args:?} printed {out}");
         assert_eq!(err.trim().lines().count(), 1, "{err}");
         assert!(err.contains(flag), "{args:?}: {err}");
+    }
+}
+
+fn json(args: &[&str]) -> serde_json::Value {
+    let (code, out, err) = fa4(args);
+    assert_eq!(code, 0, "{args:?}: {err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: not JSON ({e}): {out}"))
+}
+
+/// `fa4 plan --backward`: the three launches with the tiles of the documented table
+/// (docs/backward.md: d64 128 keys x 64 queries, d128 128 x 32, d256 64 x 32 in two column
+/// groups), grids worked out by hand for the problem, and what `--deterministic` swaps.
+#[test]
+fn backward_plan_lists_the_launches_their_tiles_and_grids() {
+    // Defaults: batch 1, seqlen 1024, 8 query heads; --heads-kv 2 (GQA 4).
+    let v = json(&[
+        "plan",
+        "--backward",
+        "--depth",
+        "128",
+        "--heads-kv",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(v["arch"], "sm90", "{v}");
+    assert_eq!(v["target"], "sm_90");
+    assert_eq!(v["deterministic"], false);
+    assert!(v["dq_accumulation"]
+        .as_str()
+        .unwrap()
+        .contains("red.global.add.v2.f32"));
+    let l = v["launches"].as_array().unwrap();
+    let kernels: Vec<&str> = l.iter().map(|x| x["kernel"].as_str().unwrap()).collect();
+    assert_eq!(kernels, ["pre", "main", "convert"]);
+    // pre/convert: 4 warps of one row each over 1024 rows and 8 query heads.
+    assert_eq!(l[0]["grid"], serde_json::json!([256, 8, 1]));
+    assert_eq!(l[0]["warps"], 4);
+    assert_eq!(l[2]["grid"], serde_json::json!([256, 8, 1]));
+    // main: 128 keys per CTA over 1024 keys and 2 KV heads.
+    assert_eq!(
+        (&l[1]["block_n"], &l[1]["block_m"], &l[1]["warps"]),
+        (
+            &serde_json::json!(128),
+            &serde_json::json!(32),
+            &serde_json::json!(8)
+        )
+    );
+    assert_eq!(l[1]["grid"], serde_json::json!([8, 2, 1]));
+    assert!(l[1]["tiles_reason"].as_str().unwrap().contains("spill"));
+    assert_eq!(l[0]["smem_bytes"], 0);
+    let smem = l[1]["smem_bytes"].as_u64().unwrap();
+    assert!(smem > 0 && smem <= 227 * 1024, "{smem}");
+    assert_eq!(
+        v["workspace_bytes"]["dq_accumulator"],
+        1024 * 8 * 128 * 4,
+        "f32 per row, head and column"
+    );
+    assert_eq!(v["workspace_bytes"]["d"], 1024 * 8 * 4);
+    assert_eq!(v["other_mode"]["launches"][2]["kernel"], "dq");
+
+    // Deterministic: dq replaces convert (64 rows per CTA), no accumulator.
+    let d = json(&[
+        "plan",
+        "--backward",
+        "--deterministic",
+        "--depth",
+        "128",
+        "--heads-kv",
+        "2",
+        "--json",
+    ]);
+    let l = d["launches"].as_array().unwrap();
+    assert_eq!(l[2]["kernel"], "dq");
+    assert_eq!(l[2]["grid"], serde_json::json!([16, 8, 1]));
+    assert_eq!(
+        (&l[2]["block_m"], &l[2]["block_n"]),
+        (&serde_json::json!(64), &serde_json::json!(64))
+    );
+    assert_eq!(d["workspace_bytes"]["dq_accumulator"], 0);
+    assert_eq!(d["other_mode"]["launches"][2]["kernel"], "convert");
+    assert_eq!(
+        l[1]["grid"], v["launches"][1]["grid"],
+        "main's grid does not change"
+    );
+
+    // d256 (head dim 200 is padded to it): 64 keys, two column groups; the A100 reduces dQ
+    // with scalar reductions; a varlen-free batch of 3 sequences of 100 x 300.
+    let a = json(&[
+        "plan",
+        "--backward",
+        "--arch",
+        "sm80",
+        "--depth",
+        "200",
+        "--dtype",
+        "fp16",
+        "--batch",
+        "3",
+        "--seqlen-q",
+        "100",
+        "--seqlen-k",
+        "300",
+        "--heads-q",
+        "4",
+        "--causal",
+        "--json",
+    ]);
+    assert_eq!(a["target"], "sm_80");
+    assert_eq!(a["padded_head_dim"], 256);
+    let dq = a["dq_accumulation"].as_str().unwrap();
+    assert!(
+        dq.contains("red.global.add.f32") && !dq.contains("v2"),
+        "{dq}"
+    );
+    let m = &a["launches"][1];
+    assert_eq!(
+        (&m["block_n"], &m["dsplit"]),
+        (&serde_json::json!(64), &serde_json::json!(2))
+    );
+    assert_eq!(m["grid"], serde_json::json!([5, 4, 3]));
+    assert_eq!(a["launches"][0]["grid"], serde_json::json!([25, 4, 3]));
+    assert!(m["smem_bytes"].as_u64().unwrap() <= 163 * 1024);
+    assert!(m["spec"].as_str().unwrap().contains("window"), "{m}");
+}
+
+#[test]
+fn backward_plan_report_explains_the_choices() {
+    let (code, out, err) = fa4(&["plan", "--backward", "--depth", "64", "--softcap", "30"]);
+    assert_eq!(code, 0, "{err}");
+    for needle in [
+        "Ampere-class",
+        "not written yet",
+        "fa4_bwd_pre",
+        "rowsum(dO∘O)",
+        "fa4_bwd_main",
+        "128 keys x 64 queries",
+        "fa4_bwd_convert",
+        "red.global.add.v2.f32",
+        "with --deterministic: main skips dQ and fa4_bwd_dq",
+        "tiles:",
+        "softcap 30",
+    ] {
+        assert!(out.contains(needle), "report lacks {needle:?}:\n{out}");
+    }
+    let (code, out, _) = fa4(&[
+        "plan",
+        "--backward",
+        "--deterministic",
+        "--arch",
+        "sm80",
+        "--depth",
+        "128",
+    ]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("fa4_bwd_dq")
+            && out.contains("without --deterministic")
+            && !out.contains("fa4_bwd_convert  ")
+            && !out.contains("accumulator zeroed"),
+        "{out}"
+    );
+}
+
+/// `--arch cpu`: 96 x 96 tiles shrunk to the sequence, the two passes' work items.
+#[test]
+fn backward_plan_for_the_cpu() {
+    let v = json(&[
+        "plan",
+        "--backward",
+        "--arch",
+        "cpu",
+        "--depth",
+        "64",
+        "--dtype",
+        "f32",
+        "--heads-kv",
+        "2",
+        "--json",
+    ]);
+    assert_eq!(
+        (&v["block_m"], &v["block_n"]),
+        (&serde_json::json!(96), &serde_json::json!(96))
+    );
+    // 1024 rows: 11 blocks of 96; pass 1 per KV head (2), pass 2 per query head (8).
+    assert_eq!(v["passes"][0]["items"], 22);
+    assert_eq!(v["passes"][1]["items"], 88);
+    assert_eq!(v["deterministic"], true);
+    let v = json(&[
+        "plan",
+        "--backward",
+        "--arch",
+        "cpu",
+        "--depth",
+        "64",
+        "--seqlen-q",
+        "50",
+        "--seqlen-k",
+        "500",
+        "--json",
+    ]);
+    assert_eq!(
+        (&v["block_m"], &v["block_n"]),
+        (&serde_json::json!(50), &serde_json::json!(96))
+    );
+    assert_eq!(v["passes"][0]["items"], 6 * 8);
+    let (code, out, _) = fa4(&[
+        "plan",
+        "--backward",
+        "--arch",
+        "cpu",
+        "--depth",
+        "64",
+        "--deterministic",
+    ]);
+    assert_eq!(code, 0);
+    assert!(out.contains("changes nothing"), "{out}");
+}
+
+#[test]
+fn backward_plan_refuses_what_it_would_ignore_or_cannot_plan() {
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["plan", "--depth", "64", "--deterministic"],
+            "--deterministic",
+        ),
+        (&["plan", "--depth", "64", "--causal"], "--causal"),
+        (&["plan", "--depth", "64", "--arch", "sm80"], "--arch"),
+        (&["plan", "--depth", "64", "--arch", "cpu"], "--arch"),
+        (
+            &["plan", "--backward", "--depth", "64", "--arch", "sm100"],
+            "--arch",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--num-q-heads", "8"],
+            "--num-q-heads",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--group", "2"],
+            "--group",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--seqlen", "9"],
+            "--seqlen",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--varlen"],
+            "--varlen",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--compile"],
+            "--compile",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--decode"],
+            "--decode",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--num-splits", "2"],
+            "--num-splits",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--swizzle", "64B"],
+            "--swizzle",
+        ),
+        (&["plan", "--backward", "--depth", "0"], "--depth"),
+        (&["plan", "--backward", "--depth", "512"], "--depth"),
+        (&["plan", "--backward", "--depth", "36"], "--depth"),
+        (
+            &["plan", "--backward", "--depth", "64", "--dtype", "f32"],
+            "--dtype",
+        ),
+        (
+            &[
+                "plan",
+                "--backward",
+                "--depth",
+                "64",
+                "--dtype",
+                "fp8",
+                "--arch",
+                "cpu",
+            ],
+            "--dtype",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--heads-kv", "3"],
+            "--heads-kv",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--seqlen-q", "0"],
+            "--seqlen-q",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--batch", "0"],
+            "--batch",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--heads-q", "70000"],
+            "--heads-q",
+        ),
+        (
+            &[
+                "plan",
+                "--backward",
+                "--depth",
+                "64",
+                "--batch",
+                "70000",
+                "--seqlen-q",
+                "1",
+            ],
+            "--batch",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--softcap", "-1"],
+            "--softcap",
+        ),
+        (
+            &[
+                "plan",
+                "--backward",
+                "--depth",
+                "64",
+                "--causal",
+                "--window",
+                "3,0",
+            ],
+            "--window",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--window", "x"],
+            "--window",
+        ),
+    ];
+    for &(args, flag) in cases {
+        let (code, out, err) = fa4(args);
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(out.is_empty(), "{args:?} printed {out}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+        assert!(
+            err.contains(flag),
+            "{args:?}: error does not name {flag}: {err}"
+        );
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
     }
 }

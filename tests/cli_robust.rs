@@ -10,17 +10,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use fa4::npy;
 
-fn fa4(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fa4"))
-        .args(args)
-        .output()
-        .expect("the fa4 binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+use common::fa4;
 
 /// Asserts exit code 2 and one stderr line holding every needle.
 fn one_line_error(args: &[&str], needles: &[&str]) {

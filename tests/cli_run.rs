@@ -4,7 +4,6 @@
 //! stderr naming the argument and exit code 2.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use half::{bf16, f16};
@@ -15,17 +14,8 @@ use fa4::npy::{self, Data};
 use fa4::tensor::Layout;
 use fa4::{check, DType, Element, Options, Problem};
 
-fn fa4(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fa4"))
-        .args(args)
-        .output()
-        .expect("the fa4 binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+use common::fa4;
 
 /// A fresh directory under the system temp dir, removed on drop.
 struct TempDir(PathBuf);

@@ -1,19 +1,8 @@
 //! `fa4 run --cp N` and `fa4 bench --cp N` on the CPU (simulated ranks): the result passes the
 //! oracle and matches one call; bad `--cp` input is one line naming the flag, exit code 2.
 
-use std::process::Command;
-
-fn fa4(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fa4"))
-        .args(args)
-        .output()
-        .expect("the fa4 binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+use common::fa4;
 
 /// The `max|O_cp − O_one call|` the run printed.
 fn diff_to_one_call(stdout: &str) -> f64 {

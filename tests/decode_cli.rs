@@ -3,7 +3,6 @@
 //! the float64 paged oracle; bad tables and lengths are one line naming the flag, exit 2.
 
 use std::path::PathBuf;
-use std::process::Command;
 
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -13,17 +12,8 @@ use fa4::paged::random::{random_paged, PagedInputs, PagedSpec};
 use fa4::paged::reference;
 use fa4::Options;
 
-fn fa4(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_fa4"))
-        .args(args)
-        .output()
-        .expect("the fa4 binary runs");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
+mod common;
+use common::fa4;
 
 struct Dir(PathBuf);
 

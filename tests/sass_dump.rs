@@ -58,6 +58,38 @@ fn dump_every_variant_cubin() {
             jobs.push((file_name(&s), Box::new(move || compile_uncached(&s))));
         }
     }
+    // The backward's kernels: the row kernels for both reduction targets, the main and dQ
+    // kernels plain and with every switch on (sm_90, where they run), each dtype and head dim.
+    {
+        use fa4::config::bwd::{self, BwdKernel, BwdSpec};
+        for bf16 in [false, true] {
+            for head_dim in bwd::HEAD_DIMS {
+                let spec = |target, kernel, all: bool| BwdSpec {
+                    target,
+                    kernel,
+                    bf16,
+                    head_dim,
+                    window: all,
+                    softcap: all,
+                    deterministic: all || kernel == BwdKernel::Dq,
+                    main: bwd::main_tiles(head_dim),
+                    dq: bwd::dq_tiles(head_dim),
+                };
+                let mut specs = Vec::new();
+                for target in ["sm_80", "sm_90"] {
+                    specs.push(spec(target, BwdKernel::Pre, false));
+                    specs.push(spec(target, BwdKernel::Convert, false));
+                }
+                for all in [false, true] {
+                    specs.push(spec("sm_90", BwdKernel::Main, all));
+                    specs.push(spec("sm_90", BwdKernel::Dq, all));
+                }
+                for s in specs {
+                    jobs.push((file_name(&s), Box::new(move || compile_uncached(&s))));
+                }
+            }
+        }
+    }
     // FA4_SASS_DUMP_FILTER=a,b: only variants whose file name contains one of them.
     if let Ok(filter) = std::env::var("FA4_SASS_DUMP_FILTER") {
         let keys: Vec<&str> = filter.split(',').filter(|k| !k.is_empty()).collect();

@@ -2,12 +2,16 @@
 //! by the gradient tolerance rule of `docs/backward.md`, for each of dQ, dK and dV:
 //!
 //! ```text
-//! 16-bit storage:  max|dX − dX_ref| ≤ 2 · max|dX_lowp − dX_ref| + atol,
-//!                  atol = max|round_to_dtype(dX_ref) − dX_ref|
+//! 16-bit storage:  max|dX − dX_ref| ≤ lowp + atol + max(lowp, floor),
+//!                  lowp = max|dX_lowp − dX_ref|, atol = max|round_to_dtype(dX_ref) − dX_ref|,
+//!                  floor = what f32 sums of dP and D in another order can change
 //! f32 storage:     max|dX − dX_ref| ≤ 1e-4 · max(1, max|dX_ref|)
 //! ```
 //! and no element differs in finiteness from the oracle. `dX_lowp` is the naive evaluation in
-//! the storage precision ([`crate::cpu::reference_grad::grad_lowp`]).
+//! the storage precision ([`crate::cpu::reference_grad::grad_lowp`]), with D taken from the O
+//! the backend was given; `floor` is its [`f32_floor`](reference_grad::LowpGrads::f32_floor).
+//! Where the floor is below `lowp` (nearly always), this is `2 · lowp + atol`, the forward's
+//! rule for O.
 
 use std::fmt;
 
@@ -82,6 +86,10 @@ pub struct TensorReport {
     pub lowp_err: f64,
     /// `max|round(dX_ref) − dX_ref|` (16-bit storage).
     pub atol: f64,
+    /// The f32 floor (16-bit storage): what f32 sums of `dP` and `D` in another order can
+    /// change (see [`reference_grad::LowpGrads::f32_floor`]); it replaces the rule's second
+    /// `lowp_err` where it is larger.
+    pub f32_floor: f64,
     /// Elements whose finiteness differs from the oracle.
     pub finiteness_mismatches: usize,
     /// The first element out of bounds or of the wrong finiteness, with (got, want).
@@ -123,6 +131,9 @@ impl fmt::Display for GradReport {
             )?;
             if self.dtype != DType::F32 {
                 write!(f, ", lowp {:.2e}", t.lowp_err)?;
+                if t.f32_floor > t.lowp_err {
+                    write!(f, ", f32 floor {:.2e}", t.f32_floor)?;
+                }
             }
             write!(f, ")")?;
             if t.finiteness_mismatches > 0 {
@@ -160,20 +171,22 @@ pub struct GradsView<'a, T> {
 }
 
 /// Applies the gradient tolerance rule to `got`, computing the oracle and the storage-precision
-/// evaluation from the same inputs (`d_out` laid out as `d_out_layout`, O's dims).
+/// evaluation from the same inputs: `out` (laid out as `p.o_layout()`) is the O the backend was
+/// given, `d_out` (laid out as `d_out_layout`, O's dims) the upstream gradient.
 #[allow(clippy::too_many_arguments)]
 pub fn check_grads<T: Element>(
     p: &Problem,
     q: &[T],
     k: &[T],
     v: &[T],
+    out: &[T],
     d_out: &[T],
     d_out_layout: &Layout,
     got: GradsView<'_, T>,
 ) -> GradReport {
     let want = reference_grad::grad_f64(p, q, k, v, d_out, d_out_layout);
     let low = (T::DTYPE != DType::F32)
-        .then(|| reference_grad::grad_lowp(p, q, k, v, d_out, d_out_layout));
+        .then(|| reference_grad::grad_lowp(p, q, k, v, out, p.o_layout(), d_out, d_out_layout));
     let pick = |g: &Grads<f64>, w: Which| match w {
         Which::Dq => g.dq.clone(),
         Which::Dk => g.dk.clone(),
@@ -186,10 +199,13 @@ pub fn check_grads<T: Element>(
     ]
     .map(|(which, (data, layout), input)| {
         let want = pick(&want, which);
-        let low = low.as_ref().map(|l| match which {
-            Which::Dq => &l.dq,
-            Which::Dk => &l.dk,
-            Which::Dv => &l.dv,
+        let low = low.as_ref().map(|l| {
+            let (g, floor) = (&l.grads, l.f32_floor);
+            match which {
+                Which::Dq => (&g.dq, floor[0]),
+                Which::Dk => (&g.dk, floor[1]),
+                Which::Dv => (&g.dv, floor[2]),
+            }
         });
         judge(p, which, data, layout, input, &want, low)
     });
@@ -206,12 +222,12 @@ fn judge<T: Element>(
     layout: &Layout,
     input: &Layout,
     want: &[f64],
-    low: Option<&Vec<f32>>,
+    low: Option<(&Vec<f32>, f64)>,
 ) -> TensorReport {
     let finite = |x: &&f64| x.is_finite();
     let max_ref = want.iter().filter(finite).fold(0f64, |m, x| m.max(x.abs()));
-    let (lowp_err, atol, bound) = match low {
-        Some(low) => {
+    let (lowp_err, atol, f32_floor, bound) = match low {
+        Some((low, floor)) => {
             let lowp_err = low
                 .iter()
                 .zip(want)
@@ -223,9 +239,12 @@ fn judge<T: Element>(
                 .filter(finite)
                 .map(|&x| (f64::from(T::from_f64(x).to_f32()) - x).abs())
                 .fold(0.0, f64::max);
-            (lowp_err, atol, 2.0 * lowp_err + atol)
+            // The floor, rounded to the dtype as a result is: relative 2⁻⁸ (bf16) covers
+            // both dtypes' normal numbers, 2⁻²⁴ fp16's subnormal spacing.
+            let floor = floor * (1.0 + 2f64.powi(-8)) + 2f64.powi(-24);
+            (lowp_err, atol, floor, lowp_err + atol + lowp_err.max(floor))
         }
-        None => (0.0, 0.0, F32_GRAD_RTOL * max_ref.max(1.0)),
+        None => (0.0, 0.0, 0.0, F32_GRAD_RTOL * max_ref.max(1.0)),
     };
     let cl = contiguous(input);
     let [_, _, heads, cols] = input.dims;
@@ -270,6 +289,7 @@ fn judge<T: Element>(
         bound,
         lowp_err,
         atol,
+        f32_floor,
         finiteness_mismatches: mismatches,
         first_bad,
     }
@@ -343,7 +363,8 @@ pub fn cu_seqlens(p: &Problem) -> Option<(Vec<i32>, Vec<i32>)> {
 fn run_grad_typed<T: Element>(backend: &Backend, case: &Case, seed: u64) -> Result<GradReport> {
     let (p, mut x) = setup::<T>(case, seed)?;
     // The forward on the CPU: its O and LSE are the backward's inputs, whatever runs the
-    // backward (the CUDA backend has no backward yet and says so).
+    // backward, so every backend's gradients are judged from the same O (the rule's model
+    // takes D from it too).
     Backend::Cpu.run(&p, &x.q, &x.k, &x.v, &mut x.o, Some(&mut x.lse))?;
     let mut rng = StdRng::seed_from_u64(seed ^ 0x6772_6164);
     let mut d_out = vec![T::NAN; x.o.len()];
@@ -368,7 +389,16 @@ fn run_grad_typed<T: Element>(backend: &Backend, case: &Case, seed: u64) -> Resu
         dk: (&dk, p.k_layout()),
         dv: (&dv, p.v_layout()),
     };
-    Ok(check_grads(&p, &x.q, &x.k, &x.v, &d_out, p.o_layout(), got))
+    Ok(check_grads(
+        &p,
+        &x.q,
+        &x.k,
+        &x.v,
+        &x.o,
+        &d_out,
+        p.o_layout(),
+        got,
+    ))
 }
 
 /// Draws fresh random inputs and dO for `case` (from `seed`), runs the forward on the CPU and

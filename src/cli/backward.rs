@@ -292,7 +292,7 @@ impl<T: Element> Grads<T> {
             dk: (&self.dk, p.k_layout()),
             dv: (&self.dv, p.v_layout()),
         };
-        let report = check_grads(p, f.q, f.k, f.v, &self.d_out, p.o_layout(), got);
+        let report = check_grads(p, f.q, f.k, f.v, f.o, &self.d_out, p.o_layout(), got);
         println!(
             "grads    {report} (float64 gradient oracle, {:.2} s)",
             t0.elapsed().as_secs_f64()

@@ -15,21 +15,22 @@ use super::PlanArgs;
 #[derive(Args, Debug, Default)]
 pub struct DecodePlanArgs {
     /// Plan a decode call over a paged KV cache (split-KV, GQA packing) instead of a kernel.
+    /// --batch, --seqlen-q, --seqlen-k, --heads-q and --heads-kv also shape `--backward`.
     #[arg(long, help_heading = "Decode")]
     decode: bool,
     /// Sequences [default: 1].
     #[arg(long, allow_negative_numbers = true, help_heading = "Decode")]
     batch: Option<usize>,
-    /// Query rows per sequence (1 decode, 2–8 speculative) [default: 1].
+    /// Query rows per sequence (1 decode, 2–8 speculative) [default: 1; 1024 with --backward].
     #[arg(long, allow_negative_numbers = true, help_heading = "Decode")]
     seqlen_q: Option<usize>,
-    /// Keys of the longest sequence (required with --decode).
+    /// Keys of the longest sequence (required with --decode; --backward: default --seqlen-q).
     #[arg(long, allow_negative_numbers = true, help_heading = "Decode")]
     seqlen_k: Option<usize>,
-    /// Query heads [default: 32].
+    /// Query heads [default: 32; 8 with --backward].
     #[arg(long, allow_negative_numbers = true, help_heading = "Decode")]
     heads_q: Option<usize>,
-    /// KV heads, dividing --heads-q [default: 8].
+    /// KV heads, dividing --heads-q [default: 8; --heads-q with --backward].
     #[arg(long, allow_negative_numbers = true, help_heading = "Decode")]
     heads_kv: Option<usize>,
     /// Force the split count (1..=128).
@@ -61,6 +62,39 @@ impl DecodePlanArgs {
     pub fn wanted(&self) -> bool {
         self.decode
     }
+
+    /// The problem-shape flags, which `fa4 plan --backward` reads too (they are named as in
+    /// `fa4 run`).
+    pub fn shape_flags(&self) -> ShapeFlags {
+        ShapeFlags {
+            batch: self.batch,
+            seqlen_q: self.seqlen_q,
+            seqlen_k: self.seqlen_k,
+            heads_q: self.heads_q,
+            heads_kv: self.heads_kv,
+        }
+    }
+
+    /// The first flag given that only a decode plan uses (`--num-splits`, `--sms`).
+    pub fn split_flag(&self) -> Option<&'static str> {
+        [
+            ("--num-splits", self.num_splits.is_some()),
+            ("--sms", self.sms.is_some()),
+        ]
+        .into_iter()
+        .find(|&(_, given)| given)
+        .map(|(flag, _)| flag)
+    }
+}
+
+/// The shape flags as given (`None`: not given).
+#[derive(Debug, Clone, Copy)]
+pub struct ShapeFlags {
+    pub batch: Option<usize>,
+    pub seqlen_q: Option<usize>,
+    pub seqlen_k: Option<usize>,
+    pub heads_q: Option<usize>,
+    pub heads_kv: Option<usize>,
 }
 
 /// Prints the decode plan.

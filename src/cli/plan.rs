@@ -10,6 +10,8 @@ use fa4::{DType, Error, Result};
 
 #[path = "decode_plan.rs"]
 mod decode_plan;
+#[path = "plan_backward.rs"]
+mod plan_backward;
 
 /// Which planner to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -18,13 +20,17 @@ pub enum PlanArch {
     Sm100,
     /// Hopper (H100/H200): the TMA + wgmma kernel's plan and the kernel dispatch.
     Sm90,
+    /// Ampere (A100): `--backward` only.
+    Sm80,
+    /// The CPU backend: `--backward` only.
+    Cpu,
 }
 
 #[derive(Args, Debug)]
 pub struct PlanArgs {
-    /// The GPU family to plan for.
-    #[arg(long, value_enum, default_value_t = PlanArch::Sm100)]
-    arch: PlanArch,
+    /// The GPU family (or the CPU) to plan for [default: sm100; sm90 with --backward].
+    #[arg(long, value_enum)]
+    arch: Option<PlanArch>,
     /// Query heads (SM100) [default: 32].
     #[arg(long, allow_negative_numbers = true)]
     num_q_heads: Option<u32>,
@@ -57,16 +63,32 @@ pub struct PlanArgs {
     /// Decode over a paged KV cache (`src/cli/decode_plan.rs`).
     #[command(flatten)]
     decode: decode_plan::DecodePlanArgs,
+    /// The backward's plan (`src/cli/plan_backward.rs`).
+    #[command(flatten)]
+    backward: plan_backward::BackwardPlanArgs,
 }
 
 pub fn run(args: PlanArgs) -> Result<()> {
+    if args.backward.wanted() {
+        return plan_backward::run(&args);
+    }
+    if let Some(flag) = args.backward.stray() {
+        return Err(Error::invalid(flag, "belongs to `fa4 plan --backward`"));
+    }
     if let Some(flag) = args.decode.stray() {
         return Err(Error::invalid(flag, "belongs to `fa4 plan --decode`"));
     }
     if args.decode.wanted() {
         return decode_plan::run(&args);
     }
-    if args.arch == PlanArch::Sm90 {
+    let arch = args.arch.unwrap_or(PlanArch::Sm100);
+    if matches!(arch, PlanArch::Sm80 | PlanArch::Cpu) {
+        return Err(Error::invalid(
+            "--arch",
+            "sm80 and cpu plan only the backward (`--backward`); the forward's plans are sm100 and sm90",
+        ));
+    }
+    if arch == PlanArch::Sm90 {
         if args.compile {
             return Err(Error::invalid(
                 "--compile",

@@ -150,7 +150,7 @@ impl RunArgs {
 }
 
 /// Parses `LEFT,RIGHT`, each ≥ 0 or -1 (unbounded).
-fn parse_window(s: &str) -> std::result::Result<Mask, String> {
+pub(super) fn parse_window(s: &str) -> std::result::Result<Mask, String> {
     let parts: Vec<&str> = s.split(',').map(str::trim).collect();
     let [l, r] = parts.as_slice() else {
         return Err(format!(

@@ -156,6 +156,38 @@ pub fn dq_tiles(head_dim: usize) -> DqTiles {
     }
 }
 
+/// Why [`main_tiles`] chose its tiles at a padded head dim, in one sentence (`fa4 plan
+/// --backward` prints it; the measurements behind it are in [`main_tiles`]' docs).
+pub fn main_tiles_reason(head_dim: usize) -> &'static str {
+    match head_dim {
+        64 => {
+            "each warp's 16-key dK and dV (16 x 64) and its S^T, dP^T (16 x 64) take 64 registers \
+               apiece, so 8 warps cover 128 keys against 64-query steps"
+        }
+        128 => {
+            "a warp's dK, dV (16 x 128) take 128 registers and S^T, dP^T 32 at 32-query steps; \
+                64-query steps reach 255 registers and spill, and 128 keys per CTA ran 163-177 \
+                TFLOP/s on the H200 where 64 keys ran 141-151 (half the dQ reductions and the Q, \
+                dO loads per key)"
+        }
+        _ => {
+            "a warp's 16 x 256 dK and dV would not fit in registers: 8 warps split them into \
+              two column groups of 16 x 128 (each group recomputes S^T and dP^T) over 64 keys \
+              and 32-query steps"
+        }
+    }
+}
+
+/// Why [`dq_tiles`] chose its tiles (`fa4 plan --backward --deterministic`).
+pub fn dq_tiles_reason(head_dim: usize) -> &'static str {
+    if head_dim > 128 {
+        "64 query rows per CTA, 16 per warp, whose 16 x 256 dQ stays in registers; 32 keys per \
+         step keep S and dP beside it"
+    } else {
+        "64 query rows per CTA, 16 per warp with their dQ in registers, 64 keys per step"
+    }
+}
+
 /// One kernel of the backward, with everything it is specialised on: the compile-cache key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BwdSpec {
@@ -222,26 +254,31 @@ impl BwdSpec {
             BwdKernel::Pre | BwdKernel::Convert => (16, 16, AUX_WARPS, 1),
         };
         let main = self.kernel == BwdKernel::Main;
-        Prelude::new("config::bwd", self)
-            .int("HEAD_DIM", self.head_dim)
-            .int("BLOCK_M", block_m)
-            .int("BLOCK_N", block_n)
-            .int("NUM_WARPS", warps)
-            .int("DSPLIT", dsplit)
+        let rows = matches!(self.kernel, BwdKernel::Pre | BwdKernel::Convert);
+        // Each kernel gets the numbers it reads: NVRTC warns (#177) about a constant nothing
+        // references, and a warning-free log keeps real warnings visible. The row kernels read
+        // no BLOCK_M; only the main kernel has column groups and a mode switch.
+        let mut pre = Prelude::new("config::bwd", self).int("HEAD_DIM", self.head_dim);
+        if !rows {
+            pre = pre.int("BLOCK_M", block_m);
+        }
+        pre = pre.int("BLOCK_N", block_n).int("NUM_WARPS", warps);
+        if main {
+            pre = pre.int("DSPLIT", dsplit);
+        }
+        pre = pre
             .flag("IS_BF16", self.bf16)
-            .flag(
-                "HAS_WINDOW",
-                self.window && self.kernel != BwdKernel::Pre && self.kernel != BwdKernel::Convert,
-            )
+            .flag("HAS_WINDOW", self.window && !rows)
             .flag(
                 "HAS_SOFTCAP",
                 self.softcap && (main || self.kernel == BwdKernel::Dq),
             )
-            .flag("DETERMINISTIC", self.deterministic && main)
             .flag("LAZY_RESCALE", false)
-            .flag("VEC_RED", vector_reductions(self.target))
-            .define("FA4_SMEM_BYTES", self.smem_bytes())
-            .finish()
+            .flag("VEC_RED", vector_reductions(self.target));
+        if main {
+            pre = pre.flag("DETERMINISTIC", self.deterministic);
+        }
+        pre.define("FA4_SMEM_BYTES", self.smem_bytes()).finish()
     }
 
     /// The same problem's spec of another kernel.

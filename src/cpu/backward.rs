@@ -747,7 +747,7 @@ mod tests {
             .chain(&dvv)
             .filter(|x| !x.to_f32().is_finite())
             .count();
-        (check_grads(&p, &q, &k, &v, &d_out, &ol, got), n)
+        (check_grads(&p, &q, &k, &v, &o, &d_out, &ol, got), n)
     }
 
     const T96: CpuTiles = CpuTiles {

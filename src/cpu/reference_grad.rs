@@ -4,8 +4,9 @@
 //! Both are transcriptions of the math, one (sequence, KV head) at a time and one query row at a
 //! time, with nothing shared with the CPU backward they judge: their own mask predicate (signed
 //! arithmetic on `j < sk`, `i + sk − sq − left ≤ j ≤ i + sk − sq + right`), their own element
-//! indexing, and their own forward pass (P, LSE and O recomputed from Q, K, V; the oracle needs
-//! no LSE or O from a backend). For one row `i` with allowed keys `j`:
+//! indexing, and their own forward pass (P and LSE recomputed from Q, K, V; the oracle needs no
+//! LSE or O from a backend, and computes its own O; the storage-precision evaluation takes D from
+//! the O the backend was given, as the backends do). For one row `i` with allowed keys `j`:
 //!
 //! ```text
 //! x_ij = scale · q_i·k_j                      (the raw products, scaled)
@@ -225,18 +226,37 @@ pub fn grad_f64<T: Element>(
     assemble(p, parts)
 }
 
+/// What [`grad_lowp`] returns: the naive gradients and, per gradient, the f32 floor of the
+/// rule.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LowpGrads {
+    /// dQ, dK, dV in the storage precision (as f32), contiguous in their inputs' dims.
+    pub grads: Grads<f32>,
+    /// `[dQ, dK, dV]`: the largest difference, over each gradient's elements, that summing
+    /// `dP_ij` and `D_i` (two f32 dot products of length `head_dim_v`) in another order makes,
+    /// at 4 standard deviations of the rounding noise, carried through `dS` to the gradient and
+    /// summed over keys and rows as if every error had one sign. dV takes no difference of
+    /// sums: 0.
+    pub f32_floor: [f64; 3],
+}
+
 /// The naive gradients in the storage precision `T`, the yardstick of the 16-bit tolerance
-/// rule: inputs in `T`; scores, P, O and dS rounded to `T` (where a GPU kernel stores them in
-/// 16 bits before the next product); every sum in f32; the results rounded to `T`. For f32
-/// storage this is a plain f32 evaluation.
+/// rule: inputs in `T`; scores, P and dS rounded to `T` (where a GPU kernel stores them in 16
+/// bits before the next product); every sum in f32; the results rounded to `T`. `D_i = dO_i·O_i`
+/// is taken from `out` (laid out as `out_layout`), the O the backend judged was given, as every
+/// backend takes it: the rounding of the given O then enters the model and the backend alike
+/// (see docs/backward.md). For f32 storage this is a plain f32 evaluation.
+#[allow(clippy::too_many_arguments)]
 pub fn grad_lowp<T: Element>(
     p: &Problem,
     q: &[T],
     k: &[T],
     v: &[T],
+    out: &[T],
+    out_layout: &Layout,
     d_out: &[T],
     d_out_layout: &Layout,
-) -> Grads<f32> {
+) -> LowpGrads {
     let (d, dvd, g) = (p.head_dim(), p.head_dim_v(), p.group());
     let scale = p.scale();
     let cap = p.softcap();
@@ -261,6 +281,18 @@ pub fn grad_lowp<T: Element>(
             let mut dq = vec![0f32; g * sq * d];
             let mut dk = vec![0f32; sk * d];
             let mut dv = vec![0f32; sk * dvd];
+            // The f32 floor's ingredients: the largest |v| per column over the keys, the
+            // largest |k| per key; per key the accumulated bound of dK's f32 difference.
+            let abs_max = |x: &[f32]| x.iter().fold(0f64, |m, &e| m.max(f64::from(e).abs()));
+            let mut vmax = vec![0f64; dvd];
+            for vj in &vals {
+                for (m, &x) in vmax.iter_mut().zip(vj) {
+                    *m = m.max(f64::from(x).abs());
+                }
+            }
+            let kmax: Vec<f64> = keys.iter().map(|kj| abs_max(kj)).collect();
+            let mut floor_k = vec![0f64; sk];
+            let mut floor_q = 0f64;
             for gi in 0..g {
                 let h = hk * g + gi;
                 for i in 0..sq {
@@ -289,14 +321,30 @@ pub fn grad_lowp<T: Element>(
                         shift + row.iter().map(|r| (r.1 - shift).exp()).sum::<f32>().ln()
                     };
                     let probs: Vec<f32> = row.iter().map(|r| round((r.1 - lse).exp())).collect();
-                    let mut oi = vec![0f32; dvd];
-                    for (&(j, _, _), &pij) in row.iter().zip(&probs) {
-                        for (o, x) in oi.iter_mut().zip(&vals[j]) {
-                            *o += pij * x;
-                        }
-                    }
-                    let oi: Vec<f32> = oi.into_iter().map(round).collect();
+                    let oi = row_of(out, out_layout, s, s.q_start + i, h);
                     let di = dot32(&doi, &oi);
+                    // dP_ij and D_i summed in f32 in another order: each of the n terms' sum
+                    // rounds with an error of at most u times the partial sum, of random sign;
+                    // their total has a standard deviation of about u·sqrt(n)·‖terms‖₂. eps_i
+                    // is 4 such deviations of dP_ij − D_i for every key of the row (|v_j| ≤
+                    // vmax per column). The worst case, n·u·Σ|terms|, is 10-30× larger at
+                    // d = 64..256 and was never approached (measured on the H200: dS noise
+                    // ≤ 1.3e-5 in dQ, dK where this gives 1e-4..1e-3).
+                    let n = (dvd + 2) as f64;
+                    let eps_i = F32_NOISE_SIGMAS
+                        * F32_UNIT
+                        * n.sqrt()
+                        * doi
+                            .iter()
+                            .zip(vmax.iter().zip(&oi))
+                            .map(|(&g, (&vm, &o))| {
+                                let g = f64::from(g);
+                                g * g * (vm * vm + f64::from(o) * f64::from(o))
+                            })
+                            .sum::<f64>()
+                            .sqrt();
+                    let qmax_i = abs_max(&qi);
+                    let mut floor_qi = 0f64;
                     let dqi = &mut dq[(gi * sq + i) * d..(gi * sq + i + 1) * d];
                     for (&(j, _, dsdx), &pij) in row.iter().zip(&probs) {
                         for (a, x) in dv[j * dvd..(j + 1) * dvd].iter_mut().zip(&doi) {
@@ -310,21 +358,52 @@ pub fn grad_lowp<T: Element>(
                         for (a, x) in dk[j * d..(j + 1) * d].iter_mut().zip(&qi) {
                             *a += dx * x;
                         }
+                        // dS_ij's f32 difference is at most P_ij·eps_i, times |dsdx·scale|
+                        // on its way to dX; |k_jc| ≤ kmax_j and |q_ic| ≤ qmax_i.
+                        let w = f64::from(pij) * eps_i * f64::from(dsdx * scale).abs();
+                        if w.is_finite() {
+                            floor_qi += w * kmax[j];
+                            floor_k[j] += w * qmax_i;
+                        }
+                    }
+                    if floor_qi.is_finite() {
+                        floor_q = floor_q.max(floor_qi);
                     }
                 }
             }
             let r = |x: Vec<f32>| x.into_iter().map(round).collect::<Vec<f32>>();
-            Part {
-                seq: si,
-                kv_head: hk,
-                dq: r(dq),
-                dk: r(dk),
-                dv: r(dv),
-            }
+            let floor_k = floor_k
+                .into_iter()
+                .filter(|x| x.is_finite())
+                .fold(0f64, f64::max);
+            (
+                Part {
+                    seq: si,
+                    kv_head: hk,
+                    dq: r(dq),
+                    dk: r(dk),
+                    dv: r(dv),
+                },
+                [floor_q, floor_k],
+            )
         })
-        .collect();
-    assemble(p, parts)
+        .collect::<Vec<_>>();
+    let f32_floor = parts
+        .iter()
+        .fold([0f64; 3], |m, (_, f)| [m[0].max(f[0]), m[1].max(f[1]), 0.0]);
+    LowpGrads {
+        grads: assemble(p, parts.into_iter().map(|(part, _)| part).collect()),
+        f32_floor,
+    }
 }
+
+/// The error of one f32 addition, relative: one ulp (2⁻²³), not the half ulp of round to
+/// nearest, because tensor cores' f32 accumulation need not round to nearest.
+const F32_UNIT: f64 = 1.0 / (1u64 << 23) as f64;
+
+/// Standard deviations of f32 summation noise the floor allows (a random walk of n roundings
+/// exceeds 4σ with probability below 1e-4 per sum).
+const F32_NOISE_SIGMAS: f64 = 4.0;
 
 #[cfg(test)]
 mod tests {

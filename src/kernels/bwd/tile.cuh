@@ -3,10 +3,13 @@
 // groups without a swizzle, and fragment addresses are plain row/column arithmetic.
 // Needs the prelude's HEAD_DIM and NUM_WARPS, and `../sm80/ptx.cuh`.
 
-constexpr int NUM_THREADS = NUM_WARPS * 32;
-constexpr int CHUNK_ELEMS = 8;                  // one 16-byte cp.async / ldmatrix row
-constexpr int CHUNKS = HEAD_DIM / CHUNK_ELEMS;  // 16-byte chunks per tile row
-constexpr int LD = HEAD_DIM + CHUNK_ELEMS;      // padded row of a (rows, HEAD_DIM) tile, elements
+// Every backward kernel's source includes this header; the row kernels (aux.cu) read
+// CHUNK_ELEMS but none of the tile constants, which are [[maybe_unused]] so that their
+// compiles log no NVRTC warning (#177) for them.
+[[maybe_unused]] constexpr int NUM_THREADS = NUM_WARPS * 32;
+constexpr int CHUNK_ELEMS = 8;                                   // one 16-byte cp.async / ldmatrix row
+[[maybe_unused]] constexpr int CHUNKS = HEAD_DIM / CHUNK_ELEMS;  // 16-byte chunks per tile row
+[[maybe_unused]] constexpr int LD = HEAD_DIM + CHUNK_ELEMS;      // padded row of a (rows, HEAD_DIM) tile, elements
 static_assert(HEAD_DIM % 16 == 0, "k16 steps over the head dim");
 
 // (ROWS, HEAD_DIM) from global rows [0, valid_rows) and columns [0, head_dim); everything else

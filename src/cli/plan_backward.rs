@@ -1,0 +1,572 @@
+//! `fa4 plan --backward`: the backward's plan for a problem and why.
+//!
+//! A child module of `plan`: it reads `--arch`, `--depth`, `--dtype` and `--json` from the
+//! plan's flags, the problem's shape from the flags `fa4 run` names the same way (`--batch`,
+//! `--seqlen-q`, `--seqlen-k`, `--heads-q`, `--heads-kv`, shared with `--decode`), and adds the
+//! mask, the softcap and `--deterministic`. GPU arches print [`fa4::config::bwd::plan`]'s
+//! launches as the CUDA backend would run them on that GPU (the A100 or the H200); `--arch cpu`
+//! prints the CPU backward's tiles ([`fa4::cpu::plan::plan`]) and its two passes.
+
+use clap::Args;
+
+use fa4::config::bwd::{self, BwdKernel, BwdPlan, BwdSpec};
+use fa4::mask::Mask;
+use fa4::problem::{Options, Problem};
+use fa4::tensor::Layout;
+use fa4::{Error, Result};
+
+use super::{PlanArch, PlanArgs};
+
+/// Shape defaults: those of `fa4 run`'s random problem, so that the two commands describe the
+/// same problem when given the same flags.
+const DEFAULT_SEQLEN: usize = 1024;
+const DEFAULT_HEADS: usize = 8;
+
+/// The backward flags of `fa4 plan`.
+#[derive(Args, Debug, Default)]
+pub struct BackwardPlanArgs {
+    /// Plan the backward (dQ, dK, dV) of a problem given by --batch, --seqlen-q, --seqlen-k,
+    /// --heads-q, --heads-kv, --depth, --dtype and the mask; --arch sm80, sm90 (default) or cpu.
+    #[arg(long, help_heading = "Backward")]
+    backward: bool,
+    /// The deterministic backward (dQ summed in a fixed order, no atomics).
+    #[arg(long, help_heading = "Backward")]
+    deterministic: bool,
+    /// Causal mask, aligned to the bottom-right corner (the window -1,0).
+    #[arg(long, help_heading = "Backward")]
+    causal: bool,
+    /// Local window: LEFT keys before the diagonal and RIGHT after; -1 is unbounded.
+    #[arg(long, value_name = "LEFT,RIGHT", allow_hyphen_values = true,
+          value_parser = super::super::run::parse_window, help_heading = "Backward")]
+    window: Option<Mask>,
+    /// Softcap: scores become X·tanh(s/X); X > 0.
+    #[arg(
+        long,
+        value_name = "X",
+        allow_hyphen_values = true,
+        help_heading = "Backward"
+    )]
+    softcap: Option<f32>,
+}
+
+impl BackwardPlanArgs {
+    /// The first backward flag given without `--backward`, if any.
+    pub fn stray(&self) -> Option<&'static str> {
+        [
+            ("--deterministic", self.deterministic),
+            ("--causal", self.causal),
+            ("--window", self.window.is_some()),
+            ("--softcap", self.softcap.is_some()),
+        ]
+        .into_iter()
+        .find(|&(_, given)| given && !self.backward)
+        .map(|(flag, _)| flag)
+    }
+
+    /// Whether `--backward` was given.
+    pub fn wanted(&self) -> bool {
+        self.backward
+    }
+}
+
+/// Prints the backward's plan.
+pub fn run(args: &PlanArgs) -> Result<()> {
+    // Flags that would change nothing here are refused rather than ignored.
+    let refused: [(&str, bool, &str); 8] = [
+        ("--num-q-heads", args.num_q_heads.is_some(), "use --heads-q"),
+        ("--group", args.group.is_some(), "use --heads-kv"),
+        ("--seqlen", args.seqlen.is_some(), "use --seqlen-q (and --seqlen-k)"),
+        ("--swizzle", args.swizzle.is_some(), "the backward kernels take no TMA swizzle"),
+        (
+            "--varlen",
+            args.varlen,
+            "a packed batch gets the plan of its longest sequence; give that as --seqlen-q/--seqlen-k",
+        ),
+        ("--compile", args.compile, "compiles the SM100 forward kernel only"),
+        ("--decode", args.decode.wanted(), "plans a decode call, not a backward"),
+        ("--arch", args.arch == Some(PlanArch::Sm100), "fa4 has no Blackwell backward; the Ampere-class kernels run there: use --arch sm80 or sm90"),
+    ];
+    if let Some((flag, _, why)) = refused.into_iter().find(|r| r.1) {
+        return Err(Error::invalid(
+            flag,
+            format!("does not apply to `--backward`: {why}"),
+        ));
+    }
+    if let Some(flag) = args.decode.split_flag() {
+        return Err(Error::invalid(flag, "belongs to `fa4 plan --decode`"));
+    }
+    let b = &args.backward;
+    let p = problem(args)?;
+    let arch = args.arch.unwrap_or(PlanArch::Sm90);
+    match arch {
+        PlanArch::Cpu => {
+            if args.json {
+                println!("{}", pretty(&cpu_json(&p, b.deterministic)));
+            } else {
+                print_cpu(&p, b.deterministic);
+            }
+            Ok(())
+        }
+        PlanArch::Sm80 | PlanArch::Sm90 => {
+            let gpu = Gpu::of(arch);
+            let plan =
+                |det: bool| bwd::plan(&p, &gpu.arch, gpu.target, det, None).map_err(flag_error);
+            let (this, other) = (plan(b.deterministic)?, plan(!b.deterministic)?);
+            if args.json {
+                println!("{}", pretty(&gpu_json(&gpu, &p, &this, &other)));
+            } else {
+                print_gpu(&gpu, &p, &this, &other);
+            }
+            Ok(())
+        }
+        PlanArch::Sm100 => unreachable!("refused above"),
+    }
+}
+
+/// The problem the flags describe, each bad value an error naming its flag.
+fn problem(args: &PlanArgs) -> Result<Problem> {
+    let s = args.decode.shape_flags();
+    let depth = args.depth as usize;
+    let batch = s.batch.unwrap_or(1);
+    let sq = s.seqlen_q.unwrap_or(DEFAULT_SEQLEN);
+    let sk = s.seqlen_k.unwrap_or(sq);
+    let hq = s.heads_q.unwrap_or(DEFAULT_HEADS);
+    let hkv = s.heads_kv.unwrap_or(hq);
+    for (flag, v) in [
+        ("--depth", depth),
+        ("--batch", batch),
+        ("--seqlen-q", sq),
+        ("--seqlen-k", sk),
+        ("--heads-q", hq),
+        ("--heads-kv", hkv),
+    ] {
+        if v == 0 {
+            return Err(Error::invalid(flag, "must be at least 1"));
+        }
+    }
+    if !hq.is_multiple_of(hkv) {
+        return Err(Error::invalid(
+            "--heads-kv",
+            format!("{hkv} does not divide --heads-q {hq}"),
+        ));
+    }
+    // Every tensor's element count must fit: the layouts check it, but would name `q`.
+    for (flag, rows, heads) in [("--seqlen-q", sq, hq), ("--seqlen-k", sk, hkv)] {
+        if batch
+            .checked_mul(rows)
+            .and_then(|x| x.checked_mul(heads))
+            .and_then(|x| x.checked_mul(depth))
+            .is_none_or(|n| n > isize::MAX as usize / 4)
+        {
+            return Err(Error::invalid(
+                flag,
+                "the problem's tensors would not fit in memory",
+            ));
+        }
+    }
+    let b = &args.backward;
+    let mut opts = Options::new();
+    if b.causal && b.window.is_some() {
+        return Err(Error::invalid(
+            "--window",
+            "give --causal or --window, not both",
+        ));
+    }
+    if b.causal {
+        opts = opts.causal();
+    }
+    if let Some(m) = b.window {
+        opts = opts.mask(m);
+    }
+    if let Some(c) = b.softcap {
+        opts = opts.softcap(c);
+    }
+    let lq = Layout::new("q", &[batch, sq, hq, depth], None)?;
+    let lk = Layout::new("k", &[batch, sk, hkv, depth], None)?;
+    Problem::new(args.dtype, &lq, &lk, &lk, &lq, None, None, &opts).map_err(flag_error)
+}
+
+/// A planner's or the problem's error, named by the flag that set what it names.
+fn flag_error(e: Error) -> Error {
+    match e {
+        Error::InvalidArgument { name, reason } => {
+            let flag = match name.as_str() {
+                "dtype" => "--dtype",
+                "softcap" => "--softcap",
+                "window" | "mask" => "--window",
+                // The planner names `q` for the grid's limits and the row count too.
+                "q" if reason.ends_with("heads exceed the CUDA grid") => "--heads-q",
+                "q" if reason.ends_with("sequences exceed the CUDA grid") => "--batch",
+                "q" if reason.ends_with("exceed the CUDA grid") || reason.contains("2^31 rows") => {
+                    "--seqlen-q"
+                }
+                // The head dim (too large, not a multiple of 8) and the shared memory it needs.
+                "q" | "k" | "v" | "out" => "--depth",
+                _ => return Error::invalid(name, reason),
+            };
+            Error::invalid(flag, reason)
+        }
+        e => e,
+    }
+}
+
+/// The GPU a GPU arch stands for, and the NVRTC target the CUDA backend compiles the backward
+/// for on it (the plain `sm_XY` of its compute capability: the kernels use no `a` features).
+struct Gpu {
+    flag: &'static str,
+    arch: fa4::arch::GpuArch,
+    target: &'static str,
+}
+
+impl Gpu {
+    fn of(a: PlanArch) -> Gpu {
+        match a {
+            PlanArch::Sm80 => Gpu {
+                flag: "sm80",
+                arch: fa4::arch::A100,
+                target: "sm_80",
+            },
+            _ => Gpu {
+                flag: "sm90",
+                arch: fa4::arch::H200,
+                target: "sm_90",
+            },
+        }
+    }
+
+    fn family_note(&self) -> &'static str {
+        if self.flag == "sm90" {
+            "the Ampere-class kernels (mma.sync m16n8k16, cp.async, ldmatrix) run on the H200 \
+             today; the Hopper backward (wgmma, TMA) is not written yet"
+        } else {
+            "the Ampere-class kernels (mma.sync m16n8k16, cp.async, ldmatrix)"
+        }
+    }
+
+    /// How the main kernel adds into the dQ accumulator on this target.
+    fn reduction(&self) -> &'static str {
+        if self.flag == "sm90" {
+            "red.global.add.v2.f32 (one vector reduction per pair of f32, sm_90 and later)"
+        } else {
+            "red.global.add.f32 (scalar reductions; the vector form needs sm_90)"
+        }
+    }
+}
+
+/// What a launch of a (deterministic or not) backward computes, and how its warps divide the
+/// work.
+fn role(s: &BwdSpec, det: bool) -> (&'static str, String) {
+    match s.kernel {
+        BwdKernel::Pre => (
+            if det {
+                "D_i = rowsum(dO∘O) in f32 from the stored O"
+            } else {
+                "D_i = rowsum(dO∘O) in f32 from the stored O; the dQ accumulator zeroed"
+            },
+            format!("{} warps, one query row each", bwd::AUX_WARPS),
+        ),
+        BwdKernel::Main => (
+            if det {
+                "dK, dV of a key block over every query head of its KV head (GQA sums in \
+                 registers) and every query block the mask lets see it; no dQ"
+            } else {
+                "dK, dV of a key block over every query head of its KV head (GQA sums in \
+                 registers) and every query block the mask lets see it; dS·K added into the dQ \
+                 accumulator"
+            },
+            format!(
+                "{} keys x {} queries per step, {} warps (16 keys each{})",
+                s.main.block_n,
+                s.main.block_m,
+                s.main.num_warps(),
+                if s.main.dsplit > 1 {
+                    format!(", {} column groups of dK, dV", s.main.dsplit)
+                } else {
+                    String::new()
+                }
+            ),
+        ),
+        BwdKernel::Dq => (
+            "dQ of a query block, its warps walking the key blocks in order (S, dP recomputed), \
+             dQ in registers",
+            format!(
+                "{} query rows x {} keys per step, {} warps (16 rows each)",
+                s.dq.block_m,
+                s.dq.block_n,
+                s.dq.num_warps()
+            ),
+        ),
+        BwdKernel::Convert => (
+            "dQ = scale · accumulator, rounded to the storage dtype",
+            format!("{} warps, one query row each", bwd::AUX_WARPS),
+        ),
+    }
+}
+
+fn kernel_name(k: BwdKernel) -> &'static str {
+    match k {
+        BwdKernel::Pre => "pre",
+        BwdKernel::Main => "main",
+        BwdKernel::Dq => "dq",
+        BwdKernel::Convert => "convert",
+    }
+}
+
+fn grid_axes(k: BwdKernel) -> &'static str {
+    match k {
+        BwdKernel::Main => "key blocks x KV heads x sequences",
+        _ => "query-row blocks x query heads x sequences",
+    }
+}
+
+fn reason(s: &BwdSpec) -> Option<&'static str> {
+    match s.kernel {
+        BwdKernel::Main => Some(bwd::main_tiles_reason(s.head_dim)),
+        BwdKernel::Dq => Some(bwd::dq_tiles_reason(s.head_dim)),
+        BwdKernel::Pre | BwdKernel::Convert => None,
+    }
+}
+
+fn describe(p: &Problem) -> String {
+    let s = &p.sequences()[0];
+    let mask = match p.mask() {
+        Mask::None => "no mask".to_string(),
+        Mask::Causal => "causal".to_string(),
+        m => {
+            let side = |x: Option<usize>| x.map_or("-1".to_string(), |v| v.to_string());
+            let (l, r) = m.bounds();
+            format!("window {},{}", side(l), side(r))
+        }
+    };
+    format!(
+        "{}, batch {}, seqlen {} x {} (q x k), heads {}/{} (q/kv), head_dim {}, {mask}{}",
+        p.dtype(),
+        p.sequences().len(),
+        s.q_len,
+        s.k_len,
+        p.heads_q(),
+        p.heads_kv(),
+        p.head_dim(),
+        p.softcap()
+            .map_or(String::new(), |c| format!(", softcap {c}"))
+    )
+}
+
+fn print_gpu(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) {
+    let main = &this.launches[1].0;
+    let det = main.deterministic;
+    println!(
+        "backward plan, --arch {} ({}, {} SMs, {} B of shared memory per block), NVRTC target {}",
+        gpu.flag,
+        gpu.arch.name,
+        gpu.arch.sm_count,
+        gpu.arch.max_smem_per_block(),
+        gpu.target
+    );
+    println!("  problem    {}", describe(p));
+    let padded = if main.head_dim == p.head_dim() {
+        String::new()
+    } else {
+        format!(
+            "; head_dim {} runs as {} (loads zero-fill the columns past it, stores skip them)",
+            p.head_dim(),
+            main.head_dim
+        )
+    };
+    println!("  kernels    {}{padded}", gpu.family_note());
+    if det {
+        println!(
+            "  dQ         deterministic: no accumulator and no atomics; the dq kernel sums each \
+             element in one thread in a fixed order: the same bits on every run"
+        );
+    } else {
+        println!(
+            "  dQ         accumulated in f32 ({} B) by {}; its bits may differ between runs \
+             (dK and dV never take atomics)",
+            this.accum_len * 4,
+            gpu.reduction()
+        );
+    }
+    println!("  launches   one stream, in order:");
+    for (i, (s, grid)) in this.launches.iter().enumerate() {
+        let (what, warps) = role(s, det);
+        println!("    {}. {:<16} {what}", i + 1, s.entry());
+        println!(
+            "       {:<16} {warps}, {} threads; grid {} x {} x {} ({}) = {} CTAs; {} B shared \
+             memory",
+            "",
+            s.threads(),
+            grid.0,
+            grid.1,
+            grid.2,
+            grid_axes(s.kernel),
+            grid.0 as u64 * grid.1 as u64 * grid.2 as u64,
+            s.smem_bytes()
+        );
+        if let Some(why) = reason(s) {
+            println!("       {:<16} tiles: {why}", "");
+        }
+    }
+    println!(
+        "  workspace  D: {} B (f32 per query row and head){}",
+        this.dpsum_len * 4,
+        if det {
+            String::new()
+        } else {
+            format!("; dQ accumulator: {} B", this.accum_len * 4)
+        }
+    );
+    let last = &other.launches[2].0;
+    let grid = other.launches[2].1;
+    if det {
+        println!(
+            "  without --deterministic: main also adds dS·K into an f32 accumulator ({} B) by \
+             {}, and {} converts it ({} warps, grid {} x {} x {}) in place of dq: faster where \
+             the reductions are cheap, but dQ's bits may differ run to run",
+            other.accum_len * 4,
+            gpu.reduction(),
+            last.entry(),
+            last.threads() / 32,
+            grid.0,
+            grid.1,
+            grid.2
+        );
+    } else {
+        let (_, warps) = role(last, true);
+        println!(
+            "  with --deterministic: main skips dQ and {} computes it ({warps}, grid {} x {} x \
+             {}, {} B shared memory; tiles: {}), recomputing S and dP: the same bits on every \
+             run, no accumulator; measured on the H200: 13-15% slower at d64 and d256, within 3% \
+             at d128 (docs/backward.md)",
+            last.entry(),
+            grid.0,
+            grid.1,
+            grid.2,
+            last.smem_bytes(),
+            bwd::dq_tiles_reason(last.head_dim)
+        );
+    }
+    println!("  compile key of main: {main}");
+}
+
+fn gpu_json(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) -> serde_json::Value {
+    let launch = |det: bool, (s, g): &(BwdSpec, (u32, u32, u32))| {
+        let (what, warps) = role(s, det);
+        let (block_m, block_n) = match s.kernel {
+            BwdKernel::Main => (Some(s.main.block_m), Some(s.main.block_n)),
+            BwdKernel::Dq => (Some(s.dq.block_m), Some(s.dq.block_n)),
+            BwdKernel::Pre | BwdKernel::Convert => (None, None),
+        };
+        serde_json::json!({
+            "kernel": kernel_name(s.kernel),
+            "entry": s.entry(),
+            "computes": what,
+            "work": warps,
+            "block_m": block_m,
+            "block_n": block_n,
+            "dsplit": (s.kernel == BwdKernel::Main).then_some(s.main.dsplit),
+            "warps": s.threads() / 32,
+            "threads": s.threads(),
+            "smem_bytes": s.smem_bytes(),
+            "grid": [g.0, g.1, g.2],
+            "tiles_reason": reason(s),
+            "spec": s.to_string(),
+        })
+    };
+    let main = &this.launches[1].0;
+    let det = main.deterministic;
+    serde_json::json!({
+        "arch": gpu.flag,
+        "gpu": gpu.arch.name,
+        "target": gpu.target,
+        "problem": describe(p),
+        "padded_head_dim": main.head_dim,
+        "kernels": gpu.family_note(),
+        "deterministic": det,
+        "dq_accumulation": if det { "deterministic" } else { gpu.reduction() },
+        "launches": this.launches.iter().map(|l| launch(det, l)).collect::<Vec<_>>(),
+        "workspace_bytes": { "d": this.dpsum_len * 4, "dq_accumulator": this.accum_len * 4 },
+        "other_mode": {
+            "deterministic": !det,
+            "launches": other.launches.iter().map(|l| launch(!det, l)).collect::<Vec<_>>(),
+            "workspace_bytes": { "d": other.dpsum_len * 4, "dq_accumulator": other.accum_len * 4 },
+        },
+    })
+}
+
+/// The CPU backward's work items (`cpu::backward`'s two passes): pass 1 one per (sequence with
+/// queries, KV head, key block), pass 2 one per (sequence, query head, query block).
+fn cpu_items(p: &Problem, t: fa4::cpu::plan::CpuTiles) -> (usize, usize) {
+    let seqs = p.sequences();
+    let kv = seqs
+        .iter()
+        .filter(|s| s.q_len > 0)
+        .map(|s| s.k_len.div_ceil(t.block_n) * p.heads_kv())
+        .sum();
+    let q = seqs
+        .iter()
+        .map(|s| s.q_len.div_ceil(t.block_m) * p.heads_q())
+        .sum();
+    (kv, q)
+}
+
+const CPU_DETERMINISM: &str = "always deterministic: every output element is summed by one \
+    work item in a fixed order, whatever the thread count, so --deterministic changes nothing \
+    and costs nothing on the CPU";
+
+fn print_cpu(p: &Problem, det_asked: bool) {
+    let t = fa4::cpu::plan::plan(p);
+    let (kv, q) = cpu_items(p, t);
+    println!(
+        "backward plan, --arch cpu (the tiled CPU backend, {} threads here)",
+        rayon::current_num_threads()
+    );
+    println!("  problem    {}", describe(p));
+    println!(
+        "  tiles      {} query rows x {} keys (96 x 96, the forward's tiles, shrunk to the \
+         longest sequence; src/cpu/plan.rs says why 96)",
+        t.block_m, t.block_n
+    );
+    println!(
+        "  pass 1     dK, dV: {kv} items, one per (sequence, KV head, {}-key block), each over \
+         the query heads of its KV head and the query blocks that see its keys",
+        t.block_n
+    );
+    println!(
+        "  pass 2     dQ: {q} items, one per (sequence, query head, {}-row query block), over \
+         its key blocks (S and dP recomputed)",
+        t.block_m
+    );
+    println!(
+        "  precision  {} storage widened to f32 once per tile; P and dS stay f32; results \
+         rounded to {} once",
+        p.dtype(),
+        p.dtype()
+    );
+    println!(
+        "  {}{CPU_DETERMINISM}",
+        if det_asked { "--deterministic: " } else { "" }
+    );
+}
+
+fn cpu_json(p: &Problem, det_asked: bool) -> serde_json::Value {
+    let t = fa4::cpu::plan::plan(p);
+    let (kv, q) = cpu_items(p, t);
+    serde_json::json!({
+        "arch": "cpu",
+        "problem": describe(p),
+        "block_m": t.block_m,
+        "block_n": t.block_n,
+        "passes": [
+            { "pass": "dk_dv", "items": kv },
+            { "pass": "dq", "items": q },
+        ],
+        "deterministic": true,
+        "deterministic_requested": det_asked,
+        "determinism": CPU_DETERMINISM,
+    })
+}
+
+fn pretty(v: &serde_json::Value) -> String {
+    serde_json::to_string_pretty(v).expect("plain data serializes")
+}

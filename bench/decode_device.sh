@@ -27,7 +27,7 @@ export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # The kernel cache built here (decode_bench --precompile): no NVRTC time on the device.
 rm -rf /tmp/fa4cache && cp -r "$D/cache" /tmp/fa4cache
 export FA4_CACHE_DIR=/tmp/fa4cache
-VARIANTS=${VARIANTS:-default,heads,heads+bulk,best,heads+best,heads4,heads+bulk+best,heads4+bulk}
+VARIANTS=${VARIANTS:-auto,plain,heads,heads+bulk,best,heads+best,heads4,heads+bulk+best,heads4+bulk}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv > "$OUT/gpu.txt" 2>&1
 cat "$OUT/gpu.txt"
 t0=$(date +%s)
@@ -54,14 +54,14 @@ B)
         fi
         # The all-variants test switches variants itself: once (with the default) is enough.
         skip=(--skip every_variant_matches_the_oracle_in_one_process)
-        [ "$v" = default ] && skip=()
+        [ "$v" = auto ] && skip=()
         FA4_DECODE_VARIANT=$v timeout 60 "$bins/cuda_decode" --include-ignored "${skip[@]}" > "$OUT/tests_$v.log" 2>&1
         rc=$?
         echo "tests $v: rc $rc, $(grep -h '^test result' "$OUT/tests_$v.log" | tail -1), $(($(date +%s) - t1)) s" | tee -a "$OUT/summary.txt"
     done
     # One case per kernel configuration (best only changes the split count): the planned and
     # forced splits of the issue's layout, 5000 and 777 keys (split + combine kernels).
-    for v in default heads heads4+bulk heads+bulk; do
+    for v in plain heads heads4+bulk heads+bulk; do
         FA4_DECODE_VARIANT=$v timeout 20 compute-sanitizer --tool memcheck --error-exitcode 9 \
             "$bins/cuda_decode" --include-ignored --exact the_environments_variant_is_the_one_planned \
             > "$OUT/memcheck_$v.log" 2>&1

@@ -10,13 +10,13 @@ call first), then cuDNN, then FlashAttention-2, so that clock and thermal drift 
 Per library the median round and the spread (max − min) / median.
 
     python3 bench/decode_peers.py --fa4 PATH/decode_bench [--rounds 7] [--ab] [--json OUT.json]
-        [--variants default,heads,heads+bulk,...] [--cases 16:1,64:1,...]
+        [--variants auto,plain,heads,heads+bulk,...] [--cases 16:1,64:1,...]
 
 Cases: pages 16, 64 and 256 at seqlen_q 1, page 16 at seqlen_q 4 (causal, bottom-right: the
 peers get an explicit mask, as SDPA's is_causal is top-left) and page 1 at seqlen_q 1. `--ab`
 adds fa4 columns: the same calls on caches of zeros, and forced split counts. `--variants`
 gives one fa4 column per kernel variant (`FA4_DECODE_VARIANT` values, sent per request, so one
-process and the same buffers serve them all; `default` is labelled `fa4`).
+process and the same buffers serve them all; `auto`, the default, is labelled `fa4`).
 """
 import argparse, json, math, subprocess, sys, warnings
 
@@ -32,17 +32,17 @@ SHAPES = [(1, 32768), (8, 8192), (8, 32768), (32, 4096), (4, 131072)]
 PEERS = [(SDPBackend.CUDNN_ATTENTION, "cudnn"), (SDPBackend.FLASH_ATTENTION, "fa2")]
 
 
-def variants(page, sq, b, sk, ab, kernels=("default",)):
+def variants(page, sq, b, sk, ab, kernels=("auto",)):
     """(label, forced splits or 0, cache fill, kernel variant) of the fa4 columns."""
-    out = [("fa4" if k == "default" else k, 0, "random", k) for k in kernels]
+    out = [("fa4" if k == "auto" else k, 0, "random", k) for k in kernels]
     if not ab:
         return out
     # The same kernel on caches and queries of zeros (the last session's fill), and more splits
     # where the planner leaves SMs idle.
-    out.append(("zeros", 0, "zeros", "default"))
+    out.append(("zeros", 0, "zeros", "auto"))
     if sq == 1 and page == 16 and (b, sk) in ((1, 32768), (8, 8192)):
         for s in (16, 32) if b == 1 else (4,):
-            out.append((f"s{s}", s, "random", "default"))
+            out.append((f"s{s}", s, "random", "auto"))
     return out
 
 
@@ -53,7 +53,7 @@ def main():
     ap.add_argument("--ab", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--cases", default="16:1,64:1,256:1,16:4,1:1", help="PAGE:SEQLEN_Q list")
-    ap.add_argument("--variants", default="default", help="FA4_DECODE_VARIANT values, comma-separated")
+    ap.add_argument("--variants", default="auto", help="FA4_DECODE_VARIANT values, comma-separated")
     a = ap.parse_args()
     print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}", flush=True)
     fa4 = subprocess.Popen([a.fa4, "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)

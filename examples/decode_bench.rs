@@ -9,7 +9,7 @@
 //!   and the rounds' spread.
 //! - `decode_bench --serve`: one round per stdin line `PAGE SQ BATCH KEYS SPLITS FILL [VARIANT]`
 //!   (SPLITS 0 = the planner's; FILL `random`, or `zeros` for caches and queries of zeros;
-//!   VARIANT a `FA4_DECODE_VARIANT` value, default `default`), answered with one line `SPLITS
+//!   VARIANT a `FA4_DECODE_VARIANT` value, default `auto`), answered with one line `SPLITS
 //!   US_PER_CALL`. `bench/decode_peers.py` drives it so that fa4's rounds alternate with
 //!   cuDNN's round by round; the last case's buffers stay allocated between requests (a
 //!   variant switch keeps them).
@@ -213,7 +213,7 @@ fn serve(cuda: &CudaBackend, block: &CudaSlice<bf16>) -> Result<(), Box<dyn std:
                 format!("expected PAGE SQ BATCH KEYS SPLITS FILL [VARIANT], got `{line}`").into(),
             );
         }
-        let variant = DecodeVariant::parse(w.get(6).copied().unwrap_or("default"))?;
+        let variant = DecodeVariant::parse(w.get(6).copied().unwrap_or("auto"))?;
         let n = |i: usize| {
             w[i].parse::<usize>()
                 .map_err(|e| format!("`{}`: {e}", w[i]))
@@ -264,7 +264,7 @@ fn precompile() -> Result<(), Box<dyn std::error::Error>> {
     // short precompile still serves the timing call; then everything else.
     let mut first: Vec<Box<dyn KernelSource + Send + Sync>> = Vec::new();
     for v in
-        "default,heads,heads4,heads+bulk,heads4+bulk,best,heads+best,heads+bulk+best".split(',')
+        "auto,plain,heads,heads4,heads+bulk,heads4+bulk,best,heads+best,heads+bulk+best".split(',')
     {
         let variant = DecodeVariant::parse(v)?;
         for (page, sq) in GROUPS {
@@ -392,7 +392,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         return precompile();
     }
     if std::env::args().nth(1).as_deref() == Some("--plans") {
-        return plans(&std::env::args().nth(2).unwrap_or_else(|| "default".into()));
+        return plans(&std::env::args().nth(2).unwrap_or_else(|| "auto".into()));
     }
     let cuda = CudaBackend::new(0)?;
     let block = random_block(&cuda)?;

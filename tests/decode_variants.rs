@@ -43,21 +43,51 @@ fn h200(p: &PagedProblem, variant: &str, splits: Option<usize>) -> GpuDecodePlan
 }
 
 #[test]
-fn the_default_variant_is_the_planner_unchanged() {
-    for (b, k) in [(1, 32768), (8, 8192), (32, 4096)] {
+fn auto_is_the_default_and_picks_by_the_number_of_head_groups() {
+    let sms = H200.sm_count as usize;
+    let smem = H200.max_smem_per_block() as usize;
+    for (b, k, wide) in [
+        (1, 32768, false),
+        (2, 8192, false),
+        (4, 131072, true),
+        (8, 8192, true),
+        (32, 4096, true),
+    ] {
         let p = problem(b, k, None);
-        let base = plan(
-            &p,
-            H200.sm_count as usize,
-            H200.max_smem_per_block() as usize,
-            "sm_90a",
-            None,
-        )
-        .unwrap();
-        let v = h200(&p, "default", None);
-        assert_eq!(v, base);
-        assert!(v.heads.is_none());
+        let auto = plan(&p, sms, smem, "sm_90a", None).unwrap();
+        assert_eq!(auto, h200(&p, "auto", None), "({b}, {k}): plan() is auto");
+        assert_eq!(auto, h200(&p, "", None));
+        assert!(auto.variant.auto);
+        let named = if wide { "heads+bulk+best" } else { "best" };
+        let mut want = h200(&p, named, None);
+        want.variant.auto = true;
+        assert_eq!(auto, want, "({b}, {k}) should run {named}");
+        assert_eq!(auto.variant.to_string(), format!("auto ({named})"));
+        // Before sm_90 (no bulk copies): the split kernel with the best split count.
+        let a100 = |v: &str| {
+            plan_variant(
+                &p,
+                A100.sm_count as usize,
+                A100.max_smem_per_block() as usize,
+                "sm_80",
+                None,
+                DecodeVariant::parse(v).unwrap(),
+            )
+            .unwrap()
+        };
+        let mut want = a100("best");
+        want.variant.auto = true;
+        assert_eq!(a100("auto"), want, "({b}, {k}) on sm_80");
+        // `plain` is the split kernel with the planner's own count.
+        let plain = h200(&p, "plain", None);
+        assert!(plain.heads.is_none() && !plain.variant.auto && !plain.variant.best_splits);
     }
+    let p = problem(8, 8192, None);
+    let forced = h200(&p, "auto", Some(3));
+    assert_eq!(
+        forced.decode.num_splits, 3,
+        "a forced split count stays forced"
+    );
 }
 
 #[test]
@@ -101,7 +131,7 @@ fn best_takes_the_best_wave_efficiency() {
     // (1, 32k) with the default kernel: 8 tiles; the planner takes 14 splits (112 of 132
     // SMs), the best one-wave efficiency is 16 (128 of 132).
     let p = problem(1, 32768, None);
-    assert_eq!(h200(&p, "default", None).decode.num_splits, 14);
+    assert_eq!(h200(&p, "plain", None).decode.num_splits, 14);
     let best = h200(&p, "best", None);
     assert_eq!(best.decode.num_splits, 16);
     assert_eq!(best.grid.2, 16);

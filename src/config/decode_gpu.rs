@@ -205,7 +205,7 @@ pub struct GpuDecodePlan {
 
 /// Plans a validated paged problem for a GPU of `sm_count` SMs and `max_smem` bytes of shared
 /// memory per CTA, and an NVRTC target; errors name what the kernels do not cover. The default
-/// variant (`kernels/decode/splitkv.cu`, the planner's split count).
+/// variant ([`DecodeVariant::default`], `auto`: see [`DecodeVariant`]).
 pub fn plan(
     p: &PagedProblem,
     sm_count: usize,
@@ -234,7 +234,22 @@ pub fn plan_variant(
     num_splits: Option<usize>,
     variant: DecodeVariant,
 ) -> Result<GpuDecodePlan> {
-    let mut plan = plan_default(p, sm_count, max_smem, target, num_splits)?;
+    let plan = plan_default(p, sm_count, max_smem, target, num_splits)?;
+    if variant.auto {
+        return plan_auto(p, plan, sm_count, max_smem, num_splits);
+    }
+    plan_variant_fixed(p, plan, sm_count, max_smem, num_splits, variant)
+}
+
+/// A named (not `auto`) variant applied to the default plan `plan`.
+fn plan_variant_fixed(
+    p: &PagedProblem,
+    mut plan: GpuDecodePlan,
+    sm_count: usize,
+    max_smem: usize,
+    num_splits: Option<usize>,
+    variant: DecodeVariant,
+) -> Result<GpuDecodePlan> {
     plan.variant = variant;
     if let Some(max_heads) = variant.heads {
         let heads = plan_heads(
@@ -258,6 +273,47 @@ pub fn plan_variant(
         }
     }
     Ok(plan)
+}
+
+/// Most sequences × KV-head groups below which `auto` keeps the split kernel: with fewer, the
+/// all-heads kernel's CTAs are one per (sequence, group, split) and the split count that fills
+/// the GPU makes each split short (on the H200, (1 sequence, 8 KV heads, 32k keys) ran
+/// heads+bulk+best at 1.65 TB/s and best at 2.27; at 4 and more sequences the all-heads kernel
+/// led, 3.4–4.2 TB/s against 2.6–2.9).
+pub const AUTO_MIN_HEAD_GROUPS: usize = 4;
+
+/// `auto`: on sm_90 and later, for a problem of one row tile per (sequence, KV head) (decode and
+/// speculative decode) and at least [`AUTO_MIN_HEAD_GROUPS`] sequences × KV-head groups, the
+/// all-heads kernel with bulk copies and the best single-wave split count (`heads+bulk+best`);
+/// otherwise the split kernel with the best single-wave split count (`best`). The plan's
+/// `variant` is the one chosen, marked `auto`.
+fn plan_auto(
+    p: &PagedProblem,
+    base: GpuDecodePlan,
+    sm_count: usize,
+    max_smem: usize,
+    num_splits: Option<usize>,
+) -> Result<GpuDecodePlan> {
+    let heads_kv = p.cache().heads_kv();
+    let groups = p.decode_shape().batch * heads_kv.div_ceil(MAX_HEADS_PER_CTA.min(heads_kv).max(1));
+    let wide =
+        sm_version(base.spec.target) >= 90 && base.grid.1 == 1 && groups >= AUTO_MIN_HEAD_GROUPS;
+    let pick =
+        |v: DecodeVariant| plan_variant_fixed(p, base.clone(), sm_count, max_smem, num_splits, v);
+    let chosen = if wide {
+        // A cache the all-heads kernel cannot hold (shared memory) keeps the split kernel.
+        pick(DecodeVariant::parse("heads+bulk+best")?)
+            .or_else(|_| pick(DecodeVariant::parse("best")?))?
+    } else {
+        pick(DecodeVariant::parse("best")?)?
+    };
+    Ok(GpuDecodePlan {
+        variant: DecodeVariant {
+            auto: true,
+            ..chosen.variant
+        },
+        ..chosen
+    })
 }
 
 fn plan_default(
@@ -358,7 +414,7 @@ fn plan_default(
             bf16,
             head_dim: d,
         },
-        variant: DecodeVariant::default(),
+        variant: DecodeVariant::PLAIN,
         heads: None,
     })
 }
@@ -407,11 +463,15 @@ pub const HEADS_BLOCK_N: usize = 16;
 /// Most KV heads (warps) per CTA of the all-heads kernel.
 pub const MAX_HEADS_PER_CTA: usize = 8;
 
-/// Which split-KV kernel and split rule a GPU decode call uses. The default is today's kernel
-/// (`kernels/decode/splitkv.cu`) with the planner's split count; the others are candidates for
-/// the decode goal of issue 15, selectable at run time so that one binary times them all
-/// (`FA4_DECODE_VARIANT`, or [`crate::cuda::decode::PagedTables::set_variant`]):
+/// Which split-KV kernel and split rule a GPU decode call uses, selectable at run time
+/// (`FA4_DECODE_VARIANT`, or [`crate::cuda::decode::PagedTables::set_variant`]) so that one
+/// binary times them all:
 ///
+/// - `auto` (the default, and what an unset or empty `FA4_DECODE_VARIANT` means): chosen per
+///   problem from the H200 measurements in `docs/perf.md`, see [`AUTO_MIN_HEAD_GROUPS`]:
+///   `heads+bulk+best` for decode batches on sm_90 and later, `best` otherwise.
+/// - `plain`: the split kernel (`kernels/decode/splitkv.cu`) with the planner's split count
+///   (the default before `auto`).
 /// - `heads` (`heads4`, `heads2`, `heads1`: at most that many KV heads per CTA):
 ///   `kernels/decode/heads.cu`, one CTA per (sequence, KV-head group, row tile, split) with a
 ///   warp per KV head, so each key's row of the group's heads is one contiguous read; splits
@@ -423,9 +483,11 @@ pub const MAX_HEADS_PER_CTA: usize = 8;
 ///   instead of the planner's fewest splits within 85% of the best efficiency over any number
 ///   of waves (its rule, shared with the CPU, is unchanged).
 ///
-/// Tokens join with `+`: `heads+bulk+best`; `default` (or an empty value) is today's kernel.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+/// Tokens join with `+`: `heads+bulk+best`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DecodeVariant {
+    /// Chosen per problem (`auto`); in a plan, the variant `auto` chose, with this flag kept.
+    pub auto: bool,
     /// `Some(max KV heads per CTA)`: the all-heads kernel.
     pub heads: Option<usize>,
     /// Bulk copies (with the all-heads kernel).
@@ -434,13 +496,34 @@ pub struct DecodeVariant {
     pub best_splits: bool,
 }
 
+impl Default for DecodeVariant {
+    /// `auto`.
+    fn default() -> DecodeVariant {
+        DecodeVariant {
+            auto: true,
+            ..DecodeVariant::PLAIN
+        }
+    }
+}
+
 impl DecodeVariant {
+    /// `plain`: the split kernel with the planner's split count.
+    pub const PLAIN: DecodeVariant = DecodeVariant {
+        auto: false,
+        heads: None,
+        bulk: false,
+        best_splits: false,
+    };
+
     /// Parses `FA4_DECODE_VARIANT`'s grammar (see the type's docs); errors name
     /// `FA4_DECODE_VARIANT`.
     pub fn parse(text: &str) -> Result<DecodeVariant> {
-        let mut v = DecodeVariant::default();
         let text = text.trim();
-        if text.is_empty() || text == "default" {
+        if text.is_empty() || text == "auto" {
+            return Ok(DecodeVariant::default());
+        }
+        let mut v = DecodeVariant::PLAIN;
+        if text == "plain" {
             return Ok(v);
         }
         for token in text.split('+') {
@@ -465,8 +548,8 @@ impl DecodeVariant {
                     return Err(Error::invalid(
                         VARIANT_ENV,
                         format!(
-                            "unknown token `{other}` in `{text}` (expected `default` or tokens \
-                             heads, heads1..heads{MAX_HEADS_PER_CTA}, bulk, best joined by `+`)"
+                            "unknown token `{other}` in `{text}` (expected `auto`, `plain` or \
+                             tokens heads, heads1..heads{MAX_HEADS_PER_CTA}, bulk, best joined by `+`)"
                         ),
                     ))
                 }
@@ -489,7 +572,20 @@ impl DecodeVariant {
 }
 
 impl fmt::Display for DecodeVariant {
+    /// The grammar [`DecodeVariant::parse`] reads; a variant `auto` chose prints as
+    /// `auto (CHOICE)`.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let named = DecodeVariant {
+            auto: false,
+            ..*self
+        };
+        if self.auto {
+            return if named == DecodeVariant::PLAIN {
+                f.write_str("auto")
+            } else {
+                write!(f, "auto ({named})")
+            };
+        }
         let mut parts = Vec::new();
         match self.heads {
             Some(MAX_HEADS_PER_CTA) => parts.push("heads".to_string()),
@@ -503,7 +599,7 @@ impl fmt::Display for DecodeVariant {
             parts.push("best".into());
         }
         if parts.is_empty() {
-            f.write_str("default")
+            f.write_str("plain")
         } else {
             f.write_str(&parts.join("+"))
         }
@@ -782,12 +878,13 @@ mod variant_tests {
     fn variants_parse_print_and_refuse_unknown_tokens() {
         for (text, want) in [
             ("", DecodeVariant::default()),
-            ("default", DecodeVariant::default()),
+            ("auto", DecodeVariant::default()),
+            ("plain", DecodeVariant::PLAIN),
             (
                 "heads",
                 DecodeVariant {
                     heads: Some(8),
-                    ..Default::default()
+                    ..DecodeVariant::PLAIN
                 },
             ),
             (
@@ -795,7 +892,7 @@ mod variant_tests {
                 DecodeVariant {
                     heads: Some(8),
                     bulk: true,
-                    best_splits: false,
+                    ..DecodeVariant::PLAIN
                 },
             ),
             (
@@ -804,13 +901,14 @@ mod variant_tests {
                     heads: Some(4),
                     bulk: true,
                     best_splits: true,
+                    auto: false,
                 },
             ),
             (
                 "best",
                 DecodeVariant {
                     best_splits: true,
-                    ..Default::default()
+                    ..DecodeVariant::PLAIN
                 },
             ),
         ] {
@@ -818,7 +916,15 @@ mod variant_tests {
             assert_eq!(v, want, "{text}");
             assert_eq!(DecodeVariant::parse(&v.to_string()).unwrap(), v, "{v}");
         }
-        for bad in ["heads9", "heads0", "fast", "heads+", "Heads"] {
+        for bad in [
+            "heads9",
+            "heads0",
+            "fast",
+            "heads+",
+            "Heads",
+            "default",
+            "auto+best",
+        ] {
             match DecodeVariant::parse(bad) {
                 Err(Error::InvalidArgument { name, .. }) => assert_eq!(name, VARIANT_ENV, "{bad}"),
                 other => panic!("{bad}: {other:?}"),

@@ -7,16 +7,23 @@
 //!   causal) and page 1, the planner's plan, the median of ROUNDS (9) rounds. One line per case:
 //!   page size, seqlen_q, batch, keys, splits, µs per call, TB/s of K+V read, host µs per call
 //!   and the rounds' spread.
-//! - `decode_bench --serve`: one round per stdin line `PAGE SQ BATCH KEYS SPLITS FILL` (SPLITS
-//!   0 = the planner's; FILL `random`, or `zeros` for caches and queries of zeros), answered
-//!   with one line `SPLITS US_PER_CALL`. `bench/decode_peers.py` drives it so that fa4's rounds alternate with
-//!   cuDNN's round by round; the last case's buffers stay allocated between requests.
-//! - `decode_bench --precompile`: fills the kernel cache for an H200, no GPU needed.
+//! - `decode_bench --serve`: one round per stdin line `PAGE SQ BATCH KEYS SPLITS FILL [VARIANT]`
+//!   (SPLITS 0 = the planner's; FILL `random`, or `zeros` for caches and queries of zeros;
+//!   VARIANT a `FA4_DECODE_VARIANT` value, default `auto`), answered with one line `SPLITS
+//!   US_PER_CALL`. `bench/decode_peers.py` drives it so that fa4's rounds alternate with
+//!   cuDNN's round by round; the last case's buffers stay allocated between requests (a
+//!   variant switch keeps them).
+//! - `decode_bench --precompile`: fills the kernel cache for an H200, no GPU needed: every
+//!   default split-kernel variant, and the all-heads variants that the decode grid and
+//!   tests/cuda_decode.rs plan.
+//! - `decode_bench --plans VARIANT,…`: the H200 plan (kernel, split count, grid) of each case of
+//!   the grid per variant, no GPU needed.
 
 use std::io::{BufRead, Write};
 
 use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
+use fa4::config::decode_gpu::DecodeVariant;
 use fa4::cuda::decode::PagedTables;
 use fa4::cuda::CudaBackend;
 use fa4::paged::{PagedCache, PagedProblem};
@@ -83,33 +90,54 @@ fn random_buffer(
     Ok(b)
 }
 
+/// The grid's cases: (page size, seqlen_q) groups, then the five (batch, keys) shapes.
+const GROUPS: [(usize, usize); 5] = [(16, 1), (64, 1), (256, 1), (16, 4), (1, 1)];
+const SHAPES: [(usize, usize); 5] = [(1, 32768), (8, 8192), (8, 32768), (32, 4096), (4, 131072)];
+
+/// A case's problem: `batch` sequences of `keys` keys in shuffled pages of `page`, `sq` query
+/// rows (causal when more than one). Host only.
+fn problem(
+    (page, sq, batch, keys): (usize, usize, usize, usize),
+) -> Result<PagedProblem, Box<dyn std::error::Error>> {
+    let per_seq = keys.div_ceil(page);
+    let num_pages = batch * per_seq;
+    // A shuffled pool: page i of sequence b is a pseudo-random permutation's entry.
+    let mut table: Vec<i32> = (0..num_pages as i32).collect();
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    for i in (1..table.len()).rev() {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        table.swap(i, (state >> 33) as usize % (i + 1));
+    }
+    let kl = Layout::new("k_cache", &[num_pages, page, HKV, D], None)?;
+    let seqlens = vec![keys as i32; batch];
+    let cache = PagedCache::new(&kl, &kl, &table, per_seq, &seqlens)?;
+    let ql = Layout::new("q", &[batch, sq, HQ, D], None)?;
+    let opts = if sq > 1 {
+        Options::new().causal()
+    } else {
+        Options::new()
+    };
+    Ok(PagedProblem::new(
+        DType::Bf16,
+        &ql,
+        &ql,
+        &cache,
+        None,
+        &opts,
+    )?)
+}
+
 impl Case {
     fn new(
         cuda: &CudaBackend,
         block: &CudaSlice<bf16>,
         (page, sq, batch, keys, zeros): (usize, usize, usize, usize, bool),
     ) -> Result<Case, Box<dyn std::error::Error>> {
-        let per_seq = keys.div_ceil(page);
-        let num_pages = batch * per_seq;
-        // A shuffled pool: page i of sequence b is a pseudo-random permutation's entry.
-        let mut table: Vec<i32> = (0..num_pages as i32).collect();
-        let mut state = 0x9e37_79b9_7f4a_7c15u64;
-        for i in (1..table.len()).rev() {
-            state = state
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            table.swap(i, (state >> 33) as usize % (i + 1));
-        }
-        let kl = Layout::new("k_cache", &[num_pages, page, HKV, D], None)?;
-        let seqlens = vec![keys as i32; batch];
-        let cache = PagedCache::new(&kl, &kl, &table, per_seq, &seqlens)?;
-        let ql = Layout::new("q", &[batch, sq, HQ, D], None)?;
-        let opts = if sq > 1 {
-            Options::new().causal()
-        } else {
-            Options::new()
-        };
-        let p = PagedProblem::new(DType::Bf16, &ql, &ql, &cache, None, &opts)?;
+        let p = problem((page, sq, batch, keys))?;
+        let cache = p.cache().clone();
+        let num_pages = batch * keys.div_ceil(page);
         let bytes = cache.kv_bytes(2);
         let copies = ((ROTATE_BYTES / bytes).ceil() as usize).max(2);
         let elems = num_pages * page * HKV * D;
@@ -180,9 +208,12 @@ fn serve(cuda: &CudaBackend, block: &CudaSlice<bf16>) -> Result<(), Box<dyn std:
     for line in std::io::stdin().lock().lines() {
         let line = line?;
         let w: Vec<&str> = line.split_whitespace().collect();
-        if w.len() != 6 {
-            return Err(format!("expected PAGE SQ BATCH KEYS SPLITS FILL, got `{line}`").into());
+        if w.len() != 6 && w.len() != 7 {
+            return Err(
+                format!("expected PAGE SQ BATCH KEYS SPLITS FILL [VARIANT], got `{line}`").into(),
+            );
         }
+        let variant = DecodeVariant::parse(w.get(6).copied().unwrap_or("auto"))?;
         let n = |i: usize| {
             w[i].parse::<usize>()
                 .map_err(|e| format!("`{}`: {e}", w[i]))
@@ -202,6 +233,7 @@ fn serve(cuda: &CudaBackend, block: &CudaSlice<bf16>) -> Result<(), Box<dyn std:
             case = Some(c);
         }
         let c = case.as_mut().expect("set above");
+        c.tables.set_variant(variant);
         // An untimed call first: the switch from the driver's GPU context lands on it.
         c.call(cuda, splits)?;
         let (s, us, _) = c.round(cuda, splits)?;
@@ -213,37 +245,154 @@ fn serve(cuda: &CudaBackend, block: &CudaSlice<bf16>) -> Result<(), Box<dyn std:
 }
 
 /// `--precompile`: fills the kernel cache ($FA4_CACHE_DIR) for an H200 without a GPU, so that a
-/// device run spends no time in NVRTC: every split-kernel variant the planner emits for sm_90a,
-/// the combines and the append.
+/// device run spends no time in NVRTC: first the kernels the grid's cases run under each
+/// variant `bench/decode_device.sh` times, then every split-kernel variant the planner emits
+/// for sm_90a, the combines and the append, and the all-heads variants (with and without
+/// `bulk`) at every head dim, row-tile count, dtype and mask kind, for 8, 4, 2 and 1 KV heads
+/// per CTA (what the grid and tests/cuda_decode.rs plan).
 fn precompile() -> Result<(), Box<dyn std::error::Error>> {
-    use fa4::config::decode_gpu::{all_specs, AppendSpec, CombineSpec, HEAD_DIMS};
-    use fa4::cuda::compile::compile;
-    let smem = fa4::arch::H200.max_smem_per_block() as usize;
-    let specs = all_specs("sm_90a", smem);
-    for s in &specs {
-        let c = compile(s)?;
-        println!(
-            "{s}: {:.1} s{}",
-            c.seconds,
-            if c.cached { " (cached)" } else { "" }
-        );
+    use fa4::config::decode::DecodeTiles;
+    use fa4::config::decode_gpu::{
+        all_specs, heads_stages_for, plan_variant, AppendSpec, CombineSpec, HeadsSpec,
+        HEADS_BLOCK_N, HEAD_DIMS,
+    };
+    use fa4::cuda::compile::{compile, KernelSource};
+    use rayon::prelude::*;
+    let h200 = fa4::arch::H200;
+    let smem = h200.max_smem_per_block() as usize;
+    // First what the grid's cases run under every variant (exactly as planned), so that a cut
+    // short precompile still serves the timing call; then everything else.
+    let mut first: Vec<Box<dyn KernelSource + Send + Sync>> = Vec::new();
+    for v in
+        "auto,plain,heads,heads4,heads+bulk,heads4+bulk,best,heads+best,heads+bulk+best".split(',')
+    {
+        let variant = DecodeVariant::parse(v)?;
+        for (page, sq) in GROUPS {
+            for (batch, keys) in SHAPES {
+                let plan = plan_variant(
+                    &problem((page, sq, batch, keys))?,
+                    h200.sm_count as usize,
+                    smem,
+                    "sm_90a",
+                    None,
+                    variant,
+                )?;
+                first.push(match plan.heads {
+                    Some(h) => Box::new(h),
+                    None => Box::new(plan.spec),
+                });
+                first.push(Box::new(plan.combine));
+            }
+        }
+    }
+    let mut rest: Vec<Box<dyn KernelSource + Send + Sync>> = Vec::new();
+    for s in all_specs("sm_90a", smem) {
+        rest.push(Box::new(s));
     }
     for bf16 in [false, true] {
         for head_dim in HEAD_DIMS {
-            compile(&CombineSpec {
+            rest.push(Box::new(CombineSpec {
                 target: "sm_90a",
                 bf16,
                 head_dim,
-            })?;
+            }));
         }
     }
-    compile(&AppendSpec { target: "sm_90a" })?;
+    rest.push(Box::new(AppendSpec { target: "sm_90a" }));
+    for head_dim in HEAD_DIMS {
+        for m_tiles in 1..=DecodeTiles::gpu(head_dim).block_m / 16 {
+            for heads in [8, 4, 2, 1] {
+                for bulk in [true, false] {
+                    let Some(stages) = heads_stages_for(head_dim, m_tiles, heads, bulk, smem)
+                    else {
+                        continue;
+                    };
+                    for bf16 in [true, false] {
+                        for (window, softcap) in [(false, false), (true, false), (true, true)] {
+                            rest.push(Box::new(HeadsSpec {
+                                target: "sm_90a",
+                                bf16,
+                                head_dim,
+                                m_tiles,
+                                block_n: HEADS_BLOCK_N,
+                                heads,
+                                stages,
+                                bulk,
+                                window,
+                                softcap,
+                            }));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    for (what, mut list) in [("the grid's kernels", first), ("the rest", rest)] {
+        // The grid's cases share kernels: each once.
+        let mut seen = std::collections::HashSet::new();
+        list.retain(|s| seen.insert(format!("{s:?}")));
+        let failed: Vec<String> = list
+            .par_iter()
+            .filter_map(|s| match compile(s.as_ref()) {
+                Ok(c) => {
+                    println!(
+                        "{s}: {:.1} s{}",
+                        c.seconds,
+                        if c.cached { " (cached)" } else { "" }
+                    );
+                    None
+                }
+                Err(e) => Some(format!("{s}: {e}")),
+            })
+            .collect();
+        if !failed.is_empty() {
+            return Err(failed.join("\n").into());
+        }
+        println!("precompiled {what}");
+    }
+    Ok(())
+}
+
+/// `--plans VARIANT,…`: each grid case's H200 plan per variant (host only).
+fn plans(variants: &str) -> Result<(), Box<dyn std::error::Error>> {
+    use fa4::config::decode_gpu::plan_variant;
+    let h200 = fa4::arch::H200;
+    println!("variant | page | sq | batch | keys | kernel | splits | grid | CTAs");
+    for v in variants.split(',') {
+        let variant = DecodeVariant::parse(v)?;
+        for (page, sq) in GROUPS {
+            for (batch, keys) in SHAPES {
+                let p = problem((page, sq, batch, keys))?;
+                let plan = plan_variant(
+                    &p,
+                    h200.sm_count as usize,
+                    h200.max_smem_per_block() as usize,
+                    "sm_90a",
+                    None,
+                    variant,
+                )?;
+                let kernel = match &plan.heads {
+                    Some(h) => h.to_string(),
+                    None => plan.spec.to_string(),
+                };
+                let (x, y, z) = plan.grid;
+                println!(
+                    "{variant} | {page} | {sq} | {batch} | {keys} | {kernel} | {} | ({x}, {y}, {z}) | {}",
+                    plan.decode.num_splits,
+                    x * y * z
+                );
+            }
+        }
+    }
     Ok(())
 }
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::args().nth(1).as_deref() == Some("--precompile") {
         return precompile();
+    }
+    if std::env::args().nth(1).as_deref() == Some("--plans") {
+        return plans(&std::env::args().nth(2).unwrap_or_else(|| "auto".into()));
     }
     let cuda = CudaBackend::new(0)?;
     let block = random_block(&cuda)?;
@@ -254,16 +403,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .nth(1)
         .and_then(|a| a.parse().ok())
         .unwrap_or(9);
-    let shapes = [
-        (1usize, 32768usize),
-        (8, 8192),
-        (8, 32768),
-        (32, 4096),
-        (4, 131072),
-    ];
     println!("page | sq | batch | keys | splits | us/call | TB/s | host us/call | spread");
-    for (page, sq) in [(16usize, 1usize), (64, 1), (256, 1), (16, 4), (1, 1)] {
-        for &(batch, keys) in &shapes {
+    for (page, sq) in GROUPS {
+        for (batch, keys) in SHAPES {
             let mut c = Case::new(&cuda, &block, (page, sq, batch, keys, false))?;
             for _ in 0..3 {
                 c.call(&cuda, None)?;

@@ -4,8 +4,14 @@
 //! key blocks, GQA 1/4/8, causal/window/softcap, seqlen_q 1 and 4, varlen queries) in fp16 and
 //! bf16 at head dims 64/128/256, with outputs poisoned with NaN before each call. Every test is
 //! ignored unless run with `--include-ignored`, and fails, not passes, where no GPU works.
+//!
+//! Kernel variants: every test runs the variant `FA4_DECODE_VARIANT` names (`auto` when
+//! unset), so `bench/decode_device.sh` runs this binary once per variant;
+//! `the_environments_variant_is_the_one_planned` proves which ran, and
+//! `every_variant_matches_the_oracle_in_one_process` switches variants on one set of tables.
 
 use fa4::config::decode::{DecodeTiles, MAX_SPLITS};
+use fa4::config::decode_gpu::DecodeVariant;
 use fa4::cuda::CudaBackend;
 use fa4::paged::random::{random_paged, PagedInputs, PagedSpec};
 use fa4::paged::{self, reference, PagedCache, PagedOptions};
@@ -498,5 +504,136 @@ fn non_finite_values_reach_only_the_rows_that_allow_them() {
     set_key(&mut inf, false, 0, 5, 0, 0, f32::INFINITY);
     for s in [1, 3] {
         run_and_check(&cuda, &inf, Options::new(), Some(s), "+inf score");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_environments_variant_is_the_one_planned() {
+    let cuda = gpu();
+    let v = DecodeVariant::from_env().unwrap();
+    eprintln!("FA4_DECODE_VARIANT: {v}");
+    let mut rng = StdRng::seed_from_u64(21);
+    let spec = PagedSpec {
+        seqlens_q: vec![1, 1],
+        seqlens_k: vec![5000, 777],
+        heads_q: 32,
+        heads_kv: 8,
+        head_dim: 128,
+        head_dim_v: 128,
+        page_size: 16,
+        varlen: false,
+    };
+    let inputs = random_paged::<bf16, _>(&mut rng, &spec).unwrap();
+    let p = inputs.problem(&Options::new()).unwrap();
+    let plan = cuda.plan_paged(&p, None).unwrap();
+    if v.auto {
+        // Two sequences × one group of 8 KV heads: below AUTO_MIN_HEAD_GROUPS, the split kernel.
+        assert!(plan.variant.auto && plan.variant.best_splits, "{plan:?}");
+        assert!(plan.heads.is_none(), "{plan:?}");
+    } else {
+        assert_eq!(plan.variant, v);
+        assert_eq!(plan.heads.is_some(), v.heads.is_some(), "{plan:?}");
+    }
+    if let (Some(h), false) = (&plan.heads, v.auto) {
+        // A contiguous cache: bulk copies exactly when asked for.
+        assert_eq!(h.bulk, v.bulk);
+        assert_eq!(h.heads, v.heads.unwrap().min(8));
+    }
+    assert_eq!(cuda.paged_tables(&p).unwrap().variant(), v);
+    let s = run_and_check(&cuda, &inputs, Options::new(), None, "issue layout");
+    assert_eq!(s, plan.decode.num_splits);
+}
+
+/// Every variant on one set of device tables (switched with `set_variant`), against the oracle:
+/// the issue's layout with ragged lengths (0, a page boundary, long), plain and causal
+/// speculative decode, at the planner's and forced split counts; then a GQA-1 fp16 d256 case.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn every_variant_matches_the_oracle_in_one_process() {
+    let cuda = gpu();
+    // Bulk copies need sm_90 or later (sm_80 and sm_86/89 refuse them: tested on the host).
+    let hopper = !cuda.info().target.starts_with("sm_8");
+    let mut variants = vec!["auto", "plain", "best", "heads", "heads4", "heads2+best"];
+    if hopper {
+        variants.extend(["heads+bulk", "heads4+bulk", "heads+bulk+best"]);
+    }
+    let mut rng = StdRng::seed_from_u64(23);
+    let cases = [
+        (
+            PagedSpec {
+                seqlens_q: vec![4, 4, 4, 4],
+                seqlens_k: vec![0, 64, 3001, 9000],
+                heads_q: 32,
+                heads_kv: 8,
+                head_dim: 128,
+                head_dim_v: 128,
+                page_size: 16,
+                varlen: false,
+            },
+            "bf16 d128 32/8 sq 4",
+        ),
+        (
+            PagedSpec {
+                seqlens_q: vec![1, 1],
+                seqlens_k: vec![700, 33],
+                heads_q: 4,
+                heads_kv: 4,
+                head_dim: 256,
+                head_dim_v: 256,
+                page_size: 3,
+                varlen: false,
+            },
+            "d256 4/4 page 3",
+        ),
+    ];
+    for (i, (spec, what)) in cases.iter().enumerate() {
+        let inputs = random_paged::<bf16, _>(&mut rng, spec).unwrap();
+        for opts in [
+            Options::new(),
+            Options::new().causal(),
+            Options::new().window(Some(100), Some(0)).softcap(4.0),
+        ] {
+            let p = inputs.problem(&opts).unwrap();
+            let mut tables = cuda.paged_tables(&p).unwrap();
+            let (dq, dk, dv) = (
+                cuda.upload(&inputs.q).unwrap(),
+                cuda.upload(&inputs.k_cache).unwrap(),
+                cuda.upload(&inputs.v_cache).unwrap(),
+            );
+            let mut dout = cuda.upload(&vec![bf16::NAN; inputs.q.len()]).unwrap();
+            let mut dlse = cuda.upload(&vec![f32::NAN; p.lse_len()]).unwrap();
+            for v in &variants {
+                tables.set_variant(DecodeVariant::parse(v).unwrap());
+                for splits in [None, Some(1), Some(5)] {
+                    cuda.forward_paged_device(
+                        &p,
+                        &mut tables,
+                        &dq,
+                        &dk,
+                        &dv,
+                        &mut dout,
+                        Some(&mut dlse),
+                        splits,
+                    )
+                    .unwrap_or_else(|e| panic!("{what} case {i} {v} {splits:?}: {e}"));
+                    let (o, l) = (cuda.download(&dout).unwrap(), cuda.download(&dlse).unwrap());
+                    let r = reference::check(
+                        &p,
+                        &inputs.q,
+                        &inputs.k_cache,
+                        &inputs.v_cache,
+                        &o,
+                        Some(&l),
+                    )
+                    .unwrap();
+                    assert!(r.passed(), "{what} {opts:?} {v} splits {splits:?}: {r}");
+                    // Poison again so that a variant that writes nothing cannot pass on the
+                    // last one's output.
+                    dout = cuda.upload(&vec![bf16::NAN; inputs.q.len()]).unwrap();
+                    dlse = cuda.upload(&vec![f32::NAN; p.lse_len()]).unwrap();
+                }
+            }
+        }
     }
 }

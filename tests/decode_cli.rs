@@ -361,3 +361,41 @@ fn bench_decode_refuses_prefill_grid_flags() {
         one_error_line(&err, flag);
     }
 }
+
+/// A malformed `FA4_DECODE_VARIANT` is an error naming it (exit 2) on every backend: with
+/// `--backend auto` on a GPU machine it once made the run fall back to the CPU silently.
+#[test]
+fn a_bad_decode_variant_is_an_error_on_every_backend() {
+    for backend in ["cpu", "auto"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_fa4"))
+            .args(["run", "--paged", "--backend", backend, "--head-dim", "64"])
+            .env("FA4_DECODE_VARIANT", "heads+fast")
+            .output()
+            .expect("the fa4 binary runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{backend}: {err}");
+        let last = err.lines().last().unwrap_or("");
+        assert!(
+            last.starts_with("fa4: error:")
+                && last.contains("FA4_DECODE_VARIANT")
+                && last.contains("fast"),
+            "{backend}: {err}"
+        );
+        // The auto backend's one note line comes before it, nothing else.
+        assert!(err.lines().count() <= 2, "{err}");
+    }
+    // `auto` and `plain` are accepted names.
+    for v in ["auto", "plain", ""] {
+        let out = Command::new(env!("CARGO_BIN_EXE_fa4"))
+            .args(["run", "--paged", "--backend", "cpu", "--head-dim", "64"])
+            .env("FA4_DECODE_VARIANT", v)
+            .output()
+            .expect("the fa4 binary runs");
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "`{v}`: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}

@@ -90,6 +90,13 @@ fn dump_every_variant_cubin() {
             }
         }
     }
+    // The split-KV decode kernel's planned variants (`config::decode_gpu::all_specs`).
+    for (arch, target) in [(A100, "sm_80"), (H200, "sm_90a")] {
+        let smem = (arch.smem_per_sm - arch.smem_reserved_per_block) as usize;
+        for spec in fa4::config::decode_gpu::all_specs(target, smem) {
+            jobs.push((file_name(&spec), Box::new(move || compile_uncached(&spec))));
+        }
+    }
     // FA4_SASS_DUMP_FILTER=a,b: only variants whose file name contains one of them.
     if let Ok(filter) = std::env::var("FA4_SASS_DUMP_FILTER") {
         let keys: Vec<&str> = filter.split(',').filter(|k| !k.is_empty()).collect();

@@ -15,6 +15,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use fa4::config::decode::DecodePlan;
+use fa4::config::decode_gpu::DecodeVariant;
 use fa4::npy::{self, Array, Data, NpyDType};
 use fa4::paged::random::{random_paged, PagedSpec};
 use fa4::paged::{reference, PagedCache, PagedProblem};
@@ -228,7 +229,7 @@ fn random_typed<T: Element>(
         num_splits: args.paged.num_splits,
         auto: matches!(args.backend, BackendArg::Auto),
     };
-    let backend = &job.backend_for(backend);
+    let backend = &job.backend_for(backend)?;
     let done = job.execute(backend)?;
     job.print(backend, &done, &[]);
     Ok(job.verify(&done, policy))
@@ -402,7 +403,7 @@ fn files_typed<T: Element>(
         num_splits,
         auto,
     };
-    let backend = &job.backend_for(backend);
+    let backend = &job.backend_for(backend)?;
     let done = job.execute(backend)?;
     let mut o_shape = job.p.q_layout().dims.to_vec();
     if job.p.is_varlen() {
@@ -455,14 +456,18 @@ fn check_cost(p: &PagedProblem) -> f64 {
 impl<T: Element> Job<T> {
     /// The backend that runs the job: the given one, except that under `--backend auto` a
     /// problem the GPU decode kernels refuse (dtype, head dim) goes to the CPU and says why.
-    fn backend_for(&self, backend: &Backend) -> Backend {
+    /// The backend that runs the job: with `--backend auto`, the CPU where the GPU decode
+    /// kernels do not cover the problem. A malformed `FA4_DECODE_VARIANT` is an error on every
+    /// backend (a typo must not silently time or run something else).
+    fn backend_for(&self, backend: &Backend) -> Result<Backend> {
+        DecodeVariant::from_env()?;
         if let (Backend::Cuda(cuda), true) = (backend, self.auto) {
             if let Err(e) = cuda.plan_paged(&self.p, self.num_splits) {
                 println!("note     the GPU decode kernels do not run this problem ({e}): the paged run uses the CPU backend");
-                return Backend::Cpu;
+                return Ok(Backend::Cpu);
             }
         }
-        backend.clone()
+        Ok(backend.clone())
     }
 
     fn execute(&self, backend: &Backend) -> Result<Done<T>> {

@@ -196,11 +196,127 @@ pub struct GpuDecodePlan {
     pub grid: (u32, u32, u32),
     /// The combine kernel (run when `num_splits > 1`).
     pub combine: CombineSpec,
+    /// The variant planned ([`DecodeVariant`], `FA4_DECODE_VARIANT`).
+    pub variant: DecodeVariant,
+    /// The all-heads kernel when the variant asks for it: it runs instead of `spec`, with
+    /// `grid` = `(batch · heads_kv / heads, row tiles, num_splits)`.
+    pub heads: Option<HeadsSpec>,
 }
 
 /// Plans a validated paged problem for a GPU of `sm_count` SMs and `max_smem` bytes of shared
-/// memory per CTA, and an NVRTC target; errors name what the kernels do not cover.
+/// memory per CTA, and an NVRTC target; errors name what the kernels do not cover. The default
+/// variant ([`DecodeVariant::default`], `auto`: see [`DecodeVariant`]).
 pub fn plan(
+    p: &PagedProblem,
+    sm_count: usize,
+    max_smem: usize,
+    target: &'static str,
+    num_splits: Option<usize>,
+) -> Result<GpuDecodePlan> {
+    plan_variant(
+        p,
+        sm_count,
+        max_smem,
+        target,
+        num_splits,
+        DecodeVariant::default(),
+    )
+}
+
+/// [`plan`] for a [`DecodeVariant`]: the default plan, then (for a heads variant) the all-heads
+/// kernel and its own split count, then (for `best`) the split count of the best wave
+/// efficiency. Errors name `FA4_DECODE_VARIANT` where the variant cannot run here.
+pub fn plan_variant(
+    p: &PagedProblem,
+    sm_count: usize,
+    max_smem: usize,
+    target: &'static str,
+    num_splits: Option<usize>,
+    variant: DecodeVariant,
+) -> Result<GpuDecodePlan> {
+    let plan = plan_default(p, sm_count, max_smem, target, num_splits)?;
+    if variant.auto {
+        return plan_auto(p, plan, sm_count, max_smem, num_splits);
+    }
+    plan_variant_fixed(p, plan, sm_count, max_smem, num_splits, variant)
+}
+
+/// A named (not `auto`) variant applied to the default plan `plan`.
+fn plan_variant_fixed(
+    p: &PagedProblem,
+    mut plan: GpuDecodePlan,
+    sm_count: usize,
+    max_smem: usize,
+    num_splits: Option<usize>,
+    variant: DecodeVariant,
+) -> Result<GpuDecodePlan> {
+    plan.variant = variant;
+    if let Some(max_heads) = variant.heads {
+        let heads = plan_heads(
+            p,
+            &plan,
+            sm_count,
+            max_smem,
+            max_heads,
+            variant.bulk,
+            num_splits,
+        )?;
+        plan.decode = heads.0;
+        plan.grid = heads.1;
+        plan.heads = Some(heads.2);
+    }
+    if variant.best_splits && !plan.decode.forced {
+        let one_wave = plan.decode.units / plan.decode.tiles_unsplit.max(1);
+        if let Some(s) = best_efficiency(&plan.decode.candidates, one_wave) {
+            plan.decode.num_splits = s;
+            plan.grid.2 = s as u32;
+        }
+    }
+    Ok(plan)
+}
+
+/// Most sequences × KV-head groups below which `auto` keeps the split kernel: with fewer, the
+/// all-heads kernel's CTAs are one per (sequence, group, split) and the split count that fills
+/// the GPU makes each split short (on the H200, (1 sequence, 8 KV heads, 32k keys) ran
+/// heads+bulk+best at 1.65 TB/s and best at 2.27; at 4 and more sequences the all-heads kernel
+/// led, 3.4–4.2 TB/s against 2.6–2.9).
+pub const AUTO_MIN_HEAD_GROUPS: usize = 4;
+
+/// `auto`: on sm_90 and later, for a problem of one row tile per (sequence, KV head) (decode and
+/// speculative decode) and at least [`AUTO_MIN_HEAD_GROUPS`] sequences × KV-head groups, the
+/// all-heads kernel with bulk copies and the best single-wave split count (`heads+bulk+best`);
+/// otherwise the split kernel with the best single-wave split count (`best`). The plan's
+/// `variant` is the one chosen, marked `auto`.
+fn plan_auto(
+    p: &PagedProblem,
+    base: GpuDecodePlan,
+    sm_count: usize,
+    max_smem: usize,
+    num_splits: Option<usize>,
+) -> Result<GpuDecodePlan> {
+    let heads_kv = p.cache().heads_kv();
+    let groups = p.decode_shape().batch * heads_kv.div_ceil(MAX_HEADS_PER_CTA.min(heads_kv).max(1));
+    let wide =
+        sm_version(base.spec.target) >= 90 && base.grid.1 == 1 && groups >= AUTO_MIN_HEAD_GROUPS;
+    let pick =
+        |v: DecodeVariant| plan_variant_fixed(p, base.clone(), sm_count, max_smem, num_splits, v);
+    let chosen = if wide {
+        // A cache the all-heads kernel cannot hold (shared memory) keeps the split kernel.
+        pick(DecodeVariant::parse("heads+bulk+best")?)
+            .or_else(|_| pick(DecodeVariant::parse("best")?))?
+    } else {
+        pick(DecodeVariant::parse("best")?)?
+    };
+    Ok(GpuDecodePlan {
+        variant: DecodeVariant {
+            auto: true,
+            ..chosen.variant
+        },
+        ..chosen
+    })
+}
+
+fn plan_default(
     p: &PagedProblem,
     sm_count: usize,
     max_smem: usize,
@@ -298,6 +414,8 @@ pub fn plan(
             bf16,
             head_dim: d,
         },
+        variant: DecodeVariant::PLAIN,
+        heads: None,
     })
 }
 
@@ -330,4 +448,510 @@ pub fn all_specs(target: &'static str, max_smem: usize) -> Vec<SplitKvSpec> {
         }
     }
     out
+}
+
+// ---- Variants (issue 15's next device session: prepared, not measured) ----
+
+/// The environment variable that picks a [`DecodeVariant`] at run time (read by
+/// `CudaBackend::plan_paged` and `CudaBackend::paged_tables`).
+pub const VARIANT_ENV: &str = "FA4_DECODE_VARIANT";
+
+/// Keys per block of the all-heads kernel: one k16 step of P·V per warp, so a stage of 8 KV
+/// heads of d128 is 16 rows of 2 KB for K and for V (64 KiB with padding), 3 stages on an H200.
+pub const HEADS_BLOCK_N: usize = 16;
+
+/// Most KV heads (warps) per CTA of the all-heads kernel.
+pub const MAX_HEADS_PER_CTA: usize = 8;
+
+/// Which split-KV kernel and split rule a GPU decode call uses, selectable at run time
+/// (`FA4_DECODE_VARIANT`, or [`crate::cuda::decode::PagedTables::set_variant`]) so that one
+/// binary times them all:
+///
+/// - `auto` (the default, and what an unset or empty `FA4_DECODE_VARIANT` means): chosen per
+///   problem from the H200 measurements in `docs/perf.md`, see [`AUTO_MIN_HEAD_GROUPS`]:
+///   `heads+bulk+best` for decode batches on sm_90 and later, `best` otherwise.
+/// - `plain`: the split kernel (`kernels/decode/splitkv.cu`) with the planner's split count
+///   (the default before `auto`).
+/// - `heads` (`heads4`, `heads2`, `heads1`: at most that many KV heads per CTA):
+///   `kernels/decode/heads.cu`, one CTA per (sequence, KV-head group, row tile, split) with a
+///   warp per KV head, so each key's row of the group's heads is one contiguous read; splits
+///   re-planned for its fewer CTAs.
+/// - `bulk` (implies `heads` unless a `headsN` is given; sm_90 and later): the same kernel with
+///   its K/V rows moved by 1-D bulk copies completing on mbarriers. Caches whose heads are not
+///   contiguous (`head stride ≠ head_dim`) fall back to the cp.async copies (the plan says so).
+/// - `best`: the split count that fills the most SMs in one wave (fewest splits among equals)
+///   instead of the planner's fewest splits within 85% of the best efficiency over any number
+///   of waves (its rule, shared with the CPU, is unchanged).
+///
+/// Tokens join with `+`: `heads+bulk+best`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct DecodeVariant {
+    /// Chosen per problem (`auto`); in a plan, the variant `auto` chose, with this flag kept.
+    pub auto: bool,
+    /// `Some(max KV heads per CTA)`: the all-heads kernel.
+    pub heads: Option<usize>,
+    /// Bulk copies (with the all-heads kernel).
+    pub bulk: bool,
+    /// The best wave efficiency's split count.
+    pub best_splits: bool,
+}
+
+impl Default for DecodeVariant {
+    /// `auto`.
+    fn default() -> DecodeVariant {
+        DecodeVariant {
+            auto: true,
+            ..DecodeVariant::PLAIN
+        }
+    }
+}
+
+impl DecodeVariant {
+    /// `plain`: the split kernel with the planner's split count.
+    pub const PLAIN: DecodeVariant = DecodeVariant {
+        auto: false,
+        heads: None,
+        bulk: false,
+        best_splits: false,
+    };
+
+    /// Parses `FA4_DECODE_VARIANT`'s grammar (see the type's docs); errors name
+    /// `FA4_DECODE_VARIANT`.
+    pub fn parse(text: &str) -> Result<DecodeVariant> {
+        let text = text.trim();
+        if text.is_empty() || text == "auto" {
+            return Ok(DecodeVariant::default());
+        }
+        let mut v = DecodeVariant::PLAIN;
+        if text == "plain" {
+            return Ok(v);
+        }
+        for token in text.split('+') {
+            match token {
+                "heads" => v.heads = Some(MAX_HEADS_PER_CTA),
+                "bulk" => v.bulk = true,
+                "best" => v.best_splits = true,
+                t if t.starts_with("heads") => {
+                    let n = t["heads".len()..]
+                        .parse::<usize>()
+                        .ok()
+                        .filter(|n| (1..=MAX_HEADS_PER_CTA).contains(n))
+                        .ok_or_else(|| {
+                            Error::invalid(
+                                VARIANT_ENV,
+                                format!("`{t}`: headsN takes N in 1..={MAX_HEADS_PER_CTA}"),
+                            )
+                        })?;
+                    v.heads = Some(n);
+                }
+                other => {
+                    return Err(Error::invalid(
+                        VARIANT_ENV,
+                        format!(
+                            "unknown token `{other}` in `{text}` (expected `auto`, `plain` or \
+                             tokens heads, heads1..heads{MAX_HEADS_PER_CTA}, bulk, best joined by `+`)"
+                        ),
+                    ))
+                }
+            }
+        }
+        if v.bulk && v.heads.is_none() {
+            v.heads = Some(MAX_HEADS_PER_CTA);
+        }
+        Ok(v)
+    }
+
+    /// The variant named by `FA4_DECODE_VARIANT` (the default when unset).
+    pub fn from_env() -> Result<DecodeVariant> {
+        match std::env::var(VARIANT_ENV) {
+            Ok(text) => DecodeVariant::parse(&text),
+            Err(std::env::VarError::NotPresent) => Ok(DecodeVariant::default()),
+            Err(e) => Err(Error::invalid(VARIANT_ENV, e.to_string())),
+        }
+    }
+}
+
+impl fmt::Display for DecodeVariant {
+    /// The grammar [`DecodeVariant::parse`] reads; a variant `auto` chose prints as
+    /// `auto (CHOICE)`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let named = DecodeVariant {
+            auto: false,
+            ..*self
+        };
+        if self.auto {
+            return if named == DecodeVariant::PLAIN {
+                f.write_str("auto")
+            } else {
+                write!(f, "auto ({named})")
+            };
+        }
+        let mut parts = Vec::new();
+        match self.heads {
+            Some(MAX_HEADS_PER_CTA) => parts.push("heads".to_string()),
+            Some(n) => parts.push(format!("heads{n}")),
+            None => {}
+        }
+        if self.bulk {
+            parts.push("bulk".into());
+        }
+        if self.best_splits {
+            parts.push("best".into());
+        }
+        if parts.is_empty() {
+            f.write_str("plain")
+        } else {
+            f.write_str(&parts.join("+"))
+        }
+    }
+}
+
+/// A variant of the all-heads split-KV kernel (`kernels/decode/heads.cu`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct HeadsSpec {
+    /// NVRTC target.
+    pub target: &'static str,
+    /// bf16 (else fp16).
+    pub bf16: bool,
+    /// Head dim of Q, K and V.
+    pub head_dim: usize,
+    /// MMA tiles of 16 packed rows per warp (each warp holds its KV head's rows).
+    pub m_tiles: usize,
+    /// Keys per block.
+    pub block_n: usize,
+    /// KV heads per CTA (one warp each).
+    pub heads: usize,
+    /// Depth of the K/V ring.
+    pub stages: usize,
+    /// 1-D bulk copies (sm_90+) instead of cp.async.
+    pub bulk: bool,
+    /// A window (or causal) mask.
+    pub window: bool,
+    /// Softcap.
+    pub softcap: bool,
+}
+
+/// Shared memory of the all-heads kernel: a Q tile per warp, the K/V ring with a 16-byte pad per
+/// key row, and one mbarrier per stage with bulk copies.
+fn heads_smem_bytes(
+    head_dim: usize,
+    m_tiles: usize,
+    block_n: usize,
+    heads: usize,
+    stages: usize,
+    bulk: bool,
+) -> usize {
+    heads * 16 * m_tiles * head_dim * 2
+        + 2 * stages * block_n * (heads * head_dim * 2 + 16)
+        + if bulk { 8 * stages } else { 0 }
+}
+
+impl HeadsSpec {
+    /// Packed rows per warp (and CTA row tile).
+    pub fn block_m(&self) -> usize {
+        16 * self.m_tiles
+    }
+    /// Threads per CTA.
+    pub fn threads(&self) -> usize {
+        self.heads * 32
+    }
+    /// Dynamic shared memory.
+    pub fn smem_bytes(&self) -> usize {
+        heads_smem_bytes(
+            self.head_dim,
+            self.m_tiles,
+            self.block_n,
+            self.heads,
+            self.stages,
+            self.bulk,
+        )
+    }
+    /// The entry point.
+    pub fn entry(&self) -> &'static str {
+        "fa4_decode_heads"
+    }
+    /// The generated prelude.
+    pub fn prelude(&self) -> String {
+        Prelude::new("config::decode_gpu", self)
+            .int("HEAD_DIM", self.head_dim)
+            .int("BLOCK_M", self.block_m())
+            .int("BLOCK_N", self.block_n)
+            .int("NUM_WARPS", self.heads)
+            .int("M_TILES", self.m_tiles)
+            .int("STAGES", self.stages)
+            .define("BULK", u8::from(self.bulk))
+            .flag("IS_BF16", self.bf16)
+            .flag("HAS_WINDOW", self.window)
+            .flag("HAS_SOFTCAP", self.softcap)
+            .flag("LAZY_RESCALE", true)
+            .define("FA4_SMEM_BYTES", self.smem_bytes())
+            .finish()
+    }
+}
+
+impl fmt::Display for HeadsSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "decode heads {} {} d{} {}x{} {} heads {} stages{}{}{}",
+            self.target,
+            if self.bf16 { "bf16" } else { "fp16" },
+            self.head_dim,
+            self.block_m(),
+            self.block_n,
+            self.heads,
+            self.stages,
+            if self.bulk { " bulk" } else { "" },
+            if self.window { " window" } else { "" },
+            if self.softcap { " softcap" } else { "" }
+        )
+    }
+}
+
+/// The SM version of an NVRTC target (`sm_90a` → 90).
+fn sm_version(target: &str) -> usize {
+    target
+        .trim_start_matches("sm_")
+        .trim_end_matches(|c: char| c.is_ascii_alphabetic())
+        .parse()
+        .unwrap_or(0)
+}
+
+/// The deepest ring (2..=[`MAX_STAGES`]) of the all-heads kernel within `max_smem`, if any.
+pub fn heads_stages_for(
+    head_dim: usize,
+    m_tiles: usize,
+    heads: usize,
+    bulk: bool,
+    max_smem: usize,
+) -> Option<usize> {
+    (2..=MAX_STAGES)
+        .rev()
+        .find(|&s| heads_smem_bytes(head_dim, m_tiles, HEADS_BLOCK_N, heads, s, bulk) <= max_smem)
+}
+
+/// The all-heads kernel of a planned problem: the most KV heads per CTA (a divisor of heads_kv,
+/// at most `max_heads`) whose ring of 2 stages fits, the split count re-planned over its CTAs
+/// (the planner's rule on `batch · heads_kv / heads` tiles of 16-key blocks), and the grid.
+fn plan_heads(
+    p: &PagedProblem,
+    base: &GpuDecodePlan,
+    sm_count: usize,
+    max_smem: usize,
+    max_heads: usize,
+    bulk: bool,
+    num_splits: Option<usize>,
+) -> Result<(DecodePlan, (u32, u32, u32), HeadsSpec)> {
+    let spec = &base.spec;
+    if bulk && sm_version(spec.target) < 90 {
+        return Err(Error::invalid(
+            VARIANT_ENV,
+            format!(
+                "`bulk` uses the sm_90 bulk copies (cp.async.bulk); this GPU is {}",
+                spec.target
+            ),
+        ));
+    }
+    let c = p.cache();
+    let heads_kv = c.heads_kv();
+    let d = spec.head_dim;
+    let heads = (1..=max_heads.min(heads_kv))
+        .rev()
+        .find(|&h| {
+            heads_kv.is_multiple_of(h)
+                && heads_stages_for(d, spec.m_tiles, h, bulk, max_smem).is_some()
+        })
+        .ok_or_else(|| {
+            Error::invalid(
+                VARIANT_ENV,
+                format!(
+                    "the all-heads decode kernel needs {} bytes of shared memory per CTA, the GPU gives {max_smem}",
+                    heads_smem_bytes(d, spec.m_tiles, HEADS_BLOCK_N, 1, 2, bulk)
+                ),
+            )
+        })?;
+    // Bulk copies move a key's heads as one span: only where they are contiguous.
+    let contiguous = |l: &crate::tensor::Layout| l.strides[2] == l.dims[3];
+    let bulk = bulk && contiguous(c.k_layout()) && contiguous(c.v_layout());
+    let stages = heads_stages_for(d, spec.m_tiles, heads, bulk, max_smem)
+        .expect("checked when choosing heads");
+    let shape = p.decode_shape();
+    let tiles = DecodeTiles {
+        block_m: spec.block_m(),
+        block_n: HEADS_BLOCK_N,
+    };
+    // A CTA holds `heads` KV heads: plan its tiles as a problem with heads_kv / heads KV heads.
+    let grouped = decode::DecodeShape {
+        heads_q: shape.heads_q / heads,
+        heads_kv: shape.heads_kv / heads,
+        ..shape
+    };
+    let mut decode = decode::plan(grouped, tiles, sm_count, num_splits)?;
+    decode.shape = shape;
+    let x = u32::try_from(shape.batch * (heads_kv / heads))
+        .ok()
+        .filter(|&x| x <= i32::MAX as u32)
+        .ok_or_else(|| {
+            Error::invalid(
+                "q",
+                "the decode grid's sequences × KV-head groups overflows",
+            )
+        })?;
+    let grid = (x, base.grid.1, decode.num_splits as u32);
+    Ok((
+        decode,
+        grid,
+        HeadsSpec {
+            target: spec.target,
+            bf16: spec.bf16,
+            head_dim: d,
+            m_tiles: spec.m_tiles,
+            block_n: HEADS_BLOCK_N,
+            heads,
+            stages,
+            bulk,
+            window: spec.window,
+            softcap: spec.softcap,
+        },
+    ))
+}
+
+/// The split count of the best wave efficiency among the planner's candidates of at most
+/// `max_splits` (those that run in one wave), the fewest splits among equals; None if no
+/// candidate qualifies. One wave: a memory-bound CTA costs its pipeline's fill and drain, and
+/// several waves of short splits add combine traffic (the best efficiency over all candidates
+/// would give (4, 128k) 103 splits of the default kernel, 25 waves).
+fn best_efficiency(candidates: &[(usize, f64)], max_splits: usize) -> Option<usize> {
+    let fit = || candidates.iter().filter(|&&(s, _)| s <= max_splits);
+    let best = fit().map(|&(_, e)| e).fold(0.0, f64::max);
+    fit().find(|&&(_, e)| e >= best).map(|&(s, _)| s)
+}
+
+/// A handful of all-heads kernel variants for the NVRTC compile test (bf16): the decode grid's
+/// d128 with one MMA tile, plain and with window + softcap, by cp.async and (sm_90+) by bulk
+/// copies; two MMA tiles of d64 and one of d256 with window + softcap (the largest register
+/// and shared-memory footprints). Each at the most KV heads per CTA (up to 8) that fit
+/// `max_smem`.
+pub fn heads_specs(target: &'static str, max_smem: usize) -> Vec<HeadsSpec> {
+    let hopper = sm_version(target) >= 90;
+    let mut out = Vec::new();
+    let cases = [
+        (128, 1, false, false),
+        (128, 1, true, false),
+        (128, 1, false, true),
+        (128, 1, true, true),
+        (64, 2, true, true),
+        (256, 1, true, true),
+    ];
+    for (head_dim, m_tiles, masked, bulk) in cases {
+        let bulk = bulk && hopper;
+        let Some((heads, stages)) = (1..=MAX_HEADS_PER_CTA)
+            .rev()
+            .find_map(|h| heads_stages_for(head_dim, m_tiles, h, bulk, max_smem).map(|s| (h, s)))
+        else {
+            continue;
+        };
+        let spec = HeadsSpec {
+            target,
+            bf16: true,
+            head_dim,
+            m_tiles,
+            block_n: HEADS_BLOCK_N,
+            heads,
+            stages,
+            bulk,
+            window: masked,
+            softcap: masked,
+        };
+        if !out.contains(&spec) {
+            out.push(spec);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod variant_tests {
+    use super::*;
+
+    #[test]
+    fn variants_parse_print_and_refuse_unknown_tokens() {
+        for (text, want) in [
+            ("", DecodeVariant::default()),
+            ("auto", DecodeVariant::default()),
+            ("plain", DecodeVariant::PLAIN),
+            (
+                "heads",
+                DecodeVariant {
+                    heads: Some(8),
+                    ..DecodeVariant::PLAIN
+                },
+            ),
+            (
+                "bulk",
+                DecodeVariant {
+                    heads: Some(8),
+                    bulk: true,
+                    ..DecodeVariant::PLAIN
+                },
+            ),
+            (
+                "heads4+bulk+best",
+                DecodeVariant {
+                    heads: Some(4),
+                    bulk: true,
+                    best_splits: true,
+                    auto: false,
+                },
+            ),
+            (
+                "best",
+                DecodeVariant {
+                    best_splits: true,
+                    ..DecodeVariant::PLAIN
+                },
+            ),
+        ] {
+            let v = DecodeVariant::parse(text).unwrap();
+            assert_eq!(v, want, "{text}");
+            assert_eq!(DecodeVariant::parse(&v.to_string()).unwrap(), v, "{v}");
+        }
+        for bad in [
+            "heads9",
+            "heads0",
+            "fast",
+            "heads+",
+            "Heads",
+            "default",
+            "auto+best",
+        ] {
+            match DecodeVariant::parse(bad) {
+                Err(Error::InvalidArgument { name, .. }) => assert_eq!(name, VARIANT_ENV, "{bad}"),
+                other => panic!("{bad}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn the_best_efficiency_takes_the_fewest_splits_among_equals() {
+        assert_eq!(best_efficiency(&[], 10), None);
+        let c = [(1, 0.5), (2, 0.9), (4, 0.9), (8, 0.7), (9, 1.0)];
+        assert_eq!(best_efficiency(&c, 8), Some(2));
+        assert_eq!(best_efficiency(&c, 9), Some(9));
+        assert_eq!(best_efficiency(&c, 0), None);
+    }
+
+    #[test]
+    fn heads_shared_memory_fits_the_h200_with_three_stages_at_d128() {
+        // 8 KV heads of d128, one MMA tile: 32 KiB of Q, 3 × 2 × 16 × 2064 bytes of K/V.
+        let h200 = crate::arch::H200.max_smem_per_block() as usize;
+        assert_eq!(heads_stages_for(128, 1, 8, false, h200), Some(3));
+        assert_eq!(heads_stages_for(128, 1, 8, true, h200), Some(3));
+        assert_eq!(heads_stages_for(128, 2, 8, true, h200), Some(2));
+        assert_eq!(heads_stages_for(256, 1, 8, false, h200), None);
+        assert_eq!(heads_stages_for(256, 1, 4, false, h200), Some(3));
+        assert_eq!(sm_version("sm_90a"), 90);
+        assert_eq!(sm_version("sm_100a"), 100);
+        assert_eq!(sm_version("sm_80"), 80);
+    }
 }

@@ -14,7 +14,9 @@ use super::family::decode::{Append, Combine};
 use super::params::FwdParams;
 use super::CudaBackend;
 use crate::config::decode::DecodePlan;
-use crate::config::decode_gpu::{self, AppendSpec, CombineSpec, GpuDecodePlan, SplitKvSpec};
+use crate::config::decode_gpu::{
+    self, AppendSpec, CombineSpec, DecodeVariant, GpuDecodePlan, HeadsSpec, SplitKvSpec,
+};
 use crate::error::{Error, Result};
 use crate::paged::{append_targets, PagedCache, PagedProblem};
 use crate::tensor::{Element, Layout};
@@ -25,6 +27,10 @@ pub const DECODE_PARAMS_SRC: &str = include_str!("../kernels/decode/params.cuh")
 pub const DECODE_PTX_SRC: &str = include_str!("../kernels/decode/ptx.cuh");
 /// The split-KV kernel.
 pub const SPLITKV_SRC: &str = include_str!("../kernels/decode/splitkv.cu");
+/// The all-heads split-KV kernel (a [`DecodeVariant`]).
+pub const HEADS_SRC: &str = include_str!("../kernels/decode/heads.cu");
+/// The all-heads kernel's bulk-copy wrappers (sm_90+).
+pub const BULK_SRC: &str = include_str!("../kernels/decode/bulk.cuh");
 /// The combine kernel.
 pub const COMBINE_SRC: &str = include_str!("../kernels/decode/combine.cu");
 /// The append kernel.
@@ -104,6 +110,34 @@ impl KernelSource for SplitKvSpec {
     }
 }
 
+impl KernelSource for HeadsSpec {
+    fn target(&self) -> &'static str {
+        self.target
+    }
+    fn prelude(&self) -> String {
+        HeadsSpec::prelude(self)
+    }
+    fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>> {
+        let mut v: Vec<std::borrow::Cow<'static, str>> = vec![
+            SM80_PTX_SRC.into(),
+            SM80_TILE_OPS_SRC.into(),
+            DECODE_PTX_SRC.into(),
+            DECODE_PARAMS_SRC.into(),
+        ];
+        if self.bulk {
+            v.push(BULK_SRC.into());
+        }
+        v.push(HEADS_SRC.into());
+        v
+    }
+    fn entry(&self) -> &'static str {
+        HeadsSpec::entry(self)
+    }
+    fn smem_bytes(&self) -> usize {
+        HeadsSpec::smem_bytes(self)
+    }
+}
+
 impl KernelSource for CombineSpec {
     fn target(&self) -> &'static str {
         self.target
@@ -161,12 +195,25 @@ impl KernelSource for AppendSpec {
 /// so the kernels only ever read a table that was validated against the cache's pages.
 pub struct PagedTables {
     cache: PagedCache,
+    variant: DecodeVariant,
     cu_q: Option<Vec<i32>>,
     table: CudaSlice<i32>,
     seqlens: CudaSlice<i32>,
     d_cu_q: Option<CudaSlice<i32>>,
     o_part: Option<CudaSlice<f32>>,
     lse_part: Option<CudaSlice<f32>>,
+}
+
+impl PagedTables {
+    /// The kernel variant the calls with these tables run (`FA4_DECODE_VARIANT` when they were
+    /// made; the default when it was unset).
+    pub fn variant(&self) -> DecodeVariant {
+        self.variant
+    }
+    /// Picks the kernel variant of later calls (benchmarks compare them in one process).
+    pub fn set_variant(&mut self, variant: DecodeVariant) {
+        self.variant = variant;
+    }
 }
 
 impl std::fmt::Debug for PagedTables {
@@ -214,20 +261,34 @@ fn fwd_params(p: &PagedProblem, ptrs: [u64; 6]) -> FwdParams {
 
 impl CudaBackend {
     /// Plans a paged problem for this device: the split count (forced by `num_splits`, or the
-    /// planner's over this GPU's SMs), the kernel variant and its grid.
+    /// planner's over this GPU's SMs), the kernel variant and its grid; the variant is
+    /// `FA4_DECODE_VARIANT`'s (the default when unset).
     pub fn plan_paged(&self, p: &PagedProblem, num_splits: Option<usize>) -> Result<GpuDecodePlan> {
+        self.plan_paged_variant(p, num_splits, DecodeVariant::from_env()?)
+    }
+
+    /// [`CudaBackend::plan_paged`] for a given variant.
+    pub fn plan_paged_variant(
+        &self,
+        p: &PagedProblem,
+        num_splits: Option<usize>,
+        variant: DecodeVariant,
+    ) -> Result<GpuDecodePlan> {
         let info = self.info();
-        decode_gpu::plan(
+        decode_gpu::plan_variant(
             p,
             info.sm_count as usize,
             info.max_smem_per_block as usize,
             info.target,
             num_splits,
+            variant,
         )
     }
 
-    /// Uploads a problem's validated page table, `seqlens_k` and query offsets.
+    /// Uploads a problem's validated page table, `seqlens_k` and query offsets; the tables run
+    /// `FA4_DECODE_VARIANT`'s kernel variant (an unknown one is an error naming it).
     pub fn paged_tables(&self, p: &PagedProblem) -> Result<PagedTables> {
+        let variant = DecodeVariant::from_env()?;
         let c = p.cache();
         // A zero-length buffer cannot be allocated: empty tables get one unread entry.
         let nonempty = |v: Vec<i32>| if v.is_empty() { vec![0] } else { v };
@@ -238,6 +299,7 @@ impl CudaBackend {
             seqlens: self.upload_i32(&nonempty(seqlens))?,
             d_cu_q: cu.as_ref().map(|v| self.upload_i32(v)).transpose()?,
             cache: c.clone(),
+            variant,
             cu_q: cu,
             o_part: None,
             lse_part: None,
@@ -274,7 +336,7 @@ impl CudaBackend {
                  with this problem)",
             ));
         }
-        let plan = self.plan_paged(p, num_splits)?;
+        let plan = self.plan_paged_variant(p, num_splits, tables.variant)?;
         let (gx, gy, splits) = plan.grid;
         if gx == 0 || gy == 0 || p.total_q() == 0 {
             return Ok(plan.decode);

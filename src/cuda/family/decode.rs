@@ -16,12 +16,26 @@ use crate::error::{Error, Result};
 // cache, a workspace of num_splits · part_rows rows touched only with more than one split), the
 // kernel reads a table entry only for a key below the sequence's length, and every used entry
 // was validated against num_pages.
+//
+// The all-heads variant (`heads`, when the variant asks for it) has the grid (sequence · KV-head
+// group, row tile, split) and its spec's shared memory (static_asserted likewise); its CTA
+// copies `heads` heads of a key row from head0 = group · heads, inside heads_kv, and its bulk
+// copies (one span of heads · head_dim elements per key) are planned only where the cache's
+// head stride is head_dim, so the span is exactly those heads. Table entries are read for keys
+// below the length only, as above.
 unsafe impl Launchable for GpuDecodePlan {
     fn launch(&self) -> Launch<'_> {
-        Launch {
-            kernel: &self.spec,
-            grid: self.grid,
-            threads: self.spec.threads(),
+        match &self.heads {
+            Some(h) => Launch {
+                kernel: h,
+                grid: self.grid,
+                threads: h.threads(),
+            },
+            None => Launch {
+                kernel: &self.spec,
+                grid: self.grid,
+                threads: self.spec.threads(),
+            },
         }
     }
 }

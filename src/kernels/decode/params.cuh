@@ -1,7 +1,8 @@
 // Launch parameters of the decode kernels (split-KV attention over a paged cache, and the combine
 // of its splits): the forward's FwdParams for Q, O, LSE, the mask and the scale, plus the page
 // table and the split workspace. Mirrored by `cuda::params::DecodeParams` (Rust, #[repr(C)]);
-// both sides assert the size. Needs `../common/params.cuh`.
+// both sides assert the size; also the paged sequence bounds and output rows the split kernels
+// share. Needs `../common/params.cuh`.
 //
 // Reuse of the forward's fields: k/v are the caches; k_batch_stride/v_batch_stride are the page
 // strides, k_row_stride/v_row_stride the slot strides (elements). seqlen_q is the fixed batch's
@@ -42,4 +43,16 @@ __device__ __forceinline__ OutRow out_row(const FwdParams& p, const Seq& s, int 
     const long long q_row = packed ? qi : bi * p.seqlen_q + qi;  // row among all query rows
     r.part_row = q_row * p.heads_q + head;
     return r;
+}
+
+// The sequence's query bounds (fixed or varlen) and its keys (seqlens_k; keys live in pages).
+__device__ __forceinline__ Seq paged_sequence(const DecodeParams& d, int b) {
+    Seq s = sequence(d.p, b, false);
+    if (d.p.cu_seqlens_q != nullptr) {
+        s.q_start = d.p.cu_seqlens_q[b];
+        s.q_len = d.p.cu_seqlens_q[b + 1] - s.q_start;
+    }
+    s.k_start = 0;
+    s.k_len = d.seqlens_k[b];
+    return s;
 }

@@ -1,6 +1,6 @@
 // PTX wrappers the decode kernels add to `../sm80/ptx.cuh`: the 16-byte global load of the Q
-// tile, the f32 vector stores of the split workspace, and the scalar V reads and finiteness
-// test of blocks with non-finite V.
+// tile, the f32 vector stores of the split workspace (and the heads kernel's 4- and 8-byte
+// stores of O), and the scalar V reads and finiteness test of blocks with non-finite V.
 
 __device__ __forceinline__ void ld_global_v4(u32 (&x)[4], const void* src) {
     asm volatile("ld.global.nc.v4.b32 {%0, %1, %2, %3}, [%4];\n"
@@ -9,6 +9,13 @@ __device__ __forceinline__ void ld_global_v4(u32 (&x)[4], const void* src) {
 }
 __device__ __forceinline__ void st_global_f32x4(float* dst, float a, float b, float c, float d) {
     asm volatile("st.global.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d));
+}
+
+__device__ __forceinline__ void st_global_f32x2(float* dst, float a, float b) {
+    asm volatile("st.global.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(a), "f"(b));
+}
+__device__ __forceinline__ void st_global_b32(void* dst, u32 x) {
+    asm volatile("st.global.b32 [%0], %1;\n" ::"l"(dst), "r"(x));
 }
 
 __device__ __forceinline__ void st_shared_f32(u32 addr, float x) {

@@ -61,18 +61,6 @@ __device__ __forceinline__ u32 swizzle(int r, int c) {
     return static_cast<u32>((r * CHUNKS + ((c & ~7) | ((c ^ r) & 7))) * 16);
 }
 
-// The sequence's query bounds (fixed or varlen) and its keys (seqlens_k; keys live in pages).
-__device__ __forceinline__ Seq paged_sequence(const DecodeParams& d, int b) {
-    Seq s = sequence(d.p, b, false);
-    if (d.p.cu_seqlens_q != nullptr) {
-        s.q_start = d.p.cu_seqlens_q[b];
-        s.q_len = d.p.cu_seqlens_q[b + 1] - s.q_start;
-    }
-    s.k_start = 0;
-    s.k_len = d.seqlens_k[b];
-    return s;
-}
-
 // Issues the copies of key block n's K and V rows into a stage: row r is key n·BLOCK_N + r,
 // slot key % page_size of page page_table[key / page_size]; rows past the sequence's keys are
 // zero-filled without touching the table (its entries there are unvalidated).

@@ -1,0 +1,251 @@
+//! The decode kernel variants of `FA4_DECODE_VARIANT` (`config::decode_gpu::DecodeVariant`),
+//! without a GPU: what the planner makes of each on the H200 and the A100 (grid, heads per CTA,
+//! split counts, refusals), and that a handful of the all-heads kernel's variants compile with
+//! NVRTC for sm_80 and sm_90a without spilling where the decode grid runs. Their speed and their
+//! results on a GPU are tests/cuda_decode.rs (run once per variant) and `bench/decode_device.sh`.
+
+use std::io::Write;
+
+use fa4::arch::{A100, H200};
+use fa4::config::decode_gpu::{
+    heads_specs, plan, plan_variant, DecodeVariant, GpuDecodePlan, VARIANT_ENV,
+};
+use fa4::cuda::compile::{compile_with_log, nvrtc_version};
+use fa4::paged::{PagedCache, PagedProblem};
+use fa4::tensor::Layout;
+use fa4::{DType, Error, Options};
+use rayon::prelude::*;
+
+/// The decode layout (32 query / 8 KV heads, d128, bf16) at `batch` × `keys` in pages
+/// of 16, seqlen_q 1; `k_strides` overrides the cache's strides.
+fn problem(batch: usize, keys: usize, k_strides: Option<&[usize]>) -> PagedProblem {
+    let page = 16;
+    let per_seq = keys.div_ceil(page);
+    let num_pages = batch * per_seq;
+    let table: Vec<i32> = (0..num_pages as i32).rev().collect();
+    let kl = Layout::new("k_cache", &[num_pages, page, 8, 128], k_strides).unwrap();
+    let cache = PagedCache::new(&kl, &kl, &table, per_seq, &vec![keys as i32; batch]).unwrap();
+    let ql = Layout::new("q", &[batch, 1, 32, 128], None).unwrap();
+    PagedProblem::new(DType::Bf16, &ql, &ql, &cache, None, &Options::new()).unwrap()
+}
+
+fn h200(p: &PagedProblem, variant: &str, splits: Option<usize>) -> GpuDecodePlan {
+    let v = DecodeVariant::parse(variant).unwrap();
+    plan_variant(
+        p,
+        H200.sm_count as usize,
+        H200.max_smem_per_block() as usize,
+        "sm_90a",
+        splits,
+        v,
+    )
+    .unwrap_or_else(|e| panic!("{variant}: {e}"))
+}
+
+#[test]
+fn auto_is_the_default_and_picks_by_the_number_of_head_groups() {
+    let sms = H200.sm_count as usize;
+    let smem = H200.max_smem_per_block() as usize;
+    for (b, k, wide) in [
+        (1, 32768, false),
+        (2, 8192, false),
+        (4, 131072, true),
+        (8, 8192, true),
+        (32, 4096, true),
+    ] {
+        let p = problem(b, k, None);
+        let auto = plan(&p, sms, smem, "sm_90a", None).unwrap();
+        assert_eq!(auto, h200(&p, "auto", None), "({b}, {k}): plan() is auto");
+        assert_eq!(auto, h200(&p, "", None));
+        assert!(auto.variant.auto);
+        let named = if wide { "heads+bulk+best" } else { "best" };
+        let mut want = h200(&p, named, None);
+        want.variant.auto = true;
+        assert_eq!(auto, want, "({b}, {k}) should run {named}");
+        assert_eq!(auto.variant.to_string(), format!("auto ({named})"));
+        // Before sm_90 (no bulk copies): the split kernel with the best split count.
+        let a100 = |v: &str| {
+            plan_variant(
+                &p,
+                A100.sm_count as usize,
+                A100.max_smem_per_block() as usize,
+                "sm_80",
+                None,
+                DecodeVariant::parse(v).unwrap(),
+            )
+            .unwrap()
+        };
+        let mut want = a100("best");
+        want.variant.auto = true;
+        assert_eq!(a100("auto"), want, "({b}, {k}) on sm_80");
+        // `plain` is the split kernel with the planner's own count.
+        let plain = h200(&p, "plain", None);
+        assert!(plain.heads.is_none() && !plain.variant.auto && !plain.variant.best_splits);
+    }
+    let p = problem(8, 8192, None);
+    let forced = h200(&p, "auto", Some(3));
+    assert_eq!(
+        forced.decode.num_splits, 3,
+        "a forced split count stays forced"
+    );
+}
+
+#[test]
+fn the_heads_variant_covers_all_kv_heads_per_cta_and_replans_the_splits() {
+    // (1, 32k): one CTA per sequence before splitting, 2048 blocks of 16 keys; the planner's
+    // rule then fills most of the 132 SMs (it caps at 128 splits).
+    let p = problem(1, 32768, None);
+    let v = h200(&p, "heads", None);
+    let h = v.heads.expect("the heads kernel");
+    assert_eq!((h.heads, h.block_n, h.head_dim, h.m_tiles), (8, 16, 128, 1));
+    assert_eq!(h.threads(), 256);
+    assert!(!h.bulk);
+    assert_eq!(v.decode.tiles_unsplit, 1);
+    assert_eq!(v.grid.0, 1, "one CTA per sequence along the heads");
+    assert!(
+        (100..=128).contains(&v.decode.num_splits),
+        "{}",
+        v.decode.num_splits
+    );
+    assert_eq!(v.grid.2 as usize, v.decode.num_splits);
+    assert_eq!(
+        v.decode.shape,
+        p.decode_shape(),
+        "the plan reports the real heads"
+    );
+    assert!(h.smem_bytes() <= H200.max_smem_per_block() as usize);
+    // heads4: two CTAs per sequence.
+    let v4 = h200(&p, "heads4", None);
+    assert_eq!(v4.heads.unwrap().heads, 4);
+    assert_eq!(v4.grid.0, 2);
+    // (32, 4k): 32 CTAs; a split count that fills the SMs.
+    let v = h200(&problem(32, 4096, None), "heads", None);
+    assert_eq!(v.grid.0, 32);
+    assert!(v.decode.num_splits >= 4, "{}", v.decode.num_splits);
+    // A forced count stays forced.
+    assert_eq!(h200(&p, "heads+best", Some(7)).decode.num_splits, 7);
+}
+
+#[test]
+fn best_takes_the_best_wave_efficiency() {
+    // (1, 32k) with the default kernel: 8 tiles; the planner takes 14 splits (112 of 132
+    // SMs), the best one-wave efficiency is 16 (128 of 132).
+    let p = problem(1, 32768, None);
+    assert_eq!(h200(&p, "plain", None).decode.num_splits, 14);
+    let best = h200(&p, "best", None);
+    assert_eq!(best.decode.num_splits, 16);
+    assert_eq!(best.grid.2, 16);
+    assert!(best.heads.is_none());
+    // One wave only: (4, 128k) keeps 4 splits of 32 tiles (128 of 132 SMs), not the 103 of
+    // 25 full waves.
+    assert_eq!(
+        h200(&problem(4, 131072, None), "best", None)
+            .decode
+            .num_splits,
+        4
+    );
+    // The heads kernel at (1, 32k): 128 splits, the cap; (8, 8k): 16 (128 CTAs).
+    assert_eq!(h200(&p, "heads+best", None).decode.num_splits, 128);
+    assert_eq!(
+        h200(&problem(8, 8192, None), "heads+best", None)
+            .decode
+            .num_splits,
+        16
+    );
+}
+
+#[test]
+fn bulk_is_refused_before_hopper_and_falls_back_on_strided_heads() {
+    let p = problem(8, 8192, None);
+    let bulk = h200(&p, "heads+bulk", None);
+    assert!(bulk.heads.unwrap().bulk);
+    match plan_variant(
+        &p,
+        A100.sm_count as usize,
+        A100.max_smem_per_block() as usize,
+        "sm_80",
+        None,
+        DecodeVariant::parse("bulk").unwrap(),
+    ) {
+        Err(Error::InvalidArgument { name, reason }) => {
+            assert_eq!(name, VARIANT_ENV);
+            assert!(reason.contains("sm_80"), "{reason}");
+        }
+        other => panic!("expected a refusal naming {VARIANT_ENV}, got {other:?}"),
+    }
+    // The cp.async heads kernel runs on the A100 (2 stages fit its 163 KiB).
+    let a100 = plan_variant(
+        &p,
+        A100.sm_count as usize,
+        A100.max_smem_per_block() as usize,
+        "sm_80",
+        None,
+        DecodeVariant::parse("heads").unwrap(),
+    )
+    .unwrap();
+    assert_eq!(a100.heads.unwrap().stages, 2);
+    // Heads 256 elements apart (d128 in a padded row): one key's heads are no single span.
+    let strided = problem(8, 8192, Some(&[16 * 8 * 256, 8 * 256, 256, 1]));
+    let h = h200(&strided, "bulk", None).heads.unwrap();
+    assert!(!h.bulk, "strided heads fall back to cp.async copies");
+}
+
+/// A handful of all-heads variants compile for sm_80 and sm_90a; the decode grid's (d128, one
+/// MMA tile) spill nothing, the largest footprints (two tiles of d64 with window and softcap,
+/// d256) at most 128 bytes, the default kernel's allowance in tests/nvrtc_compile.rs.
+#[test]
+fn the_heads_kernel_compiles_for_sm80_and_sm90a() {
+    let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    if let Err(e) = nvrtc_version() {
+        if required {
+            panic!("FA4_REQUIRE_NVRTC=1 but {e}");
+        }
+        let _ = writeln!(std::io::stderr(), "decode_variants: skipped: {e}");
+        return;
+    }
+    let mut specs = heads_specs("sm_80", A100.max_smem_per_block() as usize);
+    let sm80 = specs.len();
+    specs.extend(heads_specs("sm_90a", H200.max_smem_per_block() as usize));
+    assert_eq!(
+        (sm80, specs.len() - sm80),
+        (4, 6),
+        "sm_80: no bulk; sm_90a: all six"
+    );
+    let failures: Vec<String> = specs
+        .par_iter()
+        .filter_map(
+            |spec| match compile_with_log(spec, &["--ptxas-options=-v"]) {
+                Err(e) => Some(e.to_string()),
+                Ok((cubin, log)) => {
+                    let limit = if spec.m_tiles == 1 && spec.head_dim <= 128 {
+                        0
+                    } else {
+                        128
+                    };
+                    let spilled: Vec<usize> = log
+                        .lines()
+                        .filter_map(|l| {
+                            l.split(" bytes spill stores")
+                                .next()
+                                .filter(|_| l.contains(" bytes spill stores"))
+                                .and_then(|x| x.rsplit(' ').next())
+                                .and_then(|n| n.parse::<usize>().ok())
+                        })
+                        .collect();
+                    // Some NVRTC builds write no ptxas report (the device image's, for sm_100a);
+                    // CI's pinned NVRTC (FA4_REQUIRE_NVRTC=1) does, and must.
+                    if spilled.is_empty() && required {
+                        Some(format!("{spec}: no ptxas report in the log"))
+                    } else if spilled.iter().any(|&n| n > limit) {
+                        Some(format!("{spec}: spills {spilled:?} bytes (limit {limit})"))
+                    } else if cubin.len() < 1000 {
+                        Some(format!("{spec}: cubin of only {} bytes", cubin.len()))
+                    } else {
+                        None
+                    }
+                }
+            },
+        )
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -4,16 +4,20 @@
 # bench/device_build.sh run on the host; `bench/fwd_device.sh pack DEST` (host) then copies this
 # script and bench/sweep.py beside them, so the device call needs nothing but DEST:
 #   host:   bench/device_build.sh /work/main/.device/fwdprep && bench/fwd_device.sh pack /work/main/.device/fwdprep
-#   device: bash .device/fwdprep/fwd_device.sh .device/fwdprep sweep     (carry [".device/fwdprep"])
+#   device: bash .device/fwdprep/fwd_device.sh .device/fwdprep sweep "64 128"   (carry [".device/fwdprep"])
+#           bash .device/fwdprep/fwd_device.sh .device/fwdprep sweep 256
 #           bash .device/fwdprep/fwd_device.sh .device/fwdprep matrix
 #           bash .device/fwdprep/fwd_device.sh .device/fwdprep sanitize
-# Phases (each fits one device call of at most 300 s under its own budget; `all` runs the three
-# in one call of up to 600 s, which the tool allows but a lost machine then loses everything):
-#   sweep  bench/sweep.py, 3 interleaved rounds × 10 reps, the six grid shapes of d64, d128 and
-#          d256 (bf16, 16k tokens, hidden 2048): the planner, the persistent base tiles the
-#          switches start from, each switch alone, and all of them together. First a parallel
-#          warm-up compiles every variant (about 40–80 s), then 3 × 19 bench runs of ~2–3 s.
-#          Estimated 200–250 s; FA4_FWD_BUDGET (default 290) cuts it.
+# Phases (each fits one device call of at most 300 s under its own budget, sweep as split
+# below; `all` runs everything in one call of up to 600 s, past the 300 s asked for):
+#   sweep [DIMS]  bench/sweep.py, 3 interleaved rounds × 10 reps, the six grid shapes of each
+#          head dim in DIMS (default "64 128 256"; bf16, 16k tokens, hidden 2048): the planner,
+#          the persistent base tiles the switches start from, each switch alone, and all of them
+#          together. First a parallel warm-up compiles the variants (30–60 s), then 3 rounds of
+#          6–7 bench runs a head dim, each ~3–5 s (six shapes' random inputs are made on the host,
+#          16k × 2048 × 3 values a shape). About 90–130 s a head dim: `sweep "64 128"` and
+#          `sweep 256` fit a 300 s call each; all three in one call would pass it.
+#          FA4_FWD_BUDGET (default 290) cuts a phase; sweep.py prints each run as it goes.
 #   matrix the CUDA matrix with each switch on (tests/cuda_matrix.rs: hopper_switch_* for the
 #          three and their combination, each compiling its ~48 variants in parallel and running
 #          the ~70 Hopper cases; persistent_launch_equals_one_cta_per_tile, which walks hundreds
@@ -23,7 +27,7 @@
 #          switch (d128, seqlen 300, causal, 384 tiles: persistent CTAs walk 2–3 tiles each, and
 #          the last query block is partial so the TMA store clips). 4 × 3 runs of a few seconds
 #          to ~30 s (racecheck is the slowest). Estimated 60–200 s.
-# Writes under $OUT (or ./device-out): sweep.txt, sweep.json; matrix-tests.txt, sanitize-*.txt and
+# Writes under $OUT (or ./device-out): sweep-DIMS.txt, sweep-DIMS.json; matrix-tests.txt, sanitize-*.txt and
 # summary.tsv (one line a step: name, pass/FAIL/TIMEOUT, seconds). Exit 0 when all passed.
 set -uo pipefail
 if [ "${1:-}" = pack ]; then
@@ -35,9 +39,11 @@ if [ "${1:-}" = pack ]; then
 fi
 bin=${1:?BIN_DIR (from bench/device_build.sh)}
 phase=${2:-all}
+dims=${3:-64 128 256}
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-./device-out}
 mkdir -p "$out" && out=$(cd "$out" && pwd)
+export OUT=$out  # sweep.py writes sweep.json there
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 export FA4_CACHE_DIR=${FA4_CACHE_DIR:-/tmp/fa4-fwdprep-cache}
 export PYTHONUNBUFFERED=1
@@ -102,13 +108,20 @@ sweep_variants=(
     all@256=80,2,2,40,232,0,1,0,1,0,1,0,1
 )
 
+# The variants of the head dims in $dims (the third argument; default all three).
 sweep() {
-    local t0 rc
+    local t0 rc v d picked=() tag
     t0=$(date +%s)
+    for v in "${sweep_variants[@]}"; do
+        d=${v%%=*} d=${d#*@}
+        case " $dims " in *" $d "*) picked+=("$v") ;; esac
+    done
+    tag=$(echo "$dims" | tr ' ' '-')
     timeout -k 5 "$(left 290)" python3 "$here/sweep.py" --fa4 "$F" --rounds "${FA4_FWD_ROUNDS:-3}" \
-        --reps "${FA4_FWD_REPS:-10}" --warm 16 "${sweep_variants[@]}" 2>&1 | tee "$out/sweep.txt"
+        --reps "${FA4_FWD_REPS:-10}" --warm 16 "${picked[@]}" 2>&1 | tee "$out/sweep-$tag.txt"
     rc=${PIPESTATUS[0]}
-    step sweep "$([ "$rc" -eq 0 ] && echo pass || echo "FAIL rc $rc")" $(($(date +%s) - t0))
+    [ -f "$out/sweep.json" ] && mv "$out/sweep.json" "$out/sweep-$tag.json"
+    step "sweep $dims" "$([ "$rc" -eq 0 ] && echo pass || echo "FAIL rc $rc")" $(($(date +%s) - t0))
 }
 
 # One problem per switch under each sanitizer tool: d128, 64 sequences of 300 (3 query blocks,

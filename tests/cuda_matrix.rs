@@ -469,6 +469,8 @@ fn precompile_hopper(cuda: &CudaBackend, switch: &dyn Fn(&mut fa4::config::sm90:
             let varlen = bits & 8 != 0;
             let mut t = tiles;
             t.persistent &= !varlen;
+            t.cross_tile &= t.persistent;
+            t.tma_store &= !varlen;
             specs.push(fa4::config::sm90::KernelSpec {
                 target,
                 bf16: bits & 1 != 0,

@@ -4,7 +4,8 @@
 Run on the GPU machine from the repository root with the fa4 binary built on the host:
     python3 bench/sweep.py --fa4 .device/fa4 --rounds 2 NAME@D=TILES ...
 TILES is `plan` (the planner's choice per shape, as `fa4 bench --kernel sm90` makes it) or the ten
-fields of `--sm90-tiles` (block_n,wgs,stages,preg,creg,lazy,overlap,pingpong,persistent,poly);
+fields of `--sm90-tiles` (block_n,wgs,stages,preg,creg,lazy,overlap,pingpong,persistent,poly),
+or thirteen (then longest_first,tma_store,cross_tile);
 with `--kernel sm80`, the eight fields of `--tiles`. `--bin NAME=PATH` runs variant NAME with
 another fa4 binary (an A/B of two builds: `--bin new=.device/fa4-new plan@256=plan new@256=plan`).
 Every variant runs the six shapes of its head dim (seqlen 1k/4k/16k × causal 0/1, bf16, 16k
@@ -12,6 +13,9 @@ tokens, hidden 2048); the list runs `--rounds` times in turn (A B C A B C), so a
 baseline are measured at nearby moments, and the table gives each variant's median over rounds
 in TFLOP/s and its ratio to the `plan` variant of the same head dim. No peers: this picks
 between our own variants; bench/grid.py measures beside the peers. Writes sweep.json under $OUT.
+`--warm N` first runs every variant once (one call a shape, untimed), N processes at a time, so
+that NVRTC compiles the variants in parallel into the disk cache (FA4_CACHE_DIR) instead of one
+after another inside the first timed round.
 """
 import argparse
 import json
@@ -27,7 +31,8 @@ ap.add_argument("--reps", type=int, default=20)
 ap.add_argument("--seqlens", default="1024,4096,16384")
 ap.add_argument("--kernel", default="sm90", choices=["sm80", "sm90"])
 ap.add_argument("--bin", action="append", default=[], help="NAME=PATH: fa4 binary of variant NAME")
-ap.add_argument("variants", nargs="+", help="NAME@D=TILES (TILES: plan or ten fields)")
+ap.add_argument("--warm", type=int, default=0, help="compile every variant first, N processes at a time")
+ap.add_argument("variants", nargs="+", help="NAME@D=TILES (TILES: plan, ten or thirteen fields)")
 a = ap.parse_args()
 
 variants = []
@@ -38,13 +43,32 @@ for v in a.variants:
 seqlens = [int(s) for s in a.seqlens.split(",")]
 bins = dict(b.split("=", 1) for b in a.bin)
 tiles_flag = "--sm90-tiles" if a.kernel == "sm90" else "--tiles"
+
+
+def bench_cmd(name, d, tiles, reps):
+    cmd = [bins.get(name, a.fa4), "bench", "--backend", "cuda", "--kernel", a.kernel, "--dtype", "bf16", "--json",
+           "--reps", str(reps), "--grid"] + [f"{d},{s},{c}" for s in seqlens for c in (0, 1)]
+    if tiles != "plan":
+        cmd += [tiles_flag, tiles]
+    return cmd
+
+
+if a.warm > 0:
+    import time
+    t0 = time.time()
+    pending = [bench_cmd(name, d, tiles, 1) + ["--warmup", "1", "--calls", "1"] for name, d, tiles in variants]
+    running = []
+    while pending or running:
+        while pending and len(running) < a.warm:
+            running.append(subprocess.Popen(pending.pop(0), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        running[0].wait()
+        running = [p for p in running if p.poll() is None]
+    print(f"warm: {len(variants)} variants compiled in {time.time() - t0:.0f} s", flush=True)
+
 results = {}  # (name, d) -> {(seqlen, causal): [tflops per round]}
 for rnd in range(a.rounds):
     for name, d, tiles in variants:
-        cmd = [bins.get(name, a.fa4), "bench", "--backend", "cuda", "--kernel", a.kernel, "--dtype", "bf16", "--json",
-               "--reps", str(a.reps), "--grid"] + [f"{d},{s},{c}" for s in seqlens for c in (0, 1)]
-        if tiles != "plan":
-            cmd += [tiles_flag, tiles]
+        cmd = bench_cmd(name, d, tiles, a.reps)
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             print(f"{name}@{d} round {rnd}: rc {res.returncode}: {res.stderr.strip()[-300:]}", flush=True)

@@ -374,6 +374,64 @@ fn hopper_switch_persistent_overlap_pingpong_poly2_matches_the_oracle() {
     });
 }
 
+// The three switches of issue 14 (longest-first order, TMA-store epilogue, cross-tile overlap),
+// alone and together. The matrix's problems are a few tiles each, so a persistent CTA mostly runs
+// one tile: `persistent_launch_equals_one_cta_per_tile` walks hundreds per launch with them.
+// The cross-tile overlap needs the intra-warpgroup overlap (two consumer warpgroups: d64's
+// first choice has three, so it takes d64's two-warpgroup tiles), and with the TMA store two Q
+// slots (d128's first choice, 176-key blocks, and d256 fit one).
+fn cross_tile_on(t: &mut fa4::config::sm90::Tiles) {
+    if t.consumer_wgs == 3 {
+        (t.consumer_wgs, t.producer_regs, t.consumer_regs) = (2, 40, 232);
+    }
+    t.persistent = true;
+    t.intra_wg_overlap = true;
+    t.cross_tile = true;
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_switch_longest_first_matches_the_oracle() {
+    hopper_switch("longest-first", |t| t.longest_first = true);
+    hopper_switch("persistent+longest-first", |t| {
+        t.persistent = true;
+        t.longest_first = true;
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_switch_tma_store_matches_the_oracle() {
+    hopper_switch("tma-store", |t| t.tma_store = true);
+    hopper_switch("tma-store, no overlap", |t| {
+        t.tma_store = true;
+        t.intra_wg_overlap = false;
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_switch_cross_tile_matches_the_oracle() {
+    hopper_switch("persistent+overlap+cross-tile", cross_tile_on);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_switch_longest_first_tma_store_cross_tile_pingpong_matches_the_oracle() {
+    hopper_switch("longest-first+tma-store+cross-tile+pingpong", |t| {
+        cross_tile_on(t);
+        t.longest_first = true;
+        t.pingpong = true;
+        // Two Q slots for the TMA store beside the cross-tile overlap: d128 with 128-key blocks
+        // (its first choice, 176, fits one); d256 (80-key blocks) fits one at any width and
+        // keeps the plain store here (the tma-store test runs it).
+        if t.block_n == 176 {
+            t.block_n = 128;
+        }
+        t.tma_store = t.block_n != 80;
+    });
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn hopper_switch_poly8_matches_the_oracle() {
@@ -411,6 +469,8 @@ fn precompile_hopper(cuda: &CudaBackend, switch: &dyn Fn(&mut fa4::config::sm90:
             let varlen = bits & 8 != 0;
             let mut t = tiles;
             t.persistent &= !varlen;
+            t.cross_tile &= t.persistent;
+            t.tma_store &= !varlen;
             specs.push(fa4::config::sm90::KernelSpec {
                 target,
                 bf16: bits & 1 != 0,
@@ -476,8 +536,10 @@ fn hopper_matrix(
         }
         let mut tiles = fa4::config::sm90::tiles(&arch, case.head_dim).expect("covered head dim");
         switch(&mut tiles);
-        // The planner refuses the persistent launch for varlen batches (not verified yet).
+        // The planner refuses the persistent launch for varlen batches (not verified yet), and
+        // with it the cross-tile overlap.
         tiles.persistent &= !features.varlen;
+        tiles.cross_tile &= tiles.persistent;
         let backend = Backend::Cuda(
             cuda.with_kernel(fa4::cuda::KernelChoice::Sm90)
                 .with_sm90_tiles(Some(tiles)),
@@ -575,7 +637,11 @@ fn persistent_case<T: fa4::Element>(
     let kl = fa4::tensor::Layout::new("k", &[batch, seqlen_k, heads_kv, d], None).unwrap();
     let opts = Options::new().mask(mask);
     let p = fa4::Problem::new(dtype, &ql, &kl, &kl, &ql, None, None, &opts).unwrap();
-    // Switch sets: 0 none, 1 overlap + ping-pong, 2 overlap + conditional rescaling + poly 2/8.
+    // Switch sets: 0 none, 1 overlap + ping-pong, 2 overlap + conditional rescaling + poly 2/8,
+    // 3 overlap + longest-first + TMA store (+ cross-tile when persistent, where two Q slots
+    // fit), 4 overlap + longest-first + cross-tile when persistent (plain store). The cross-tile
+    // overlap and the longest-first order only rearrange when each tile is computed, and the TMA
+    // store writes the same bits: all must equal one CTA per tile bit for bit.
     let run = |persistent: bool, switches: u8| {
         let mut tiles = fa4::config::sm90::tiles(&arch, d).unwrap();
         tiles.persistent = persistent;
@@ -583,6 +649,12 @@ fn persistent_case<T: fa4::Element>(
         tiles.pingpong = switches == 1 && tiles.consumer_wgs == 2;
         tiles.lazy_rescale = switches == 2;
         tiles.poly_exp2 = if switches == 2 { 2 } else { 0 };
+        tiles.longest_first = switches >= 3;
+        tiles.tma_store = switches == 3;
+        tiles.cross_tile = switches >= 3
+            && persistent
+            && tiles.intra_wg_overlap
+            && !(tiles.tma_store && tiles.q_stages(d) < 2);
         let b = cuda
             .with_kernel(fa4::cuda::KernelChoice::Sm90)
             .with_sm90_tiles(Some(tiles));
@@ -597,7 +669,7 @@ fn persistent_case<T: fa4::Element>(
         );
         (out, lse)
     };
-    for switches in [0, 1, 2] {
+    for switches in [0, 1, 2, 3, 4] {
         let (a, b) = (run(false, switches), run(true, switches));
         let same_out =
             a.0.iter()

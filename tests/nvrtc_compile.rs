@@ -80,34 +80,88 @@ fn every_sm90_variant_compiles_without_spills_or_wgmma_serialization() {
         s
     });
     let specs: Vec<_> = specs.iter().copied().chain(switched).collect();
-    let failures: Vec<String> = specs
-        .par_iter()
-        .filter_map(
-            |spec| match compile_with_log(spec, &["--ptxas-options=-v"]) {
-                Err(e) => Some(e.to_string()),
-                Ok((_, log)) => {
-                    let mut bad: Vec<String> = log
-                        .lines()
-                        .filter(|l| {
-                            (l.contains("spill")
-                                && !l.contains(" 0 bytes spill stores, 0 bytes spill loads"))
-                                || l.contains("serialized")
-                                || l.contains("warning")
-                        })
-                        .map(str::to_string)
-                        .collect();
-                    // setmaxnreg moves registers within what the CTA is launched with: ptxas
-                    // must give the kernel the whole launch-bounds share, which the planner's
-                    // register split counts on (less, and setmaxnreg.inc would wait forever).
-                    let want = format!("Used {} registers", spec.tiles.launch_regs(&H200));
-                    if !log.contains(&want) {
-                        bad.push(format!("expected `{want}` in the ptxas report"));
-                    }
-                    (!bad.is_empty()).then(|| format!("{spec}:\n  {}", bad.join("\n  ")))
-                }
-            },
-        )
-        .collect();
+    let failures: Vec<String> = specs.par_iter().filter_map(sm90_ptxas_problems).collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// What is wrong with a Hopper variant's compile: an NVRTC error, spills, a ptxas warning (the
+/// wgmma serialisation C7515/C7520 among them), or fewer registers than the launch bounds give.
+fn sm90_ptxas_problems(spec: &fa4::config::sm90::KernelSpec) -> Option<String> {
+    match compile_with_log(spec, &["--ptxas-options=-v"]) {
+        Err(e) => Some(e.to_string()),
+        Ok((_, log)) => {
+            let mut bad: Vec<String> = log
+                .lines()
+                .filter(|l| {
+                    (l.contains("spill")
+                        && !l.contains(" 0 bytes spill stores, 0 bytes spill loads"))
+                        || l.contains("serialized")
+                        || l.contains("warning")
+                })
+                .map(str::to_string)
+                .collect();
+            // setmaxnreg moves registers within what the CTA is launched with: ptxas must give
+            // the kernel the whole launch-bounds share, which the planner's register split
+            // counts on (less, and setmaxnreg.inc would wait forever).
+            let want = format!("Used {} registers", spec.tiles.launch_regs(&H200));
+            if !log.contains(&want) {
+                bad.push(format!("expected `{want}` in the ptxas report"));
+            }
+            (!bad.is_empty()).then(|| format!("{spec}:\n  {}", bad.join("\n  ")))
+        }
+    }
+}
+
+/// The switches of issue 14 (longest-first order, TMA-store epilogue, cross-tile overlap; off
+/// in every planned variant) on a handful of variants, one per planned tile shape (bf16, causal)
+/// with every switch its tiles take, plus the TMA store alone at d256 (one Q slot) and a varlen
+/// one (plain store, the cross-tile walk skipping empty tiles): no spills, no serialisation.
+#[test]
+fn issue14_switched_sm90_variants_compile_without_spills_or_wgmma_serialization() {
+    let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    if let Err(e) = nvrtc_version() {
+        if required {
+            panic!("FA4_REQUIRE_NVRTC=1 but {e}");
+        }
+        let _ = writeln!(
+            std::io::stderr(),
+            "nvrtc_compile (sm90 issue 14): skipped: {e}"
+        );
+        return;
+    }
+    let planned = fa4::config::sm90::all_specs(&H200, "sm_90a");
+    let base = |tiles_of: &dyn Fn(&fa4::config::sm90::KernelSpec) -> bool| {
+        planned
+            .iter()
+            .filter(|s| s.bf16 && s.window && !s.softcap && !s.varlen && tiles_of(s))
+            .copied()
+            .collect::<Vec<_>>()
+    };
+    let mut specs = Vec::new();
+    for mut s in base(&|_| true) {
+        let q_slots = s.tiles.q_stages(s.head_dim);
+        let t = &mut s.tiles;
+        t.longest_first = true;
+        t.persistent = true;
+        t.intra_wg_overlap = t.consumer_wgs == 2;
+        t.cross_tile = t.intra_wg_overlap;
+        t.tma_store = !t.cross_tile || q_slots == 2;
+        specs.push(s);
+    }
+    for mut s in base(&|s| s.head_dim == 256) {
+        s.tiles.tma_store = true;
+        specs.push(s);
+    }
+    for mut s in base(&|s| s.head_dim == 128 && s.tiles.block_n == 128) {
+        s.varlen = true;
+        s.tiles.tma_store = true;
+        s.tiles.cross_tile = true;
+        s.tiles.persistent = true;
+        s.tiles.longest_first = true;
+        specs.push(s);
+    }
+    assert_eq!(specs.len(), 7, "{specs:#?}");
+    let failures: Vec<String> = specs.par_iter().filter_map(sm90_ptxas_problems).collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

@@ -6,7 +6,7 @@
 //! Ignored: it needs NVRTC and a folder to write, and it compiles ~260 variants. Run it with
 //! `FA4_SASS_DUMP_DIR=DIR cargo test --release --test sass_dump -- --ignored`
 //! (`FA4_SASS_DUMP_FILTER=sm90-fwd,d64` keeps the variants whose file name contains one of the
-//! comma-separated parts).
+//! comma-separated parts, `FA4_SASS_DUMP_SKIP` drops them).
 
 use std::path::PathBuf;
 
@@ -54,7 +54,14 @@ fn dump_every_variant_cubin() {
         switched.tiles.pingpong = spec.tiles.consumer_wgs == 2;
         switched.tiles.lazy_rescale = true;
         switched.tiles.poly_exp2 = 2;
-        for s in [spec, switched] {
+        // And with the switches of issue 14 (see tests/nvrtc_compile.rs), where the tiles take them.
+        let mut issue14 = switched;
+        issue14.tiles.longest_first = true;
+        issue14.tiles.persistent = true;
+        issue14.tiles.cross_tile = spec.tiles.consumer_wgs == 2;
+        issue14.tiles.tma_store =
+            !issue14.tiles.cross_tile || spec.tiles.q_stages(spec.head_dim) == 2;
+        for s in [spec, switched, issue14] {
             jobs.push((file_name(&s), Box::new(move || compile_uncached(&s))));
         }
     }
@@ -97,10 +104,23 @@ fn dump_every_variant_cubin() {
             jobs.push((file_name(&spec), Box::new(move || compile_uncached(&spec))));
         }
     }
-    // FA4_SASS_DUMP_FILTER=a,b: only variants whose file name contains one of them.
-    if let Ok(filter) = std::env::var("FA4_SASS_DUMP_FILTER") {
-        let keys: Vec<&str> = filter.split(',').filter(|k| !k.is_empty()).collect();
-        jobs.retain(|(name, _)| keys.iter().any(|k| name.contains(k)));
+    // FA4_SASS_DUMP_FILTER=a,b: only variants whose file name contains one of them;
+    // FA4_SASS_DUMP_SKIP=a,b: not those whose name contains one of them (e.g. `longest-first`
+    // for a dump to compare with one made before those switches existed).
+    let keys = |var: &str| -> Option<Vec<String>> {
+        let v = std::env::var(var).ok()?;
+        Some(
+            v.split(',')
+                .filter(|k| !k.is_empty())
+                .map(String::from)
+                .collect(),
+        )
+    };
+    if let Some(keys) = keys("FA4_SASS_DUMP_FILTER") {
+        jobs.retain(|(name, _)| keys.iter().any(|k| name.contains(k.as_str())));
+    }
+    if let Some(keys) = keys("FA4_SASS_DUMP_SKIP") {
+        jobs.retain(|(name, _)| !keys.iter().any(|k| name.contains(k.as_str())));
     }
     let mut names: Vec<&String> = jobs.iter().map(|(n, _)| n).collect();
     names.sort();

@@ -164,10 +164,12 @@ pub struct Sm90Params {
     pub tk: TmaMap,
     pub tv: TmaMap,
     pub p: FwdParams,
+    /// O, for the TMA-store epilogue (zeroed where the kernel stores O itself).
+    pub to: TmaMap,
 }
 
 /// The header's `FA4_SM90_PARAMS_SIZE`.
-pub const SM90_PARAMS_SIZE: usize = 640;
+pub const SM90_PARAMS_SIZE: usize = 768;
 
 const _: () = assert!(std::mem::size_of::<Sm90Params>() == SM90_PARAMS_SIZE);
 const _: () = assert!(std::mem::offset_of!(Sm90Params, p) == 384);

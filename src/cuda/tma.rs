@@ -56,6 +56,20 @@ pub(crate) fn encode_slabs(name: &str, m: &MapSpec) -> Result<TmaMap> {
 
 /// Encodes a map, or the driver's error naming the tensor.
 pub(crate) fn encode(name: &str, m: &MapSpec) -> Result<TmaMap> {
+    five_d(name, m, m.dims[3] / SWIZZLE_ELEMS)
+}
+
+/// Encodes the map of the Hopper kernel's TMA-store epilogue: the same 5-D view as [`encode`],
+/// with boxes of one slab, `(64, box_rows, 1, 1, 1)`. A consumer warpgroup's O rows sit in its
+/// rows of a Q slot, whose slabs are a whole Q tile's rows apart, so it stores them slab by
+/// slab. Box rows past the tensor's extent (a fixed-length batch entry's last query block) are
+/// not written.
+pub(crate) fn encode_store(name: &str, m: &MapSpec) -> Result<TmaMap> {
+    five_d(name, m, 1)
+}
+
+/// The 5-D map of [`encode`] with `box_slabs` slabs per box.
+fn five_d(name: &str, m: &MapSpec, box_slabs: usize) -> Result<TmaMap> {
     let [batch, rows, heads, head_dim] = m.dims;
     let slabs = head_dim / SWIZZLE_ELEMS;
     let global_dim: [u64; 5] = [
@@ -79,7 +93,13 @@ pub(crate) fn encode(name: &str, m: &MapSpec) -> Result<TmaMap> {
         m.strides[2] as u64 * el,
         batch_stride,
     ];
-    let box_dim: [u32; 5] = [SWIZZLE_ELEMS as u32, m.box_rows as u32, slabs as u32, 1, 1];
+    let box_dim: [u32; 5] = [
+        SWIZZLE_ELEMS as u32,
+        m.box_rows as u32,
+        box_slabs as u32,
+        1,
+        1,
+    ];
     tiled(name, m, &global_dim, &global_strides, &box_dim)
 }
 

@@ -264,6 +264,10 @@ pub fn plan(
             if t.persistent && p.is_varlen() {
                 return Err(Error::invalid("tiles", VARLEN_NOT_PERSISTENT));
             }
+            // A packed batch has one O map over every sequence, whose bounds would not clip a
+            // block's rows of the next sequence: varlen batches keep the plain store.
+            let mut t = t;
+            t.tma_store &= !p.is_varlen();
             t
         }
         None => {
@@ -391,6 +395,24 @@ mod tests {
                 poly_exp2: 9,
                 ..good
             },
+            // The cross-tile overlap without the persistent walk, without the intra-warpgroup
+            // overlap, and with the TMA store on one Q slot (176-key blocks at d128).
+            Tiles {
+                cross_tile: true,
+                ..good
+            },
+            Tiles {
+                cross_tile: true,
+                persistent: true,
+                intra_wg_overlap: false,
+                ..good
+            },
+            Tiles {
+                cross_tile: true,
+                persistent: true,
+                tma_store: true,
+                ..good
+            },
             // 128 · (32 + 2 · 240) = 65,536 > 384 · 168: setmaxnreg.inc would wait forever.
             Tiles {
                 producer_regs: 32,
@@ -407,8 +429,92 @@ mod tests {
             ..good
         };
         assert!(full.check(128, &H200).is_ok());
+        // Each switch of issue 14 alone, and all three on two Q slots (128-key blocks).
+        for ok in [
+            Tiles {
+                longest_first: true,
+                ..good
+            },
+            Tiles {
+                tma_store: true,
+                ..good
+            },
+            Tiles {
+                cross_tile: true,
+                persistent: true,
+                ..good
+            },
+            Tiles {
+                block_n: 128,
+                longest_first: true,
+                tma_store: true,
+                cross_tile: true,
+                persistent: true,
+                ..good
+            },
+        ] {
+            assert!(ok.check(128, &H200).is_ok(), "{ok:?}");
+        }
         assert_eq!(full.launch_regs(&H200), 168);
         assert!(good.check(128, &A100).is_err());
+    }
+
+    #[test]
+    fn tile_overrides_take_ten_or_thirteen_fields() {
+        let ten: Tiles = "128,2,2,40,232,0,1,0,1,0".parse().unwrap();
+        assert!(ten.intra_wg_overlap && ten.persistent);
+        assert!(!ten.longest_first && !ten.tma_store && !ten.cross_tile);
+        let all: Tiles = "128,2,2,40,232,0,1,0,1,0,1,1,1".parse().unwrap();
+        assert_eq!(
+            all,
+            Tiles {
+                longest_first: true,
+                tma_store: true,
+                cross_tile: true,
+                ..ten
+            }
+        );
+        let lf: Tiles = "128,2,2,40,232,0,1,0,1,0,1,0,0".parse().unwrap();
+        assert!(lf.longest_first && !lf.tma_store && !lf.cross_tile);
+        for bad in [
+            "128,2,2,40,232,0,1,0,1,0,1",
+            "128,2,2,40,232,0,1,0,1,0,1,1",
+            "128,2,2,40,232,0,1,0,1,0,1,1,2",
+            "128,2,2,40,232,0,1,0,1,0,1,1,1,1",
+        ] {
+            let e = bad.parse::<Tiles>().unwrap_err().to_string();
+            assert!(e.contains("sm90 tiles"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn varlen_batches_keep_the_plain_store() {
+        use crate::problem::Options;
+        use crate::tensor::Layout;
+        let seqs = [0i32, 300, 1000];
+        let l = Layout::new("q", &[1000, 4, 128], None).unwrap();
+        let v = Problem::new(
+            DType::Bf16,
+            &l,
+            &l,
+            &l,
+            &l,
+            Some(&seqs),
+            Some(&seqs),
+            &Options::new(),
+        )
+        .unwrap();
+        let t = Tiles {
+            tma_store: true,
+            ..tiles(&H200, 128).unwrap()
+        };
+        assert!(
+            !plan(&v, &H200, "sm_90a", Some(t))
+                .unwrap()
+                .spec
+                .tiles
+                .tma_store
+        );
     }
 
     #[test]

@@ -220,6 +220,13 @@ impl fmt::Display for Sm90Plan {
             on(t.pingpong),
             on(t.lazy_rescale)
         )?;
+        writeln!(
+            f,
+            "  longest-first tile order: {}; TMA-store epilogue: {}; cross-tile overlap: {}",
+            on(t.longest_first),
+            on(t.tma_store),
+            on(t.cross_tile)
+        )?;
         write!(
             f,
             "  exponentials on the FMA units: {} of 8; launch: {}",

@@ -26,6 +26,8 @@ pub struct Walk {
     pub heads: usize,
     /// Sequences.
     pub batch: usize,
+    /// [`super::Tiles::longest_first`]: query block slowest, last first, plain striding.
+    pub longest_first: bool,
 }
 
 impl Walk {
@@ -40,14 +42,28 @@ impl Walk {
         if g >= total {
             return (k == 0).then_some(cta);
         }
+        if self.longest_first {
+            let t = k * g + cta;
+            return (t < total).then_some(t);
+        }
         let t = 2 * ((k / 2) * g + cta) + (k & 1);
         (t < total).then_some(t)
     }
 
     /// Tile number `t` (`tile_at`): query blocks fastest; one CTA per tile runs a head's blocks
-    /// last first, a persistent launch in pairs last, first, second last, second, ….
+    /// last first, a persistent launch in pairs last, first, second last, second, …; longest
+    /// first, query blocks slowest, last first.
     pub fn tile_at(&self, t: usize) -> TileRef {
         let mb = self.m_blocks;
+        if self.longest_first {
+            let hbs = self.heads * self.batch;
+            let hb = t % hbs;
+            return TileRef {
+                m_block: mb - 1 - t / hbs,
+                head: hb % self.heads,
+                batch: hb / self.heads,
+            };
+        }
         let (hb, r) = (t / mb, t % mb);
         let paired = self.grid < self.total();
         let m_block = if paired && r & 1 == 1 {
@@ -91,7 +107,12 @@ mod tests {
             "if (g >= total) return k == 0 ? b : -1;",
             "const int t = 2 * ((k / 2) * g + b) + (k & 1);",
             "return t < total ? t : -1;",
-            "const int mb = m_blocks(p), hb = t / mb, r = t % mb;",
+            "const int t = k * g + b;",
+            "const int hbs = p.heads_q * p.batch;",
+            "hb = t % hbs;",
+            "w.m0 = (m_blocks(p) - 1 - t / hbs) * BLOCK_M;",
+            "const int mb = m_blocks(p), r = t % mb;",
+            "hb = t / mb;",
             "const bool paired = static_cast<int>(gridDim.x) < num_tiles(p);",
             "w.m0 = (paired && (r & 1) ? r / 2 : mb - 1 - (paired ? r / 2 : r)) * BLOCK_M;",
             "w.head = hb % p.heads_q;",
@@ -108,7 +129,13 @@ mod tests {
 
     /// Walks every CTA of a planned launch; checks each non-empty tile runs exactly once and
     /// no empty one runs, and returns the walk.
-    fn walk_covers_once(seqs: &[(usize, usize)], heads: usize, causal: bool, varlen: bool) {
+    fn walk_covers_once(
+        seqs: &[(usize, usize)],
+        heads: usize,
+        causal: bool,
+        varlen: bool,
+        longest_first: bool,
+    ) {
         let d = 128;
         let opts = if causal {
             Options::new().causal()
@@ -133,7 +160,15 @@ mod tests {
             let lk = Layout::new("k", &[seqs.len(), sk, heads, d], None).unwrap();
             Problem::new(DType::Bf16, &lq, &lk, &lk, &lq, None, None, &opts).unwrap()
         };
-        let pl = plan(&p, &H200, "sm_90a", None).unwrap();
+        let mut tiles = crate::config::sm90::tiles_for(&H200, d, seqs[0].0, seqs[0].1).unwrap();
+        tiles.persistent &= !varlen;
+        tiles.longest_first = longest_first;
+        let planned = plan(&p, &H200, "sm_90a", None).unwrap();
+        let pl = if longest_first {
+            plan(&p, &H200, "sm_90a", Some(tiles)).unwrap()
+        } else {
+            planned
+        };
         let block_m = pl.spec.tiles.block_m();
         let longest = seqs.iter().map(|s| s.0).max().unwrap();
         let w = Walk {
@@ -141,6 +176,7 @@ mod tests {
             m_blocks: longest.div_ceil(block_m),
             heads,
             batch: seqs.len(),
+            longest_first,
         };
         // Fewer CTAs than tiles only with the persistent launch (which, with no more tiles than
         // SMs, is one CTA per tile).
@@ -187,7 +223,34 @@ mod tests {
             ),
             (vec![(5000, 4000), (17, 3000)], 2, false, true),
         ] {
-            walk_covers_once(&seqs, heads, causal, varlen);
+            for longest_first in [false, true] {
+                walk_covers_once(&seqs, heads, causal, varlen, longest_first);
+            }
+        }
+    }
+
+    #[test]
+    fn longest_first_rounds_run_one_query_block_heaviest_first() {
+        // 8 query blocks × 40 heads × 2 sequences on 132 CTAs: the k-th round holds the tiles
+        // k·132 .. (k + 1)·132 of query block 7 − ⌊t / 80⌋, so the blocks never grow along a
+        // CTA's walk and the first round is all of the last two blocks' heaviest tiles.
+        let w = Walk {
+            grid: 132,
+            m_blocks: 8,
+            heads: 40,
+            batch: 2,
+            longest_first: true,
+        };
+        let first: Vec<usize> = (0..132)
+            .map(|cta| w.cta_tiles(cta, |_| 8)[0].m_block)
+            .collect();
+        assert!(first[..80].iter().all(|&m| m == 7) && first[80..].iter().all(|&m| m == 6));
+        for cta in 0..w.grid {
+            let tiles = w.cta_tiles(cta, |_| 8);
+            assert!(
+                tiles.windows(2).all(|p| p[0].m_block >= p[1].m_block),
+                "{tiles:?}"
+            );
         }
     }
 
@@ -200,6 +263,7 @@ mod tests {
             m_blocks: 8,
             heads: 64,
             batch: 2,
+            longest_first: false,
         };
         for cta in 0..w.grid {
             let tiles = w.cta_tiles(cta, |_| 8);
@@ -217,6 +281,7 @@ mod tests {
             m_blocks: 8,
             heads: 3,
             batch: 1,
+            longest_first: false,
         };
         let order: Vec<usize> = (0..8).map(|t| w.tile_at(t).m_block).collect();
         assert_eq!(order, [7, 6, 5, 4, 3, 2, 1, 0]);

@@ -62,21 +62,51 @@ pub struct Tiles {
     /// Exponentials on the FMA units (FlashAttention-4): this many of every 8 are computed by a
     /// polynomial instead of MUFU.EX2 (0..=8).
     pub poly_exp2: usize,
+    /// Longest-first tile order (FlashAttention-3): tiles numbered query block slowest, the
+    /// last (under a causal mask the heaviest) query block of every (sequence, head) first, so
+    /// each CTA's k-th tile costs about the same as every other CTA's and the launch ends on
+    /// the lightest tiles. Off: query block fastest (pairs of equal causal cost when persistent).
+    pub longest_first: bool,
+    /// TMA-store epilogue: each consumer warpgroup writes its normalised O rows into its own
+    /// rows of the tile's Q slot (swizzled), and one thread stores them with
+    /// `cp.async.bulk.tensor`; Q is released once the store has read them. LSE stays a plain
+    /// store. Fixed-length batches only (the O map is per batch entry, so rows past a sequence
+    /// are clipped by the map's bounds); the planner turns it off for varlen batches.
+    pub tma_store: bool,
+    /// Cross-tile overlap (persistent launch, with the intra-warpgroup overlap): the next
+    /// tile's first Q·Kᵀ is issued together with the current tile's last P·V, and its softmax
+    /// runs before the current tile's epilogue, hiding the per-tile prologue.
+    pub cross_tile: bool,
 }
 
 /// The command-line spelling of a Hopper tile override (`fa4 bench --sm90-tiles`):
 /// `block_n,consumer_wgs,stages,producer_regs,consumer_regs,lazy,overlap,pingpong,persistent,poly`
-/// (flags 0|1; `poly` is [`Tiles::poly_exp2`], 0..=8).
+/// (flags 0|1; `poly` is [`Tiles::poly_exp2`], 0..=8), optionally followed by
+/// `,longest_first,tma_store,cross_tile` (flags 0|1; off when left out).
 impl std::str::FromStr for Tiles {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Tiles> {
         const WHAT: &str = "sm90 tiles";
-        let [block_n, consumer_wgs, stages, producer_regs, consumer_regs, lazy, overlap, pingpong, persistent, poly_exp2] =
-            crate::config::override_fields(s, WHAT)?;
+        // Ten fields (the switches before longest_first) or thirteen.
+        let [block_n, consumer_wgs, stages, producer_regs, consumer_regs, lazy, overlap, pingpong, persistent, poly_exp2, longest_first, tma_store, cross_tile] =
+            match s.split(',').count() {
+                10 => {
+                    let [a, b, c, d, e, f, g, h, i, j] = crate::config::override_fields(s, WHAT)?;
+                    [a, b, c, d, e, f, g, h, i, j, 0, 0, 0]
+                }
+                13 => crate::config::override_fields(s, WHAT)?,
+                n => {
+                    return Err(Error::invalid(
+                        WHAT,
+                        format!("expected 10 or 13 comma-separated integers, got {n} in `{s}`"),
+                    ))
+                }
+            };
         let regs = |x: usize| {
-            u32::try_from(x)
-                .map_err(|_| Error::invalid(WHAT, format!("expected ten integers, got `{s}`")))
+            u32::try_from(x).map_err(|_| {
+                Error::invalid(WHAT, format!("register count {x} out of range in `{s}`"))
+            })
         };
         let flag = |x: usize, name: &str| crate::config::override_flag(x, name, WHAT);
         Ok(Tiles {
@@ -90,6 +120,9 @@ impl std::str::FromStr for Tiles {
             pingpong: flag(pingpong, "pingpong")?,
             persistent: flag(persistent, "persistent")?,
             poly_exp2,
+            longest_first: flag(longest_first, "longest_first")?,
+            tma_store: flag(tma_store, "tma_store")?,
+            cross_tile: flag(cross_tile, "cross_tile")?,
         })
     }
 }
@@ -209,6 +242,18 @@ impl Tiles {
                     .into(),
             );
         }
+        if self.cross_tile && !(self.persistent && self.intra_wg_overlap) {
+            return bad(
+                "the cross-tile overlap carries the next tile's first S through the intra-warpgroup overlap's loop of a persistent CTA: it needs persistent and overlap on"
+                    .into(),
+            );
+        }
+        if self.cross_tile && self.tma_store && self.q_stages(head_dim) < 2 {
+            return bad(format!(
+                "the cross-tile overlap with the TMA-store epilogue needs two Q slots (the next tile's Q loads while this tile's O sits in its slot), and head_dim {head_dim} with block_n {} fits one",
+                self.block_n
+            ));
+        }
         if self.poly_exp2 > 8 {
             return bad(format!(
                 "poly_exp2 {} must be 0..=8 (exponentials of every 8 on the FMA units)",
@@ -289,6 +334,9 @@ pub(crate) const fn t(
         pingpong: false,
         persistent: false,
         poly_exp2: 0,
+        longest_first: false,
+        tma_store: false,
+        cross_tile: false,
     }
 }
 

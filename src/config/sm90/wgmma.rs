@@ -10,6 +10,9 @@ pub enum OperandA {
     Smem,
     /// Registers: four packed 16-bit pairs per thread (the accumulator layout, pairwise).
     Regs,
+    /// Registers, as [`OperandA::Regs`], with an `accumulate` argument like the shared-memory
+    /// form's (0: D = A·B, the old D not read).
+    RegsScaled,
 }
 
 /// One `wgmma.mma_async` shape: m64 n`n` k16, f32 accumulators.
@@ -57,6 +60,20 @@ impl Wgmma {
                 b = half + 1,
                 acc = half + 2,
             ),
+            OperandA::RegsScaled => format!(
+                "__device__ __forceinline__ void {name}(float (&d)[{half}], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc_b, int accumulate) {{\n\
+                 \x20   asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc}, 0;\\n\"\n\
+                 \x20                \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} {{{list}}}, {{%{a0}, %{a1}, %{a2}, %{a3}}}, %{b}, p, 1, 1, {tb};\\n}}\\n\"\n\
+                 \x20                : {outs}\n\
+                 \x20                : \"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), \"l\"(desc_b), \"r\"(accumulate));\n\
+                 }}\n",
+                a0 = half,
+                a1 = half + 1,
+                a2 = half + 2,
+                a3 = half + 3,
+                b = half + 4,
+                acc = half + 5,
+            ),
             OperandA::Regs => format!(
                 "__device__ __forceinline__ void {name}(float (&d)[{half}], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc_b) {{\n\
                  \x20   asm volatile(\"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} {{{list}}}, {{%{a0}, %{a1}, %{a2}, %{a3}}}, %{b}, 1, 1, 1, {tb};\\n\"\n\
@@ -102,5 +119,16 @@ mod tests {
         .wrapper();
         assert!(rs.contains("m64n64k16.f32.f16.f16 {%0,"));
         assert!(rs.contains("%31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;"));
+        let scaled = Wgmma {
+            name: "mma_o_acc",
+            n: 64,
+            a: OperandA::RegsScaled,
+            bf16: true,
+            b_transposed: true,
+        }
+        .wrapper();
+        assert!(scaled.contains("u64 desc_b, int accumulate)"));
+        assert!(scaled.contains("setp.ne.b32 p, %37, 0;"));
+        assert!(scaled.contains("%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;"));
     }
 }

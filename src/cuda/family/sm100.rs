@@ -64,6 +64,8 @@ impl ForwardFamily for Sm100 {
             tk: map("k", common.k, p.k_layout(), cfg.bn() as usize)?,
             tv: map("v", common.v, p.v_layout(), cfg.bn() as usize)?,
             p: common,
+            // The Hopper kernel's TMA-store map; this kernel stores O itself.
+            to: Default::default(),
         })
     }
 }

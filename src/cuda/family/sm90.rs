@@ -16,7 +16,8 @@ pub struct Sm90;
 // 2^40; the TMA maps (`Sm90::params`) describe exactly the layouts' extents (reads past the end
 // are zero-filled by the hardware, not performed), and the output is written only at rows below
 // each sequence's length and columns below head_dim (a varlen batch's foreign rows are read,
-// masked and their V zeroed, never written). The grid is one CTA per tile or, persistent, at
+// masked and their V zeroed, never written; the TMA-store epilogue's O map, fixed-length batches
+// only, spans exactly O's layout, whose bounds clip a last block's rows past the sequence). The grid is one CTA per tile or, persistent, at
 // most one per SM; the kernel numbers the tiles from the params (the planner checked that they
 // fit in int32) and visits each exactly once (`config::sm90::schedule` mirrors the walk and
 // tests it). The planner's register split fits the CTA's launch allocation, so `setmaxnreg`
@@ -64,6 +65,16 @@ impl ForwardFamily for Sm90 {
             tq: map("q", common.q, p.q_layout(), t.block_m())?,
             tk: map("k", common.k, p.k_layout(), t.block_n)?,
             tv: map("v", common.v, p.v_layout(), t.block_n)?,
+            // The planner keeps tma_store off for varlen batches (one packed map would not clip
+            // a sequence's last block).
+            to: if t.tma_store {
+                tma::encode_store(
+                    "o",
+                    &super::map_spec(common.o, bf16, p.o_layout(), sm90::ROWS_PER_CONSUMER),
+                )?
+            } else {
+                Default::default()
+            },
             p: common,
         })
     }

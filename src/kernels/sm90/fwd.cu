@@ -6,7 +6,7 @@
 // (the tile constants, the role enum and `role_of`, the named barriers, the feature switches),
 // then the shared layer `../common/{base,params,mask,softmax}.cuh`, this family's `params.cuh`,
 // `ptx.cuh`, the generated wgmma wrappers `wgmma_ss` (S, N = BLOCK_N) and `wgmma_rs` (O,
-// N = HEAD_DIM), `pipeline.cuh` and `tiles.cuh`; then this file, which holds no `asm`.
+// N = HEAD_DIM; `wgmma_rs_acc` with an accumulate flag), `pipeline.cuh` and `tiles.cuh`; then this file, which holds no `asm`.
 //
 // Work: a tile is BLOCK_M query rows of one (sequence, head). The launch has one CTA per tile, or
 // (persistent) fewer CTAs that each walk a list of tiles (`tile_number`): the producer then
@@ -214,11 +214,17 @@ __device__ __forceinline__ void issue_qk(float (&rS)[S_REGS], u32 q_base, u32 k_
 
 // Issues O += P·V for the V tile at `v_base` (one commit group). V (BLOCK_N keys, HEAD_DIM) is
 // MN-major for this product; its 64-column slabs are BLOCK_N rows apart (the leading offset).
-__device__ __forceinline__ void issue_pv(float (&rO)[O_REGS], const u32 (&rP)[P_REGS], u32 v_base) {
+// `fresh` (CROSS_TILE only): O = P·V, the old O not read (the tile's first P·V).
+__device__ __forceinline__ void issue_pv(float (&rO)[O_REGS], const u32 (&rP)[P_REGS], u32 v_base,
+                                         bool fresh = false) {
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
-        wgmma_rs(rO, rP[4 * kk], rP[4 * kk + 1], rP[4 * kk + 2], rP[4 * kk + 3],
-                 smem_desc(v_base + kk * KSTEP_V_BYTES, BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES));
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        const u64 desc = smem_desc(v_base + kk * KSTEP_V_BYTES, BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES);
+        if constexpr (CROSS_TILE)
+            wgmma_rs_acc(rO, rP[4 * kk], rP[4 * kk + 1], rP[4 * kk + 2], rP[4 * kk + 3], desc, kk > 0 || !fresh);
+        else
+            wgmma_rs(rO, rP[4 * kk], rP[4 * kk + 1], rP[4 * kk + 2], rP[4 * kk + 3], desc);
+    }
     wgmma_commit();
 }
 
@@ -298,8 +304,132 @@ __device__ __forceinline__ void qk_block(float (&rS)[S_REGS], const Smem& sm, Kv
     sm.pipe_k().release(r, lane);
 }
 
+// Key blocks n_begin + 1 .. n_end of a tile with the intra-warpgroup overlap (block n_begin's S
+// is already P in rP, its correction in corr): block n's Q·Kᵀ is issued with block n − 1's P·V.
+// Ring position j is block n_begin's.
+// `fresh` (CROSS_TILE): O holds another tile's values, which the first P·V replaces.
+__device__ __forceinline__ void overlap_blocks(const FwdParams& p, const Smem& sm, const Tile& w, int j, u32 q_base,
+                                               int c, int row0, int lane, float (&rO)[O_REGS], float (&rS)[S_REGS],
+                                               u32 (&rP)[P_REGS], RowState& st, float (&corr)[2],
+                                               bool fresh = false) {
+    const int n_begin = w.kb.n_begin, n_end = w.kb.n_end;
+    for (int n = n_begin + 1; n < n_end; ++n) {
+        const KvState r = KvState::at(j + n - n_begin), prev = KvState::at(j + n - n_begin - 1);
+        zero(rS, S_REGS);
+        sm.pipe_k().wait(r);
+        sm.pipe_v().wait(prev);
+        sched_wait(c);
+        wgmma_fence();
+        issue_qk(rS, q_base, sm.k_stage(r.stage));  // block n's S …
+        rescale_o(rO, corr);                        // (block n - 1's correction, while Q·Kᵀ runs)
+        wgmma_fence();
+        issue_pv(rO, rP, sm.v_stage(prev.stage), fresh && n == n_begin + 1);  // … and block n - 1's P·V
+        sched_pass(c);
+        wgmma_wait<1>();  // S is in
+        sm.pipe_k().release(r, lane);
+        softmax_block(p, w.s, rS, st, n, row0, lane, w.kb, corr);
+        // Wait for the next K here, before the P·V wait: this branch ends the basic block,
+        // which keeps ptxas from hoisting the wgmma wait above the softmax (it does so
+        // otherwise, and nothing would overlap).
+        if (n + 1 < n_end) {
+            sm.pipe_k().wait(KvState::at(j + n + 1 - n_begin));
+        }
+        wgmma_wait<0>();  // P·V of block n - 1 is in: its V is free, O and P may change
+        sm.pipe_v().release(prev, lane);
+        pack_p(rS, rP);
+    }
+}
+
+// The last key block's P·V (ring position `last`), alone (`fresh`: as in overlap_blocks).
+__device__ __forceinline__ void last_pv(const Smem& sm, KvState last, int lane, float (&rO)[O_REGS],
+                                        const u32 (&rP)[P_REGS], const float (&corr)[2], bool fresh = false) {
+    sm.pipe_v().wait(last);
+    rescale_o(rO, corr);
+    wgmma_fence();
+    issue_pv(rO, rP, sm.v_stage(last.stage), fresh);
+    wgmma_wait<0>();
+    sm.pipe_v().release(last, lane);
+}
+
+// The TMA-store epilogue writes O through the tile's Q slot; a varlen batch's packed O has one
+// map whose bounds would not clip a block's rows of the next sequence, so it keeps plain stores.
+constexpr bool O_VIA_TMA = TMA_STORE && !VARLEN;
+static_assert(!CROSS_TILE || INTRA_WG_OVERLAP, "the cross-tile overlap runs on the intra-warpgroup overlap's loop");
+static_assert(!(CROSS_TILE && O_VIA_TMA) || Q_STAGES == 2,
+              "with the cross-tile overlap the next tile's Q loads while this tile's O sits in its Q slot");
+
+// Consumer warpgroup c's 128 threads, before its TMA store (EPILOGUE<c>).
+__device__ __forceinline__ void epilogue_sync(int c) {
+    if (c == 0)
+        named_bar_sync<BAR_EPILOGUE0, WG_THREADS>();
+    else if (c == 1)
+        named_bar_sync<BAR_EPILOGUE1, WG_THREADS>();
+    else
+        named_bar_sync<BAR_EPILOGUE2, WG_THREADS>();
+}
+
+// Epilogue: O = acc / sum; LSE from one lane per row. O goes out as 16-bit pairs straight from
+// registers, or (O_VIA_TMA) through this warpgroup's rows of the tile's Q slot: each thread
+// writes its pairs where a TMA box would put them (128-byte swizzle: 16-byte chunk c of row r at
+// c ^ (r % 8); the warpgroup's rows start 1024-aligned), the writes are fenced to the async
+// proxy, and thread 0 stores the SLABS boxes of (64 rows, 64) and releases Q for its warp once
+// the store has read them; the other warps release Q after the warpgroup's barrier, so Q's slot
+// is free only when all have. The sequence's offsets are read again here rather than kept in
+// registers through the loop.
+__device__ __forceinline__ void epilogue(const Sm90Params& P, const Smem& sm, int c, const Tile& w, QState qs,
+                                         const RowState& st, const float (&rO)[O_REGS], int row0, int lane) {
+    const FwdParams& p = P.p;
+    const Seq s = sequence(p, w.batch, VARLEN);
+    float inv[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const float sum = quad_sum(st.sum[h]);
+        inv[h] = row_inv_sum(sum);
+        const int i = row0 + 8 * h;
+        if (p.lse != nullptr && lane % 4 == 0 && i < s.q_len)
+            p.lse[w.bi * p.lse_batch_stride + w.head * p.lse_head_stride + s.q_start + i] =
+                row_lse(st.max[h], sum, p.lse_scale);
+    }
+    if constexpr (O_VIA_TMA) {
+        const int tid = threadIdx.x % WG_THREADS;
+        const u32 sO = sm.q_slot(qs.stage) + 64 * c * SLAB_ROW_BYTES;  // (64, HEAD_DIM), slabs BLOCK_M rows apart
+        const int r0 = 16 * (tid / 32) + lane / 4;                     // this thread's first row of the 64
+#pragma unroll
+        for (int i = 0; i < O_REGS; i += 2) {
+            const int r = r0 + 8 * acc_slot(i), col = acc_col(i, lane);
+            const int slab = col / SLAB_ELEMS, chunk = (col % SLAB_ELEMS) / 8;
+            const u32 addr = sO + slab * (BLOCK_M * SLAB_ROW_BYTES) + r * SLAB_ROW_BYTES + ((chunk ^ (r % 8)) * 16) +
+                             (col % 8) * 2;
+            st_shared_b32(addr, pack2(rO[i] * inv[acc_slot(i)], rO[i + 1] * inv[acc_slot(i)]));
+        }
+        fence_proxy_async();
+        epilogue_sync(c);
+        const int first_row = w.m0 + 64 * c;
+        if (tid == 0 && first_row < s.q_len) {
+#pragma unroll
+            for (int slab = 0; slab < SLABS; ++slab)
+                tma_store_5d(&P.to, sO + slab * (BLOCK_M * SLAB_ROW_BYTES), 0, s.q_start + first_row, slab, w.head,
+                             w.bi);
+            bulk_commit();
+            bulk_wait_read<0>();
+        }
+        sm.pipe_q().release(qs, lane);
+    } else {
+        u16* gO = static_cast<u16*>(p.o) + w.bi * p.o_batch_stride + s.q_start * p.o_row_stride +
+                  w.head * p.o_head_stride;
+#pragma unroll
+        for (int i = 0; i < O_REGS; i += 2) {
+            const int h = acc_slot(i), row = row0 + 8 * h, col = acc_col(i, lane);
+            if (row < s.q_len) {
+                const u32 v = pack2(rO[i] * inv[h], rO[i + 1] * inv[h]);
+                st_global_b32(gO + row * p.o_row_stride + col, v);
+            }
+        }
+    }
+}
+
 // One tile: the key loop from ring position j (the key blocks this consumer saw before), then
-// the epilogue. Releases Q once its last Q·Kᵀ is done.
+// the epilogue. Releases Q once its last Q·Kᵀ is done (O_VIA_TMA: once O has left its slot).
 __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& sm, int c, const Tile& w, int j,
                                               QState qs) {
     const FwdParams& p = P.p;
@@ -326,41 +456,9 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
             softmax_block(p, w.s, rS, st, n_begin, row0, lane, w.kb, corr);
             pack_p(rS, rP);
         }
-        for (int n = n_begin + 1; n < n_end; ++n) {
-            const KvState r = KvState::at(j + n - n_begin), prev = KvState::at(j + n - n_begin - 1);
-            zero(rS, S_REGS);
-            sm.pipe_k().wait(r);
-            sm.pipe_v().wait(prev);
-            sched_wait(c);
-            wgmma_fence();
-            issue_qk(rS, q_base, sm.k_stage(r.stage));  // block n's S …
-            rescale_o(rO, corr);                        // (block n - 1's correction, while Q·Kᵀ runs)
-            wgmma_fence();
-            issue_pv(rO, rP, sm.v_stage(prev.stage));   // … and block n - 1's P·V, in flight together
-            sched_pass(c);
-            wgmma_wait<1>();  // S is in
-            sm.pipe_k().release(r, lane);
-            softmax_block(p, w.s, rS, st, n, row0, lane, w.kb, corr);
-            // Wait for the next K here, before the P·V wait: this branch ends the basic block,
-            // which keeps ptxas from hoisting the wgmma wait above the softmax (it does so
-            // otherwise, and nothing would overlap).
-            if (n + 1 < n_end) {
-                sm.pipe_k().wait(KvState::at(j + n + 1 - n_begin));
-            }
-            wgmma_wait<0>();  // P·V of block n - 1 is in: its V is free, O and P may change
-            sm.pipe_v().release(prev, lane);
-            pack_p(rS, rP);
-        }
-        sm.pipe_q().release(qs, lane);
-        if (n_begin < n_end) {
-            const KvState last = KvState::at(j + n_end - 1 - n_begin);
-            sm.pipe_v().wait(last);
-            rescale_o(rO, corr);
-            wgmma_fence();
-            issue_pv(rO, rP, sm.v_stage(last.stage));
-            wgmma_wait<0>();
-            sm.pipe_v().release(last, lane);
-        }
+        overlap_blocks(p, sm, w, j, q_base, c, row0, lane, rO, rS, rP, st, corr);
+        if constexpr (!O_VIA_TMA) sm.pipe_q().release(qs, lane);
+        if (n_begin < n_end) last_pv(sm, KvState::at(j + n_end - 1 - n_begin), lane, rO, rP, corr);
     } else {
         for (int n = n_begin; n < n_end; ++n) {
             const KvState r = KvState::at(j + n - n_begin);
@@ -376,35 +474,126 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
             wgmma_wait<0>();
             sm.pipe_v().release(r, lane);
         }
-        sm.pipe_q().release(qs, lane);
+        if constexpr (!O_VIA_TMA) sm.pipe_q().release(qs, lane);
     }
+    epilogue(P, sm, c, w, qs, st, rO, row0, lane);
+}
 
-    // Epilogue: O = acc / sum, 16-bit pairs straight from registers; LSE from one lane per row.
-    // The sequence's offsets are read again here rather than kept in registers through the loop.
-    const Seq s = sequence(p, w.batch, VARLEN);
-    float inv[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const float sum = quad_sum(st.sum[h]);
-        inv[h] = row_inv_sum(sum);
-        const int i = row0 + 8 * h;
-        if (p.lse != nullptr && lane % 4 == 0 && i < s.q_len)
-            p.lse[w.bi * p.lse_batch_stride + w.head * p.lse_head_stride + s.q_start + i] =
-                row_lse(st.max[h], sum, p.lse_scale);
+// The CTA's next tile with queries from walk position k on (k moves past it), or false.
+__device__ __forceinline__ bool next_tile(const FwdParams& p, int total, int& k, Tile& w) {
+    for (;;) {
+        const int t = tile_number(k++, total);
+        if (t < 0) return false;
+        w = tile_at(p, t);
+        if (!w.empty) return true;
     }
-    u16* gO = static_cast<u16*>(p.o) + w.bi * p.o_batch_stride + s.q_start * p.o_row_stride +
-              w.head * p.o_head_stride;
-#pragma unroll
-    for (int i = 0; i < O_REGS; i += 2) {
-        const int h = acc_slot(i), row = row0 + 8 * h, col = acc_col(i, lane);
-        if (row < s.q_len) {
-            const u32 v = pack2(rO[i] * inv[h], rO[i + 1] * inv[h]);
-            st_global_b32(gO + row * p.o_row_stride + col, v);
+}
+
+// CROSS_TILE: the consumer's walk with the intra-warpgroup overlap carried across tiles. A tile's
+// last P·V is issued together with the next tile's first Q·Kᵀ, the next tile's first softmax runs
+// while that P·V is in the tensor cores, and only then comes this tile's epilogue: the next
+// tile's prologue (Q wait, first S) no longer waits behind this tile's tail. Both tiles must have
+// key blocks (a tile without keys takes the plain tail). Live at once: this tile's O and P, the
+// next one's S, and both row states (the steady loop's registers plus four).
+__device__ __forceinline__ void consumer_cross_tile(const Sm90Params& P, const Smem& sm, int c) {
+    const FwdParams& p = P.p;
+    const int total = num_tiles(p);
+    const int tid = threadIdx.x % WG_THREADS, warp = tid / 32, lane = tid % 32;
+    if (c == 1) sched_pass(1);  // warpgroup 0 issues first
+    int k = 0;   // walk position
+    int kq = 0;  // tiles consumed so far: the Q ring position
+    int j = 0;   // ring position: key blocks consumed so far
+    Tile w;
+    bool have = next_tile(p, total, k, w);
+    float rO[O_REGS];  // (64, HEAD_DIM) per warpgroup
+    float rS[S_REGS];  // (64, BLOCK_N) per warpgroup
+    u32 rP[P_REGS];
+    RowState st;
+    float corr[2];
+    bool started = false;  // the tile's first block is already P (carried over from the last tile)
+    // How O starts a tile. Up to d128 it is not zeroed between tiles (a second definition of it
+    // in this loop makes ptxas spill P and serialise the wgmma pipeline, C7512 at d128 with
+    // 128-key blocks): the tile's first P·V overwrites it (`fresh`), and a tile without key
+    // blocks zeroes it before its epilogue. At d256 the runtime accumulate flag does the same
+    // (3.7 KB of spills), and zeroing after the epilogue does not: measured with ptxas 13.0.
+    constexpr bool FRESH = HEAD_DIM < 256;
+    zero(rO, O_REGS);
+    while (have) {
+        const QState qs = QState::at(kq);
+        const int row0 = w.m0 + 64 * c + 16 * warp + lane / 4;
+        const u32 q_base = sm.q_slot(qs.stage) + 64 * c * SLAB_ROW_BYTES;
+        const int n_blocks = w.kb.n_end - w.kb.n_begin;
+        if (!started) {
+            st = RowState{{NEG_INF, NEG_INF}, {0.0f, 0.0f}};
+            corr[0] = corr[1] = 1.0f;
+            sm.pipe_q().wait(qs);
+            if (n_blocks > 0) {
+                qk_block(rS, sm, KvState::at(j), q_base, c, lane);
+                softmax_block(p, w.s, rS, st, w.kb.n_begin, row0, lane, w.kb, corr);
+                pack_p(rS, rP);
+            }
         }
+        overlap_blocks(p, sm, w, j, q_base, c, row0, lane, rO, rS, rP, st, corr, FRESH);
+        if constexpr (!O_VIA_TMA) sm.pipe_q().release(qs, lane);
+        int k2 = k;
+        Tile w2;
+        const bool have2 = next_tile(p, total, k2, w2);
+        const int j2 = j + n_blocks;  // the next tile's first key block
+        started = have2 && n_blocks > 0 && w2.kb.n_begin < w2.kb.n_end;
+        if (started) {
+            const QState qs2 = QState::at(kq + 1);
+            const u32 q_base2 = sm.q_slot(qs2.stage) + 64 * c * SLAB_ROW_BYTES;
+            const int row0_2 = w2.m0 + 64 * c + 16 * warp + lane / 4;
+            const KvState r2 = KvState::at(j2), last = KvState::at(j2 - 1);
+            zero(rS, S_REGS);
+            sm.pipe_q().wait(qs2);
+            sm.pipe_k().wait(r2);
+            sm.pipe_v().wait(last);
+            sched_wait(c);
+            wgmma_fence();
+            issue_qk(rS, q_base2, sm.k_stage(r2.stage));  // the next tile's first S …
+            rescale_o(rO, corr);
+            wgmma_fence();
+            issue_pv(rO, rP, sm.v_stage(last.stage), FRESH && n_blocks == 1);  // … and this tile's last P·V
+            sched_pass(c);
+            wgmma_wait<1>();  // S is in
+            sm.pipe_k().release(r2, lane);
+            RowState st2 = {{NEG_INF, NEG_INF}, {0.0f, 0.0f}};
+            float corr2[2] = {1.0f, 1.0f};
+            softmax_block(p, w2.s, rS, st2, w2.kb.n_begin, row0_2, lane, w2.kb, corr2);
+            // As in overlap_blocks: a branch before the P·V wait keeps ptxas from hoisting it.
+            if (w2.kb.n_begin + 1 < w2.kb.n_end) {
+                sm.pipe_k().wait(KvState::at(j2 + 1));
+            }
+            wgmma_wait<0>();  // this tile's O is complete; its last V is free
+            sm.pipe_v().release(last, lane);
+            epilogue(P, sm, c, w, qs, st, rO, row0, lane);
+            pack_p(rS, rP);
+            if constexpr (!FRESH) zero(rO, O_REGS);
+            st = st2;
+            corr[0] = corr2[0];
+            corr[1] = corr2[1];
+        } else {
+            if (n_blocks > 0)
+                last_pv(sm, KvState::at(j2 - 1), lane, rO, rP, corr, FRESH && n_blocks == 1);
+            else if constexpr (FRESH)
+                zero(rO, O_REGS);
+            epilogue(P, sm, c, w, qs, st, rO, row0, lane);
+            if constexpr (!FRESH) zero(rO, O_REGS);
+        }
+        j = j2;
+        ++kq;
+        k = k2;
+        w = w2;
+        have = have2;
     }
 }
 
 __device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, int c) {
+    if constexpr (CROSS_TILE) {
+        consumer_cross_tile(P, sm, c);
+        return;
+    }
     const int total = num_tiles(P.p);
     if (c == 1) sched_pass(1);  // warpgroup 0 issues first
     int j = 0;                  // ring position: key blocks consumed so far

@@ -1,4 +1,4 @@
-// Launch parameters of the Hopper forward kernel: three TMA maps (built on the host by
+// Launch parameters of the Hopper forward kernel: four TMA maps (Q, K, V; O for the TMA store) (built on the host by
 // cuTensorMapEncodeTiled, opaque here) and the common FwdParams (`../common/params.cuh`).
 // Mirrored by `cuda::params::Sm90Params` (Rust); both sides assert the size.
 // A map must sit at a 64-byte aligned address: the struct and each map are aligned so.
@@ -16,7 +16,8 @@ struct __align__(64) Sm90Params {
     TmaMap tk;
     TmaMap tv;
     FwdParams p;
+    TmaMap to;  // O: boxes of (64, 64 rows, 1 slab) for the TMA-store epilogue (TMA_STORE)
 };
 
-#define FA4_SM90_PARAMS_SIZE 640
+#define FA4_SM90_PARAMS_SIZE 768
 static_assert(sizeof(Sm90Params) == FA4_SM90_PARAMS_SIZE, "Sm90Params layout must match the Rust mirror");

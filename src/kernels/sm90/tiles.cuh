@@ -21,20 +21,37 @@ __device__ __forceinline__ int num_tiles(const FwdParams& p) { return m_blocks(p
 // CTAs): CTA b runs the pairs of tiles b, b + gridDim.x, …, and a head's query blocks are
 // ordered last, first, second last, second, …, so each pair costs about the same (a causal
 // tile's keys grow with its query block; the pair's sum does not).
+// LONGEST_FIRST: tiles are numbered query block slowest, the last query block of every
+// (sequence, head) first, and CTA b runs tiles b, b + gridDim.x, …: each round of the grid takes
+// tiles of one query block (causal: of one cost), from the heaviest down, so no CTA is left with
+// a heavy tile while the others finish (FlashAttention-3's order). The tiles that run at once
+// then share no K/V (different heads), which L2 has to absorb: measured against the pairs.
 // The number of this CTA's k-th tile, or −1 when it has none. Strictly increasing in k.
 __device__ __forceinline__ int tile_number(int k, int total) {
     const int g = gridDim.x, b = blockIdx.x;
     if (g >= total) return k == 0 ? b : -1;
+    if constexpr (LONGEST_FIRST) {
+        const int t = k * g + b;  // no overflow, as below
+        return t < total ? t : -1;
+    }
     // No overflow: the planner keeps total ≤ 2^30, and t stops at the first value ≥ total.
     const int t = 2 * ((k / 2) * g + b) + (k & 1);
     return t < total ? t : -1;
 }
 
 __device__ __forceinline__ Tile tile_at(const FwdParams& p, int t) {
-    const int mb = m_blocks(p), hb = t / mb, r = t % mb;
-    const bool paired = static_cast<int>(gridDim.x) < num_tiles(p);
     Tile w;
-    w.m0 = (paired && (r & 1) ? r / 2 : mb - 1 - (paired ? r / 2 : r)) * BLOCK_M;
+    int hb;
+    if constexpr (LONGEST_FIRST) {
+        const int hbs = p.heads_q * p.batch;
+        hb = t % hbs;
+        w.m0 = (m_blocks(p) - 1 - t / hbs) * BLOCK_M;
+    } else {
+        const int mb = m_blocks(p), r = t % mb;
+        hb = t / mb;
+        const bool paired = static_cast<int>(gridDim.x) < num_tiles(p);
+        w.m0 = (paired && (r & 1) ? r / 2 : mb - 1 - (paired ? r / 2 : r)) * BLOCK_M;
+    }
     w.head = hb % p.heads_q;
     w.batch = hb / p.heads_q;
     w.bi = VARLEN ? 0 : w.batch;

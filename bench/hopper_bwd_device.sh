@@ -3,8 +3,9 @@
 #   1. its GPU tests (tests/cuda_backward.rs, names containing `hopper`): the gradient matrix
 #      with the Hopper kernel forced, long problems against the rule beside the Ampere-class
 #      backward, the refusals, the small sanitizer case;
-#   2. compute-sanitizer memcheck, racecheck and synccheck on `fa4 run --backward` of a small
-#      problem with FA4_BWD_KERNEL=sm90 (d64 causal GQA, and d128 window softcap);
+#   2. compute-sanitizer memcheck, racecheck and synccheck on `fa4 run --backward` of small
+#      problems with FA4_BWD_KERNEL=sm90 (d64 causal GQA, d128 window softcap, and three where
+#      CTAs walk more trips than the ring has stages: d64 causal and non-causal, d128 causal GQA);
 #   3. bench/bwd_grid.py on the d64/d128 shapes, fa4 with FA4_BWD_KERNEL=sm90 (column `fa4`)
 #      and =sm80 (column `fa4 alt`), cuDNN and FlashAttention-2 interleaved (bf16, 16k tokens,
 #      hidden 2048).
@@ -74,7 +75,10 @@ esac
 cs=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
 for case in \
     "d64|--dtype bf16 --batch 2 --seqlen-q 150 --seqlen-k 190 --heads-q 4 --heads-kv 2 --head-dim 64 --causal" \
-    "d128|--dtype fp16 --batch 1 --seqlen-q 150 --seqlen-k 190 --heads-q 2 --heads-kv 1 --head-dim 128 --window 40,10 --softcap 8"; do
+    "d128|--dtype fp16 --batch 1 --seqlen-q 150 --seqlen-k 190 --heads-q 2 --heads-kv 1 --head-dim 128 --window 40,10 --softcap 8" \
+    "d64-causal-200|--dtype bf16 --batch 1 --seqlen-q 200 --seqlen-k 200 --heads-q 2 --heads-kv 2 --head-dim 64 --causal" \
+    "d64-256|--dtype bf16 --batch 1 --seqlen-q 256 --seqlen-k 256 --heads-q 2 --heads-kv 2 --head-dim 64" \
+    "d128-causal-gqa-200|--dtype bf16 --batch 1 --seqlen-q 200 --seqlen-k 200 --heads-q 2 --heads-kv 1 --head-dim 128 --causal"; do
     name=${case%%|*} args="run --backend cuda --backward ${case#*|}"
     t0=$(date +%s)
     FA4_BWD_KERNEL=sm90 timeout -k 5 "$(left 40)" "$F" $args > "$out/sanitize-$name-plain.txt" 2>&1

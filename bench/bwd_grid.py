@@ -11,6 +11,7 @@ backward kernels (dO·O preprocess, main, dQ convert) and the gradient allocatio
 call. FLOPs = 2.5 × fa4's `Problem::flops` (causal halved), one count for every library.
 
     python3 bench/bwd_grid.py --fa4 ./bwd_bench [--shapes 128,16384,0 ...] [--calls 10] [--rounds 7]
+        [--alt-env FA4_BWD_KERNEL=sm80]   (a second fa4 process with that environment, interleaved)
 """
 import argparse, json, os, subprocess, sys
 
@@ -36,6 +37,9 @@ def main():
     ap.add_argument("--det", action="store_true", help="also time fa4's deterministic mode")
     ap.add_argument("--tiles", default=None,
                     help="also time fa4 with FA4_BWD_TILES=block_m,block_n,dsplit (column 'fa4 t')")
+    ap.add_argument("--alt-env", default=None,
+                    help="also time fa4 in a process with this KEY=VALUE in its environment (column "
+                         "'fa4 alt'), e.g. FA4_BWD_KERNEL=sm80 beside FA4_BWD_KERNEL=sm90")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else GRID
     import torch
@@ -45,6 +49,11 @@ def main():
     fa4d = subprocess.Popen([a.fa4], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1) if a.det else None
     fa4t = subprocess.Popen([a.fa4], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                             env=dict(os.environ, FA4_BWD_TILES=a.tiles)) if a.tiles else None
+    fa4a = None
+    if a.alt_env:
+        key, _, val = a.alt_env.partition("=")
+        fa4a = subprocess.Popen([a.fa4], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+                                env=dict(os.environ, **{key: val}))
 
     def ask(p, line):
         p.stdin.write(line + "\n")
@@ -55,7 +64,7 @@ def main():
         return r.split()
 
     results = []
-    print(f"{'d':>4} {'seqlen':>6} {'causal':>6} | {'fa4':>7} {'fa4 det':>7} {'fa4 t':>7} {'cudnn':>7} {'fa2':>7} | TFLOP/s  (spread: IQR/median)", flush=True)
+    print(f"{'d':>4} {'seqlen':>6} {'causal':>6} | {'fa4':>7} {'fa4 det':>7} {'fa4 t':>7} {'fa4 alt':>7} {'cudnn':>7} {'fa2':>7} | TFLOP/s  (spread: IQR/median)", flush=True)
     for d, s, c in shapes:
         b, h = 16384 // s, 2048 // d
         libs = {}
@@ -67,6 +76,9 @@ def main():
         if fa4t is not None:
             ask(fa4t, f"shape {d} {s} {c} {b} {h} 0")
             libs["fa4 t"] = lambda: float(ask(fa4t, f"round {a.calls}")[0])
+        if fa4a is not None:
+            ask(fa4a, f"shape {d} {s} {c} {b} {h} 0")
+            libs["fa4 alt"] = lambda: float(ask(fa4a, f"round {a.calls}")[0])
         torch.manual_seed(0)
         mk = lambda: torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         q, k, v = mk(), mk(), mk()
@@ -100,7 +112,7 @@ def main():
         tf = {n: flops / (x["median"] * 1e-3) / 1e12 for n, x in st.items()}
         sp = {n: (x["q3"] - x["q1"]) / x["median"] for n, x in st.items()}
         cell = lambda n: f"{tf[n]:7.1f}" if n in tf else f"{'-':>7}"
-        print(f"{d:>4} {s:>6} {c:>6} | {cell('fa4')} {cell('fa4 det')} {cell('fa4 t')} {cell('cudnn')} {cell('fa2')} | "
+        print(f"{d:>4} {s:>6} {c:>6} | {cell('fa4')} {cell('fa4 det')} {cell('fa4 t')} {cell('fa4 alt')} {cell('cudnn')} {cell('fa2')} | "
               + " ".join(f"{n} {sp[n]:.1%}" for n in sp), flush=True)
         results.append({"d": d, "seqlen": s, "causal": c, "batch": b, "heads": h, "flops": flops,
                         "rounds_ms": rounds, "tflops": tf})

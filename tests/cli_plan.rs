@@ -385,7 +385,8 @@ fn backward_plan_report_explains_the_choices() {
     assert_eq!(code, 0, "{err}");
     for needle in [
         "Ampere-class",
-        "not written yet",
+        "the Hopper backward (kernels/bwd_sm90",
+        "replaces launch 2 below",
         "fa4_bwd_pre",
         "rowsum(dO∘O)",
         "fa4_bwd_main",

@@ -361,3 +361,90 @@ fn backward_variants_compile_without_spills() {
         .collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// The Hopper backward's main kernel (`kernels/bwd_sm90/`) compiles for sm_90a without spills,
+/// without ptxas serialising its wgmma groups, and with the launch's whole register share (its
+/// `setmaxnreg` split counts on it). Four variants cover both head dims, both dtypes, the
+/// window and the softcap (CI time); `FA4_BWD_SM90_ALL=1` compiles all sixteen, and
+/// `FA4_BWD_SM90_SOURCE_DIR=DIR` also writes each variant's full source there (to iterate on a
+/// kernel with nvcc).
+#[test]
+fn hopper_backward_variants_compile_without_spills_or_wgmma_serialization() {
+    use fa4::config::bwd_sm90::{self, Spec, LAUNCH_REGS};
+    use fa4::cuda::compile::source;
+    let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    if let Err(e) = nvrtc_version() {
+        if required {
+            panic!("FA4_REQUIRE_NVRTC=1 but {e}");
+        }
+        let _ = writeln!(std::io::stderr(), "nvrtc_compile (bwd sm90): skipped: {e}");
+        return;
+    }
+    let spec = |bf16, head_dim, window, softcap| Spec {
+        target: "sm_90a",
+        bf16,
+        head_dim,
+        window,
+        softcap,
+        tiles: bwd_sm90::tiles(head_dim),
+    };
+    let specs: Vec<Spec> = if std::env::var("FA4_BWD_SM90_ALL").is_ok_and(|v| v == "1") {
+        let mut all = Vec::new();
+        for bf16 in [false, true] {
+            for d in bwd_sm90::HEAD_DIMS {
+                for window in [false, true] {
+                    for softcap in [false, true] {
+                        all.push(spec(bf16, d, window, softcap));
+                    }
+                }
+            }
+        }
+        all
+    } else {
+        vec![
+            spec(true, 64, true, false),
+            spec(false, 64, false, true),
+            spec(true, 128, true, true),
+            spec(false, 128, false, false),
+        ]
+    };
+    if let Some(dir) = std::env::var_os("FA4_BWD_SM90_SOURCE_DIR") {
+        for s in &specs {
+            let name: String = s
+                .to_string()
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                .collect();
+            std::fs::write(
+                std::path::Path::new(&dir).join(format!("{name}.cu")),
+                source(s),
+            )
+            .unwrap();
+        }
+    }
+    let failures: Vec<String> = specs
+        .par_iter()
+        .filter_map(|s| match compile_with_log(s, &["--ptxas-options=-v"]) {
+            Err(e) => Some(e.to_string()),
+            Ok((_, log)) => {
+                eprintln!("{s}:\n{log}");
+                let mut bad: Vec<String> = log
+                    .lines()
+                    .filter(|l| {
+                        (l.contains("spill")
+                            && !l.contains(" 0 bytes spill stores, 0 bytes spill loads"))
+                            || l.contains("serialized")
+                            || l.contains("warning")
+                    })
+                    .map(str::to_string)
+                    .collect();
+                let want = format!("Used {LAUNCH_REGS} registers");
+                if !log.contains(&want) {
+                    bad.push(format!("expected `{want}` in the ptxas report"));
+                }
+                (!bad.is_empty()).then(|| format!("{s}:\n  {}", bad.join("\n  ")))
+            }
+        })
+        .collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}

@@ -234,12 +234,34 @@ impl Gpu {
         }
     }
 
-    fn family_note(&self) -> &'static str {
-        if self.flag == "sm90" {
-            "the Ampere-class kernels (mma.sync m16n8k16, cp.async, ldmatrix) run on the H200 \
-             today; the Hopper backward (wgmma, TMA) is not written yet"
-        } else {
-            "the Ampere-class kernels (mma.sync m16n8k16, cp.async, ldmatrix)"
+    /// Which kernels run: on sm90, the Hopper main kernel where it covers the problem (the
+    /// launches printed below are then the Ampere-class plan, whose pre and convert it shares).
+    fn family_note(&self, p: &Problem, deterministic: bool) -> String {
+        let ampere = "the Ampere-class kernels (mma.sync m16n8k16, cp.async, ldmatrix)";
+        if self.flag != "sm90" {
+            return ampere.to_string();
+        }
+        match fa4::config::bwd_sm90::uncovered(p, &self.arch, deterministic) {
+            Some((_, why)) => {
+                format!("{ampere} run: the Hopper backward does not cover this problem ({why})")
+            }
+            None => match fa4::config::bwd_sm90::plan(p, &self.arch, self.target) {
+                Ok(h) => format!(
+                    "the Hopper backward (kernels/bwd_sm90: a TMA producer warpgroup, two consumer \
+                     warpgroups, wgmma) replaces launch 2 below with {}: grid {}x{}x{}, {} \
+                     threads, {} B shared memory; launches 1 and 3 are as listed; \
+                     FA4_BWD_KERNEL=sm80 runs the Ampere-class main kernel instead",
+                    h.spec,
+                    h.grid.0,
+                    h.grid.1,
+                    h.grid.2,
+                    h.spec.threads(),
+                    h.spec.smem_bytes()
+                ),
+                Err(e) => {
+                    format!("{ampere} run: the Hopper backward does not cover this problem ({e})")
+                }
+            },
         }
     }
 
@@ -373,7 +395,7 @@ fn print_gpu(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) {
             main.head_dim
         )
     };
-    println!("  kernels    {}{padded}", gpu.family_note());
+    println!("  kernels    {}{padded}", gpu.family_note(p, det));
     if det {
         println!(
             "  dQ         deterministic: no accumulator and no atomics; the dq kernel sums each \
@@ -481,7 +503,7 @@ fn gpu_json(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) -> serde_js
         "target": gpu.target,
         "problem": describe(p),
         "padded_head_dim": main.head_dim,
-        "kernels": gpu.family_note(),
+        "kernels": gpu.family_note(p, det),
         "deterministic": det,
         "dq_accumulation": if det { "deterministic" } else { gpu.reduction() },
         "launches": this.launches.iter().map(|l| launch(det, l)).collect::<Vec<_>>(),

@@ -11,6 +11,7 @@
 //! - [`decode_gpu`]: the GPU decode kernels' specs (split-KV, combine, append) and launch grid.
 
 pub mod bwd;
+pub mod bwd_sm90;
 pub mod decode;
 pub mod decode_gpu;
 pub mod prelude;

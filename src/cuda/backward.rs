@@ -293,7 +293,13 @@ impl CudaBackend {
             }
             (false, None) => {}
         }
-        let plan = self.plan_backward(p, deterministic)?;
+        // The Hopper main kernel where chosen (`backward_sm90`), with the Ampere-class plan's
+        // row kernels and workspaces; else the Ampere-class backward whole.
+        let hopper = self.plan_backward_sm90(p, deterministic)?;
+        let plan = match &hopper {
+            Some(h) => h.base.clone(),
+            None => self.plan_backward(p, deterministic)?,
+        };
         let stream = self.stream().clone();
         // Workspaces: D and (unless deterministic) the dQ accumulator, at least one element each.
         // SAFETY (of the uninitialised allocations): the `pre` kernel writes every element the
@@ -359,8 +365,17 @@ impl CudaBackend {
             inv_softcap: if softcap > 0.0 { 1.0 / softcap } else { 0.0 },
             pad1: 0,
         };
-        for (spec, grid) in &plan.launches {
-            self.launch_bwd(spec, *grid, &params)?;
+        match &hopper {
+            Some(h) => {
+                self.launch_bwd(&h.pre.0, h.pre.1, &params)?;
+                self.launch_bwd_sm90(h, p, &x.d_out_layout, &params)?;
+                self.launch_bwd(&h.convert.0, h.convert.1, &params)?;
+            }
+            None => {
+                for (spec, grid) in &plan.launches {
+                    self.launch_bwd(spec, *grid, &params)?;
+                }
+            }
         }
         Ok(())
     }
@@ -383,7 +398,9 @@ impl CudaBackend {
         deterministic: bool,
     ) -> Result<()> {
         // Plan first, so an unsupported problem costs no copies.
-        self.plan_backward(p, deterministic)?;
+        if self.plan_backward_sm90(p, deterministic)?.is_none() {
+            self.plan_backward(p, deterministic)?;
+        }
         // The slices were checked against the layouts by the caller; an empty tensor gets a
         // one-element buffer (nothing is read from it).
         let up = |_name: &str, s: &[T], l: &Layout| -> Result<CudaSlice<T>> {
@@ -493,7 +510,9 @@ pub fn time_backward<T: Element>(
             "the backward timing takes fixed-length problems",
         ));
     }
-    cuda.plan_backward(p, deterministic)?;
+    if cuda.plan_backward_sm90(p, deterministic)?.is_none() {
+        cuda.plan_backward(p, deterministic)?;
+    }
     let mut rng = rand::SeedableRng::seed_from_u64(1);
     let mut host = |l: &Layout| -> Result<CudaSlice<T>> {
         let mut v = vec![T::from_f32(0.0); l.extent().unwrap_or(0).max(1)];

@@ -15,6 +15,7 @@
 //! `CudaSlice`s from [`CudaBackend::upload`] or [`CudaBackend::alloc`].
 
 pub mod backward;
+pub mod backward_sm90;
 pub mod bench;
 pub mod compile;
 pub mod decode;

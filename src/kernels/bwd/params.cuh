@@ -37,3 +37,21 @@ __device__ __forceinline__ float lse_log2(const BwdParams& bp, int batch, int he
     const float lse = p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + s.q_start + i];
     return lse == NEG_INF ? -NEG_INF : lse * LOG2E;
 }
+
+// The score's exponent argument and the factor dS takes back to the raw product (the softcap
+// derivative): x = scale·(q·k), capped to c·tanh(x / c) with derivative 1 − tanh².
+__device__ __forceinline__ float capped(const BwdParams& bp, float raw, float& dsdx) {
+    float x = raw * bp.scale;
+    dsdx = 1.0f;
+    if constexpr (HAS_SOFTCAP) {
+        const float th = tanh_accurate(x * bp.inv_softcap);
+        x = bp.softcap * th;
+        dsdx = 1.0f - th * th;
+    }
+    return x;
+}
+
+// Whether (query i, key j) of a sequence is allowed (the forward's mask, docs/attention.md).
+__device__ __forceinline__ bool allowed(const FwdParams& p, const Seq& s, int i, int j) {
+    return i < s.q_len && j < s.k_len && j >= key_lo(p, s, i) && j < key_hi(p, s, i);
+}

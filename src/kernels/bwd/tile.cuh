@@ -49,24 +49,6 @@ __device__ __forceinline__ void acc_to_a(u32 (&a)[4], const float (&c0)[4], cons
     a[3] = pack2(c1[2], c1[3]);
 }
 
-// The score's exponent argument and the factor dS takes back to the raw product (the softcap
-// derivative): x = scale·(q·k), capped to c·tanh(x / c) with derivative 1 − tanh².
-__device__ __forceinline__ float capped(const BwdParams& bp, float raw, float& dsdx) {
-    float x = raw * bp.scale;
-    dsdx = 1.0f;
-    if constexpr (HAS_SOFTCAP) {
-        const float th = tanh_accurate(x * bp.inv_softcap);
-        x = bp.softcap * th;
-        dsdx = 1.0f - th * th;
-    }
-    return x;
-}
-
-// Whether (query i, key j) of a sequence is allowed (the forward's mask, docs/attention.md).
-__device__ __forceinline__ bool allowed(const FwdParams& p, const Seq& s, int i, int j) {
-    return i < s.q_len && j < s.k_len && j >= key_lo(p, s, i) && j < key_hi(p, s, i);
-}
-
 // A packed 16-bit pair with its non-finite halves (exponent all ones: inf, NaN) set to 0. In a
 // tile some of whose pairs are masked, the products dS·K (dQ) and dSᵀ·Q (dK) would otherwise
 // carry a NaN of a masked operand row through dS = 0 (0·NaN = NaN) into rows that never see it;

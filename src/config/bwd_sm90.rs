@@ -1,0 +1,570 @@
+//! The Hopper backward's plan (`kernels/bwd_sm90/`): which problems its main kernel covers, its
+//! tiles, register split, shared memory and grid. The row kernels around it (`pre`, `convert`)
+//! are the Ampere-class backward's ([`super::bwd`]); a problem the Hopper kernel does not cover
+//! runs the Ampere-class backward whole.
+//!
+//! One CTA per (key block of `block_n` = 128 keys, KV head, batch entry): a producer warpgroup
+//! (TMA: K, V once, Q and dO per query block through a `stages`-deep ring) and two consumer
+//! warpgroups of 64 keys each (the M of `wgmma`), which also fetch each step's LSE and D one step
+//! ahead into two of the `stages` row-statistics buffers. Per query block of
+//! `block_m` rows each consumer holds Sᵀ and dPᵀ (64 × `block_m` f32) and its dK and dV
+//! (64 × head_dim f32) in registers; dSᵀ goes through shared memory for dQ = dS·K, which the
+//! consumers split into 64-row groups × column slabs (or, with one part, take turns on) and
+//! add to the f32 accumulator.
+
+use std::fmt;
+
+use super::bwd::{self, BwdKernel, BwdPlan, BwdSpec};
+use super::prelude::{Prelude, RoleWarps};
+use super::sm90::wgmma::{OperandA, Wgmma};
+use crate::arch::{Family, GpuArch};
+use crate::error::{Error, Result};
+use crate::problem::Problem;
+
+/// Head dims the Hopper backward is compiled for (exactly; others run the Ampere-class one).
+pub const HEAD_DIMS: [usize; 2] = [64, 128];
+/// Threads of a warpgroup (the unit of `wgmma` and `setmaxnreg`).
+pub const WARPGROUP_THREADS: usize = 128;
+/// Keys per consumer warpgroup: the M of `wgmma`.
+pub const KEYS_PER_CONSUMER: usize = 64;
+/// Consumer warpgroups per CTA.
+pub const CONSUMER_WGS: usize = 2;
+/// Keys per CTA.
+pub const BLOCK_N: usize = KEYS_PER_CONSUMER * CONSUMER_WGS;
+/// Registers per thread of the CTA at launch (`__launch_bounds__(384, 1)`): the register file
+/// (64K) over 384 threads, rounded down to the allocation granularity of 8.
+pub const LAUNCH_REGS: u32 = 168;
+/// Alignment of every shared-memory tile (the 128-byte swizzle repeats every 1024 bytes).
+pub const TILE_ALIGN: usize = 1024;
+/// Shared memory the kernel keeps its CTA's work description in (block, trip bounds; read where
+/// needed instead of held in registers).
+pub const WORK_BYTES: usize = 128;
+/// Named barriers of the kernel, in id order (id 0 is `__syncthreads`).
+pub const NAMED_BARRIERS: [&str; 3] = ["SYNC_ALL", "DS_READY", "CLEANED"];
+
+/// Tiles and register split of the main kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Tiles {
+    /// Query rows per step: the N of Sᵀ = K·Qᵀ and the K of dV += Pᵀ·dO (a multiple of 64).
+    pub block_m: usize,
+    /// Q/dO ring stages.
+    pub stages: usize,
+    /// `setmaxnreg` target of the producer warpgroup.
+    pub producer_regs: u32,
+    /// `setmaxnreg` target of each consumer warpgroup.
+    pub consumer_regs: u32,
+}
+
+impl Tiles {
+    /// Threads per CTA.
+    pub fn threads(&self) -> usize {
+        WARPGROUP_THREADS * (1 + CONSUMER_WGS)
+    }
+
+    /// Dynamic shared memory at `head_dim`: K and V, `stages` × (Q, dO), two dSᵀ buffers,
+    /// `stages` × (LSE, D) rows in f32, the mbarriers, the CTA's work and the alignment slack
+    /// (the kernel static_asserts the same sum).
+    pub fn smem_bytes(&self, head_dim: usize) -> usize {
+        let kv = BLOCK_N * head_dim * 2;
+        let qo = self.block_m * head_dim * 2;
+        let ds = BLOCK_N * self.block_m * 2;
+        let stats = 2 * self.block_m * 4;
+        let barriers = 8 * (1 + 2 * self.stages);
+        2 * kv
+            + self.stages * 2 * qo
+            + 2 * ds
+            + self.stages * stats
+            + barriers
+            + WORK_BYTES
+            + TILE_ALIGN
+    }
+
+    /// Registers of the CTA after `setmaxnreg`: must fit the launch allocation, or a
+    /// warpgroup's `setmaxnreg.inc` waits forever.
+    pub fn registers(&self) -> usize {
+        WARPGROUP_THREADS
+            * (self.producer_regs as usize + CONSUMER_WGS * self.consumer_regs as usize)
+    }
+
+    /// Checks the tiles against the kernel's static_asserts and the register file.
+    pub fn check(&self, head_dim: usize) -> Result<()> {
+        let ok = self.block_m.is_multiple_of(64)
+            && (64..=256).contains(&self.block_m)
+            && head_dim.is_multiple_of(64)
+            && CONSUMER_WGS.is_multiple_of(self.block_m / 64)
+            && (head_dim / 64).is_multiple_of(dq_col_groups(self.block_m, head_dim))
+            && self.stages >= 2
+            && self.producer_regs.is_multiple_of(8)
+            && self.consumer_regs.is_multiple_of(8)
+            && (24..=256).contains(&self.producer_regs)
+            && (24..=256).contains(&self.consumer_regs)
+            && self.registers() <= WARPGROUP_THREADS * (1 + CONSUMER_WGS) * LAUNCH_REGS as usize;
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::invalid(
+                "tiles",
+                format!(
+                    "Hopper backward tiles {self:?} do not fit the kernel at head_dim {head_dim}"
+                ),
+            ))
+        }
+    }
+}
+
+/// Column groups of the dQ tile (block_m × head_dim): whole 64-column slabs (an MN-major
+/// wgmma operand cannot start inside a swizzle atom), at most the consumers left per 64-row
+/// group. The kernel computes the same number (`DQ_COL_GROUPS`).
+fn dq_col_groups(block_m: usize, head_dim: usize) -> usize {
+    (head_dim / 64)
+        .min(CONSUMER_WGS / (block_m / 64).max(1))
+        .max(1)
+}
+
+/// The tiles per head dim: 64 queries per step.
+///
+/// - d64: a consumer holds Sᵀ, dPᵀ (64 × 64: 32 registers each) and dK, dV (64 × 64: 32 each);
+///   dQ (64 × 64) is one part, which the consumers compute on alternate steps. (128 queries
+///   per step, dQ in two row groups, spilled 116 bytes at 240 registers with the work in
+///   registers: Sᵀ and dPᵀ take 128
+///   and the 32 query columns' LSE and D per thread the rest.)
+/// - d128: Sᵀ, dPᵀ 32 registers each, dK, dV 64 each (128 queries would need 256 for the four
+///   accumulators alone); dQ (64 × 128) splits into two column slabs, one per consumer.
+///
+/// Registers: 24 for the producer, 240 for each consumer, as FlashAttention-3's backward:
+/// 128 · (24 + 2 · 240) = 64512 of the 65536. No variant spills (`tests/nvrtc_compile.rs`)
+/// once the CTA's work description lives in shared memory; 32 + 2 · 232 spilled 40 bytes in
+/// the d128 softcap consumers.
+pub fn tiles(_head_dim: usize) -> Tiles {
+    Tiles {
+        block_m: 64,
+        stages: 2,
+        producer_regs: 24,
+        consumer_regs: 240,
+    }
+}
+
+/// The main kernel with everything it is specialised on: the compile-cache key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Spec {
+    /// NVRTC target: `sm_90a` (wgmma and setmaxnreg need the architecture-specific target).
+    pub target: &'static str,
+    /// bf16 (else fp16).
+    pub bf16: bool,
+    /// Head dim (one of [`HEAD_DIMS`]).
+    pub head_dim: usize,
+    /// A window (or causal) mask.
+    pub window: bool,
+    /// Softcap.
+    pub softcap: bool,
+    /// Tiles and registers.
+    pub tiles: Tiles,
+}
+
+impl Spec {
+    /// Threads per CTA.
+    pub fn threads(&self) -> usize {
+        self.tiles.threads()
+    }
+
+    /// Dynamic shared memory of a launch.
+    pub fn smem_bytes(&self) -> usize {
+        self.tiles.smem_bytes(self.head_dim)
+    }
+
+    /// The entry point.
+    pub fn entry(&self) -> &'static str {
+        "fa4_bwd_sm90"
+    }
+
+    /// The generated prelude: the tile constants, the role table and the named barriers, and
+    /// the switches the shared layer reads (`LAZY_RESCALE` is the forward softmax's, unused).
+    pub fn prelude(&self) -> String {
+        let t = &self.tiles;
+        let consumer_warps = WARPGROUP_THREADS / 32;
+        Prelude::new("config::bwd_sm90", self)
+            .int("HEAD_DIM", self.head_dim)
+            .int("BLOCK_M", t.block_m)
+            .int("BLOCK_N", BLOCK_N)
+            .int("CONSUMER_WGS", CONSUMER_WGS)
+            .int("STAGES", t.stages)
+            .int("PRODUCER_REGS", t.producer_regs)
+            .int("CONSUMER_REGS", t.consumer_regs)
+            .flag("IS_BF16", self.bf16)
+            .flag("HAS_WINDOW", self.window)
+            .flag("HAS_SOFTCAP", self.softcap)
+            .flag("LAZY_RESCALE", false)
+            .define("FA4_SMEM_BYTES", self.smem_bytes())
+            .roles(&[
+                RoleWarps {
+                    name: "PRODUCER".into(),
+                    first_warp: 0,
+                    warps: consumer_warps,
+                },
+                RoleWarps {
+                    name: "CONSUMER".into(),
+                    first_warp: consumer_warps,
+                    warps: consumer_warps * CONSUMER_WGS,
+                },
+            ])
+            .int("FIRST_CONSUMER_WARP", consumer_warps)
+            .named_barriers(&NAMED_BARRIERS)
+            .finish()
+    }
+
+    /// The kernel's three `wgmma` shapes: `wgmma_st` (Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, N = block_m,
+    /// both operands K-major in shared memory), `wgmma_dkv` (dV += Pᵀ·dO and dK += dSᵀ·Q,
+    /// N = head_dim, A from registers, B MN-major) and `wgmma_dq` (dQ = dS·K, N = the dQ column
+    /// group, A = dSᵀ and B = K both MN-major in shared memory).
+    pub fn wgmma_wrappers(&self) -> String {
+        let st = Wgmma {
+            name: "wgmma_st",
+            n: self.tiles.block_m,
+            a: OperandA::Smem,
+            bf16: self.bf16,
+            b_transposed: false,
+        };
+        let dkv = Wgmma {
+            name: "wgmma_dkv",
+            n: self.head_dim,
+            a: OperandA::Regs,
+            bf16: self.bf16,
+            b_transposed: true,
+        };
+        let dq = Wgmma {
+            name: "wgmma_dq",
+            n: self.dq_n(),
+            a: OperandA::Smem,
+            bf16: self.bf16,
+            b_transposed: true,
+        };
+        format!(
+            "// generated by config::bwd_sm90: wgmma for N = {} (Sᵀ, dPᵀ), {} (dK, dV), {} (dQ)\n{}{}{}",
+            st.n,
+            dkv.n,
+            dq.n,
+            st.wrapper(),
+            dkv.wrapper(),
+            transpose_a(&dq.wrapper())
+        )
+    }
+
+    /// N of the dQ product: head_dim over the dQ tile's column groups.
+    pub fn dq_n(&self) -> usize {
+        self.head_dim / dq_col_groups(self.tiles.block_m, self.head_dim)
+    }
+}
+
+/// A shared-memory-A wrapper with A read MN-major (`imm-trans-a` = 1): [`Wgmma`] generates
+/// K-major A only, which every other kernel wants; dQ = dS·K reads dSᵀ as stored.
+fn transpose_a(wrapper: &str) -> String {
+    // The immediates after the predicate: scale-a, scale-b, trans-a, trans-b.
+    const K_MAJOR_A: &str = ", p, 1, 1, 0, ";
+    assert_eq!(
+        wrapper.matches(K_MAJOR_A).count(),
+        1,
+        "a shared-memory wgmma wrapper names its immediates once"
+    );
+    wrapper.replacen(K_MAJOR_A, ", p, 1, 1, 1, ", 1)
+}
+
+impl fmt::Display for Spec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "bwd sm90 {} {} d{} {}x{} {}+{}x{} regs{}{}",
+            self.target,
+            if self.bf16 { "bf16" } else { "fp16" },
+            self.head_dim,
+            BLOCK_N,
+            self.tiles.block_m,
+            self.tiles.producer_regs,
+            CONSUMER_WGS,
+            self.tiles.consumer_regs,
+            if self.window { " window" } else { "" },
+            if self.softcap { " softcap" } else { "" },
+        )
+    }
+}
+
+/// Why the Hopper backward does not cover a problem on `arch` (the argument to blame and the
+/// reason), or `None`. What it refuses runs the Ampere-class backward.
+pub fn uncovered(
+    p: &Problem,
+    arch: &GpuArch,
+    deterministic: bool,
+) -> Option<(&'static str, String)> {
+    if arch.family != Family::Hopper {
+        return Some(("device", format!("{} is not a Hopper GPU", arch.name)));
+    }
+    if p.dtype().size_bytes() != 2 {
+        return Some(("dtype", "the Hopper backward computes fp16 and bf16".into()));
+    }
+    if !HEAD_DIMS.contains(&p.head_dim()) || p.head_dim_v() != p.head_dim() {
+        return Some((
+            "q",
+            format!(
+                "head_dim {} (v: {}): the Hopper backward covers exactly {HEAD_DIMS:?}, equal for q and v",
+                p.head_dim(),
+                p.head_dim_v()
+            ),
+        ));
+    }
+    if deterministic {
+        return Some((
+            "deterministic",
+            "the Hopper backward adds dQ with atomics; the deterministic mode runs the Ampere-class one".into(),
+        ));
+    }
+    if p.is_varlen() {
+        // Packed maps would load the next sequence's rows into a block, whose non-finite
+        // values would meet dS = 0 in the products; the Ampere-class kernel zero-fills them.
+        return Some((
+            "cu_seqlens_q",
+            "varlen batches run the Ampere-class backward".into(),
+        ));
+    }
+    let seqs = p.sequences();
+    if seqs.iter().any(|s| s.q_len == 0 || s.k_len == 0) {
+        // A TMA map may not have an empty dimension.
+        return Some(("q", "a batch without query rows or keys".into()));
+    }
+    None
+}
+
+/// A planned Hopper backward: the Ampere-class plan (its `pre` and `convert` launches and
+/// workspaces; its main launch is replaced) and the Hopper main kernel with its grid.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Plan {
+    /// The Ampere-class plan (non-deterministic: pre, main, convert): its workspaces.
+    pub base: BwdPlan,
+    /// Its `pre` launch (spec, grid), run before the main kernel.
+    pub pre: (BwdSpec, (u32, u32, u32)),
+    /// Its `convert` launch, run after.
+    pub convert: (BwdSpec, (u32, u32, u32)),
+    /// The main kernel.
+    pub spec: Spec,
+    /// Its grid: (key blocks, KV heads, batch).
+    pub grid: (u32, u32, u32),
+}
+
+impl fmt::Display for Plan {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let (pre, pre_grid) = &self.pre;
+        let (conv, conv_grid) = &self.convert;
+        let g = self.grid;
+        writeln!(
+            f,
+            "{pre}: grid {}x{}x{}",
+            pre_grid.0, pre_grid.1, pre_grid.2
+        )?;
+        writeln!(
+            f,
+            "{}: grid {}x{}x{}, {} threads, {} B smem",
+            self.spec,
+            g.0,
+            g.1,
+            g.2,
+            self.spec.threads(),
+            self.spec.smem_bytes()
+        )?;
+        write!(
+            f,
+            "{conv}: grid {}x{}x{}",
+            conv_grid.0, conv_grid.1, conv_grid.2
+        )
+    }
+}
+
+/// Plans the Hopper backward of a validated problem, or says (an error naming the argument)
+/// why it does not cover it. `target` is the device's NVRTC target (`sm_90`): the row kernels
+/// compile for it, the main kernel for its architecture-specific form (`sm_90a`).
+pub fn plan(p: &Problem, arch: &GpuArch, target: &'static str) -> Result<Plan> {
+    if let Some((arg, why)) = uncovered(p, arch, false) {
+        return Err(Error::invalid(arg, why));
+    }
+    let base = bwd::plan(p, arch, target, false, None)?;
+    let (pre, convert) = match &base.launches[..] {
+        [pre, _, convert]
+            if pre.0.kernel == BwdKernel::Pre && convert.0.kernel == BwdKernel::Convert =>
+        {
+            (*pre, *convert)
+        }
+        _ => {
+            return Err(Error::invalid(
+                "deterministic",
+                "the Hopper backward needs the row kernels of the non-deterministic plan",
+            ))
+        }
+    };
+    let head_dim = p.head_dim();
+    let tiles = tiles(head_dim);
+    tiles.check(head_dim)?;
+    let spec = Spec {
+        target: if target == "sm_90" { "sm_90a" } else { target },
+        bf16: pre.0.bf16,
+        head_dim,
+        window: p.mask().is_restrictive(),
+        softcap: p.softcap().is_some(),
+        tiles,
+    };
+    let max_smem = arch.max_smem_per_block() as usize;
+    if spec.smem_bytes() > max_smem {
+        return Err(Error::invalid(
+            "q",
+            format!(
+                "head_dim {head_dim}: the Hopper backward needs {} B of shared memory, {} has {max_smem}",
+                spec.smem_bytes(),
+                arch.name
+            ),
+        ));
+    }
+    let max_k = p.sequences().iter().map(|s| s.k_len).max().unwrap_or(0);
+    let dim = |name: &str, x: usize| {
+        u32::try_from(x)
+            .ok()
+            .filter(|&v| v <= 65_535 || name == "key blocks")
+            .ok_or_else(|| Error::invalid("q", format!("{x} {name} exceed the CUDA grid")))
+    };
+    let grid = (
+        dim("key blocks", max_k.div_ceil(BLOCK_N))?,
+        dim("heads", p.heads_kv())?,
+        dim("sequences", p.sequences().len())?,
+    );
+    Ok(Plan {
+        base,
+        pre,
+        convert,
+        spec,
+        grid,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::arch;
+    use crate::dtype::DType;
+    use crate::problem::Options;
+    use crate::tensor::Layout;
+
+    fn problem(d: usize, opts: Options) -> Problem {
+        let q = Layout::new("q", &[2, 300, 8, d], None).unwrap();
+        let k = Layout::new("k", &[2, 333, 2, d], None).unwrap();
+        Problem::new(DType::Bf16, &q, &k, &k, &q, None, None, &opts).unwrap()
+    }
+
+    #[test]
+    fn planned_tiles_fit_the_h100_and_its_register_file() {
+        for d in HEAD_DIMS {
+            let p = plan(&problem(d, Options::new().causal()), &arch::H100, "sm_90").unwrap();
+            let s = &p.spec;
+            s.tiles.check(d).unwrap();
+            assert!(s.smem_bytes() <= 232_448, "{s}: {} B", s.smem_bytes());
+            assert!(s.tiles.registers() <= 65_536, "{s}");
+            assert_eq!(s.target, "sm_90a");
+            assert!(s.window && !s.softcap);
+            // 333 keys in blocks of 128, 2 KV heads, 2 sequences.
+            assert_eq!(p.grid, (3, 2, 2));
+            assert_eq!(s.dq_n() % 64, 0);
+            let prelude = s.prelude();
+            assert!(prelude.contains(&format!("#define FA4_SMEM_BYTES {}", s.smem_bytes())));
+            assert!(prelude.contains("ROLE_CONSUMER"));
+            // The row kernels are the Ampere-class ones, for the device's own target.
+            assert_eq!(p.pre.0.kernel, BwdKernel::Pre);
+            assert_eq!(p.convert.0.kernel, BwdKernel::Convert);
+            assert_eq!(p.pre.0.target, "sm_90");
+            assert_eq!(p.base.accum_len, 2 * 300 * 8 * d);
+        }
+        // The shared-memory sums, by hand: K, V + 2 × (Q, dO) + 2 × dSᵀ + 2 × LSE, D + 5 barriers
+        // + the work + slack.
+        assert_eq!(
+            tiles(64).smem_bytes(64),
+            2 * 16384 + 4 * 8192 + 2 * 16384 + 2 * 512 + 40 + 128 + 1024
+        );
+        assert_eq!(
+            tiles(128).smem_bytes(128),
+            2 * 32768 + 4 * 16384 + 2 * 16384 + 2 * 512 + 40 + 128 + 1024
+        );
+    }
+
+    #[test]
+    fn the_dq_wrapper_reads_both_operands_mn_major() {
+        let p = plan(&problem(128, Options::new()), &arch::H100, "sm_90").unwrap();
+        let w = p.spec.wgmma_wrappers();
+        assert!(w.contains("void wgmma_st(float (&d)[32], u64 desc_a"));
+        assert!(w.contains("void wgmma_dkv(float (&d)[64], u32 a0"));
+        assert!(w.contains("void wgmma_dq(float (&d)[32], u64 desc_a"));
+        assert_eq!(w.matches("p, 1, 1, 1, 1;").count(), 1, "{w}");
+        assert_eq!(w.matches("p, 1, 1, 0, 0;").count(), 1, "{w}");
+    }
+
+    #[test]
+    fn uncovered_problems_name_the_argument_and_others_plan() {
+        let causal = problem(128, Options::new().causal());
+        assert_eq!(
+            uncovered(&causal, &arch::H100, true).unwrap().0,
+            "deterministic"
+        );
+        assert_eq!(uncovered(&causal, &arch::A100, false).unwrap().0, "device");
+        assert_eq!(
+            uncovered(&problem(256, Options::new()), &arch::H100, false)
+                .unwrap()
+                .0,
+            "q"
+        );
+        assert_eq!(
+            uncovered(&problem(96, Options::new()), &arch::H100, false)
+                .unwrap()
+                .0,
+            "q"
+        );
+        let ql = Layout::new("q", &[40, 2, 64], None).unwrap();
+        let varlen = Problem::new(
+            DType::F16,
+            &ql,
+            &ql,
+            &ql,
+            &ql,
+            Some(&[0, 10, 40][..]),
+            Some(&[0, 10, 40][..]),
+            &Options::new(),
+        )
+        .unwrap();
+        assert_eq!(
+            uncovered(&varlen, &arch::H100, false).unwrap().0,
+            "cu_seqlens_q"
+        );
+        let e = plan(&varlen, &arch::H100, "sm_90").unwrap_err();
+        assert!(e.to_string().contains("cu_seqlens_q"), "{e}");
+        let soft = problem(64, Options::new().softcap(5.0));
+        let p = plan(&soft, &arch::H100, "sm_90").unwrap();
+        assert!(p.spec.softcap && !p.spec.window);
+        assert!(p.to_string().contains("fa4_bwd_sm90") || p.to_string().contains("bwd sm90"));
+    }
+
+    #[test]
+    fn bad_tiles_are_refused() {
+        // 192 query rows are not whole 64-row groups of the two consumers' dQ; 128 are.
+        let t = Tiles {
+            block_m: 192,
+            ..tiles(128)
+        };
+        assert!(t.check(128).is_err());
+        let t = Tiles {
+            block_m: 128,
+            ..tiles(64)
+        };
+        t.check(64).unwrap();
+        assert_eq!(dq_col_groups(64, 64), 1);
+        assert_eq!(dq_col_groups(64, 128), 2);
+        assert_eq!(dq_col_groups(128, 128), 1);
+        let t = Tiles {
+            producer_regs: 56,
+            consumer_regs: 256,
+            ..tiles(64)
+        };
+        assert!(t.check(64).is_err(), "over the register file");
+        tiles(64).check(64).unwrap();
+    }
+}

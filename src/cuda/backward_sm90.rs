@@ -1,0 +1,227 @@
+//! The Hopper backward (`kernels/bwd_sm90/`, planned by [`crate::config::bwd_sm90`]): which
+//! backward a problem runs, the main kernel's params (four TMA maps around the backward's
+//! params) and its launch. [`super::backward`] calls [`CudaBackend::plan_backward_sm90`] and,
+//! where it gives a plan, launches the Ampere-class `pre`, this main kernel and the
+//! Ampere-class `convert`.
+//!
+//! Which backward runs: `FA4_BWD_KERNEL` (`auto`, `sm80`, `sm90`) where set, for A/B runs of
+//! one binary; else the backend's [`KernelChoice`] (`Sm80`/`Sm90` force the family, anything
+//! else is `auto`). `auto` takes the Hopper kernel where it covers the problem
+//! ([`bwd_sm90::uncovered`]), the Ampere-class one elsewhere; a forced `sm90` on a problem it
+//! does not cover is an error naming the argument to change.
+
+use std::borrow::Cow;
+
+use cudarc::driver::DeviceRepr;
+
+use super::backward::{BwdParams, BWD_PARAMS_SRC};
+use super::compile::{KernelSource, SM90_PARAMS_SRC, SM90_PIPELINE_SRC, SM90_PTX_SRC};
+use super::family::{Launch, Launchable};
+use super::params::TmaMap;
+use super::tma::{self, MapSpec};
+use super::{CudaBackend, KernelChoice};
+use crate::config::bwd_sm90::{self, Plan, Spec};
+use crate::error::{Error, Result};
+use crate::problem::Problem;
+use crate::tensor::Layout;
+
+/// The Hopper backward's params header.
+pub const SM90_BWD_PARAMS_SRC: &str = include_str!("../kernels/bwd_sm90/params.cuh");
+/// Its PTX wrappers.
+pub const SM90_BWD_PTX_SRC: &str = include_str!("../kernels/bwd_sm90/ptx.cuh");
+/// The main kernel.
+pub const SM90_BWD_MAIN_SRC: &str = include_str!("../kernels/bwd_sm90/main.cu");
+/// Environment variable choosing the backward's kernel family: `auto`, `sm80` or `sm90`.
+pub const KERNEL_ENV: &str = "FA4_BWD_KERNEL";
+
+/// Which backward kernel family runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BwdChoice {
+    /// The Hopper kernel where it covers the problem, else the Ampere-class one.
+    #[default]
+    Auto,
+    /// The Ampere-class kernels.
+    Sm80,
+    /// The Hopper main kernel (an error where it does not cover the problem).
+    Sm90,
+}
+
+impl BwdChoice {
+    /// The choice [`KERNEL_ENV`] names, `None` when unset, or an error naming the variable.
+    pub fn from_env() -> Result<Option<BwdChoice>> {
+        match std::env::var(KERNEL_ENV) {
+            Err(std::env::VarError::NotPresent) => Ok(None),
+            Ok(v) => match v.as_str() {
+                "" | "auto" => Ok(Some(BwdChoice::Auto)),
+                "sm80" => Ok(Some(BwdChoice::Sm80)),
+                "sm90" => Ok(Some(BwdChoice::Sm90)),
+                other => Err(Error::invalid(
+                    KERNEL_ENV,
+                    format!("expected auto, sm80 or sm90, got `{other}`"),
+                )),
+            },
+            Err(e) => Err(Error::invalid(KERNEL_ENV, e.to_string())),
+        }
+    }
+
+    /// The backward family a forward kernel choice implies.
+    pub fn of(choice: KernelChoice) -> BwdChoice {
+        match choice {
+            KernelChoice::Sm80 => BwdChoice::Sm80,
+            KernelChoice::Sm90 => BwdChoice::Sm90,
+            KernelChoice::Auto | KernelChoice::Sm100 => BwdChoice::Auto,
+        }
+    }
+}
+
+/// Launch parameters of the Hopper main kernel (`Sm90BwdParams` in
+/// `kernels/bwd_sm90/params.cuh`).
+#[repr(C, align(64))]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct Sm90BwdParams {
+    pub tq: TmaMap,
+    pub tk: TmaMap,
+    pub tv: TmaMap,
+    pub tdo: TmaMap,
+    pub b: BwdParams,
+}
+
+/// The header's `FA4_SM90_BWD_PARAMS_SIZE`.
+pub const SM90_BWD_PARAMS_SIZE: usize = 960;
+const _: () = assert!(std::mem::size_of::<Sm90BwdParams>() == SM90_BWD_PARAMS_SIZE);
+const _: () = assert!(std::mem::offset_of!(Sm90BwdParams, b) == 512);
+// SAFETY: #[repr(C)] plain data (opaque map bytes and the DeviceRepr BwdParams), laid out like
+// the header's struct (size asserted on both sides, alignment 64 on both).
+unsafe impl DeviceRepr for Sm90BwdParams {}
+
+impl KernelSource for Spec {
+    fn target(&self) -> &'static str {
+        self.target
+    }
+    fn prelude(&self) -> String {
+        Spec::prelude(self)
+    }
+    fn family_sources(&self) -> Vec<Cow<'static, str>> {
+        vec![
+            SM90_PARAMS_SRC.into(),
+            SM90_PTX_SRC.into(),
+            SM90_PIPELINE_SRC.into(),
+            BWD_PARAMS_SRC.into(),
+            SM90_BWD_PARAMS_SRC.into(),
+            SM90_BWD_PTX_SRC.into(),
+            self.wgmma_wrappers().into(),
+            SM90_BWD_MAIN_SRC.into(),
+        ]
+    }
+    fn entry(&self) -> &'static str {
+        Spec::entry(self)
+    }
+    fn smem_bytes(&self) -> usize {
+        Spec::smem_bytes(self)
+    }
+}
+
+/// The main kernel of a Hopper plan.
+struct MainLaunch<'a>(&'a Plan);
+
+// SAFETY: built only by `launch_bwd_sm90` from a plan of `bwd_sm90::plan`, which accepted only
+// fixed-length problems with head_dim 64 or 128 (equal for V) and at least one query row and
+// key per sequence, on the path of `backward_device_trusted`: the problem was validated, every
+// input buffer holds its layout's extent, is 16-byte aligned with strides of multiples of 8
+// elements (checked there), so the four TMA maps describe exactly those extents (reads past a
+// sequence's rows are zero-filled by the hardware, not performed). The kernel writes dK, dV
+// only at rows below the sequence's keys (columns below head_dim = HEAD_DIM) through the
+// checked gradient layouts, and reduces into the dQ accumulator at rows below the sequence's
+// queries, which the plan's workspace length covers. The grid is (key blocks, KV heads,
+// batch), block and shared memory are the planner's (static_asserted by the kernel), and the
+// register split fits the launch allocation (`Tiles::check`), so `setmaxnreg` cannot wait
+// forever.
+unsafe impl Launchable for MainLaunch<'_> {
+    fn launch(&self) -> Launch<'_> {
+        Launch {
+            kernel: &self.0.spec,
+            grid: self.0.grid,
+            threads: self.0.spec.threads(),
+        }
+    }
+}
+
+/// The TMA map of one tensor: `[batch, rows, heads, head_dim]` boxes of `box_rows` rows.
+fn map(name: &str, ptr: u64, bf16: bool, l: &Layout, box_rows: usize) -> Result<TmaMap> {
+    tma::encode(
+        name,
+        &MapSpec {
+            ptr,
+            bf16,
+            dims: l.dims,
+            strides: l.strides,
+            box_rows,
+        },
+    )
+}
+
+impl CudaBackend {
+    /// The Hopper backward's plan for `p`, or `None` where the Ampere-class backward runs it
+    /// (see the module docs for the choice).
+    pub fn plan_backward_sm90(&self, p: &Problem, deterministic: bool) -> Result<Option<Plan>> {
+        let choice = BwdChoice::from_env()?.unwrap_or(BwdChoice::of(self.choice));
+        let info = self.info();
+        match choice {
+            BwdChoice::Sm80 => Ok(None),
+            BwdChoice::Auto => match bwd_sm90::uncovered(p, &info.arch, deterministic) {
+                Some(_) => Ok(None),
+                None => bwd_sm90::plan(p, &info.arch, info.target).map(Some),
+            },
+            BwdChoice::Sm90 => {
+                if let Some((arg, why)) = bwd_sm90::uncovered(p, &info.arch, deterministic) {
+                    return Err(Error::invalid(
+                        arg,
+                        format!(
+                            "the Hopper backward (sm90 forced) does not cover this problem: {why}"
+                        ),
+                    ));
+                }
+                bwd_sm90::plan(p, &info.arch, info.target).map(Some)
+            }
+        }
+    }
+
+    /// Launches the Hopper main kernel of `plan` with the backward's params and the layouts of
+    /// Q, K, V (the problem's) and dO, whose device addresses `params` holds.
+    pub(super) fn launch_bwd_sm90(
+        &self,
+        plan: &Plan,
+        p: &Problem,
+        d_out_layout: &Layout,
+        params: &BwdParams,
+    ) -> Result<()> {
+        if plan.grid.0 == 0 || plan.grid.1 == 0 || plan.grid.2 == 0 {
+            return Ok(());
+        }
+        let (bf16, rows_m) = (plan.spec.bf16, plan.spec.tiles.block_m);
+        let f = &params.f;
+        let args = Sm90BwdParams {
+            tq: map("q", f.q, bf16, p.q_layout(), rows_m)?,
+            tk: map("k", f.k, bf16, p.k_layout(), bwd_sm90::BLOCK_N)?,
+            tv: map("v", f.v, bf16, p.v_layout(), bwd_sm90::BLOCK_N)?,
+            tdo: map("d_out", params.d_out, bf16, d_out_layout, rows_m)?,
+            b: *params,
+        };
+        self.launch(&MainLaunch(plan), &args)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_header_states_the_same_size_and_the_choice_maps() {
+        assert!(SM90_BWD_PARAMS_SRC.contains(&format!(
+            "#define FA4_SM90_BWD_PARAMS_SIZE {SM90_BWD_PARAMS_SIZE}"
+        )));
+        assert_eq!(BwdChoice::of(KernelChoice::Sm80), BwdChoice::Sm80);
+        assert_eq!(BwdChoice::of(KernelChoice::Sm90), BwdChoice::Sm90);
+        assert_eq!(BwdChoice::of(KernelChoice::Auto), BwdChoice::Auto);
+    }
+}

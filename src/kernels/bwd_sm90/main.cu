@@ -1,0 +1,461 @@
+// Hopper (sm_90a) FlashAttention backward, key side: dK, dV of a key block and the block's dQ
+// contributions, FlashAttention-3's design: TMA loads issued by a producer warpgroup into an
+// mbarrier ring, wgmma with the keys as M, setmaxnreg moving registers to the consumers.
+// The row kernels `pre` (D = rowsum(dO∘O), zeroed dQ accumulator) and `convert` (dQ = scale ·
+// accumulator) are the Ampere-class backward's (`../bwd/aux.cu`).
+//
+// Source order: the planner's prelude (`config::bwd_sm90`: tiles, register split, role table,
+// named barriers, feature switches), the shared layer `../common/*`, `../sm90/params.cuh`,
+// `../sm90/ptx.cuh`, `../sm90/pipeline.cuh`, `../bwd/params.cuh`, this family's `params.cuh`,
+// `ptx.cuh`, the generated wgmma wrappers (`wgmma_st`, `wgmma_dkv`, `wgmma_dq`), this file.
+//
+// Work: one CTA per (key block of BLOCK_N keys, KV head, batch entry); fixed-length batches only
+// (the planner sends varlen problems to the Ampere-class kernel). K and V of the block are
+// loaded once; the CTA then walks the query heads of its KV head (GQA: dK, dV sum in registers)
+// and, per head, the query blocks the mask lets see its keys (`query_blocks`, as the Ampere-class
+// kernel). Consumer warpgroup c owns keys [64c, 64c + 64) of the block (the M of wgmma). Per
+// query block of BLOCK_M rows (i: query, j: key):
+//   Sᵀ = K_c·Qᵀ, dPᵀ = V_c·dOᵀ                 wgmma, both operands in shared memory, N = BLOCK_M
+//   Pᵀ = exp2(capped(Sᵀ)·LOG2E − LSE_i·LOG2E)  from the forward's LSE; masked pairs set to 0
+//   dSᵀ = Pᵀ ∘ (dPᵀ − D_i) ∘ capped'           the softcap derivative; the scale comes last
+//   dV += Pᵀ·dO, dK += dSᵀ·Q                   wgmma, A = Pᵀ / dSᵀ from registers, B MN-major
+//   dQ_i += dS·K                               dSᵀ through shared memory (A MN-major), f32
+//                                              red.add into the accumulator
+// For dQ the consumers split the (BLOCK_M, HEAD_DIM) tile into DQ_PARTS ≤ CONSUMER_WGS parts,
+// 64-row groups × column groups of whole 64-column slabs (an MN-major operand cannot start
+// inside a swizzle atom); at step it, consumer c computes part (c + it) % CONSUMER_WGS if there
+// is one, so with one part (d64: 64 × 64) the warpgroups take turns. Each part needs every key
+// of the block, so the dSᵀ tile of both warpgroups is exchanged through shared memory (two
+// buffers, one barrier).
+//
+// Warp roles (the prelude's `Role` and `role_of(warp)`):
+//   warpgroup 0      ROLE_PRODUCER  PRODUCER_REGS  thread 0 issues the TMA loads (K, V once; Q,
+//                                                  dO per step)
+//   warpgroup 1 + c  ROLE_CONSUMER  CONSUMER_REGS  keys [64c, 64c + 64): everything above, and
+//                                                  the row statistics below
+// Barriers (mbarriers; phase bits flip on every completion):
+//   load_kv         producer → consumers   1 (expect_tx) + K and V bytes; one phase per CTA
+//   load_q[s]       producer → consumers   1 (thread 0's expect_tx) + Q and dO bytes
+//   release_q[s]    consumers → producer   one per consumer warp, after the step's last wgmma
+// Named barriers (the prelude's NamedBarrier, all consumer threads):
+//   BAR_DS_READY    every consumer's dSᵀ is in shared memory (buffer step % 2); also orders
+//                   the reuse of a buffer two steps later after everyone's dQ of it, and the
+//                   row statistics of step + 1 (below) after their writes
+//   BAR_CLEANED     K (once) or a masked step's Q is cleaned of non-finite values
+//
+// Row statistics (LSE·LOG2E and D of a step's BLOCK_M rows, f32, buffer step % 2): the consumers
+// fetch step + 1's from global memory while step's Sᵀ, dPᵀ products run, and store them once
+// those are in. Buffer (step + 1) % 2 was last read in step − 1, before that step's
+// BAR_DS_READY, and is next read in step + 1, after step's: both orders are named barriers among
+// the same threads. (An earlier layout had a producer warp write them, ordered only through the
+// Q/dO ring's mbarriers; compute-sanitizer's racecheck does not see that order and reported
+// every reuse of a stage as a hazard.) Step 0's are stored before K's cleaning, whose barrier
+// orders them.
+//
+// Non-finite inputs: a masked pair (i, j) gets P = dS = 0 (set, not multiplied), but a wgmma
+// product still multiplies dS_ij = 0 by K_j (dQ) or Q_i (dK), and 0·NaN = NaN would reach a
+// row that never sees key j (or a key row i never sees). So K, and Q in masked steps, are
+// cleaned in shared memory (non-finite halves set to 0) before any product reads them. That
+// changes no result: a row with a non-finite Q_i, or that sees a non-finite K_j, has a
+// non-finite LSE, hence a NaN P and dS on every key it sees, whatever Sᵀ is.
+//
+// Shared-memory tiles are TMA boxes with the 128-byte swizzle, as the forward's: a (rows,
+// HEAD_DIM) tile is HEAD_DIM / 64 slabs of (rows, 64), each row 128 bytes, each slab
+// 1024-aligned. dSᵀ (BLOCK_N, BLOCK_M) is stored the same way, written by the consumers.
+
+constexpr int WG_THREADS = 128;
+constexpr int CONSUMER_THREADS = WG_THREADS * CONSUMER_WGS;
+constexpr int NUM_THREADS = WG_THREADS * (1 + CONSUMER_WGS);
+constexpr int KEYS_PER_WG = 64;                    // the M of wgmma
+constexpr int SLAB_ELEMS = 64;                     // one 128-byte swizzle row of 16-bit values
+constexpr int SLAB_ROW_BYTES = 128;
+constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2;   // (BLOCK_N, HEAD_DIM)
+constexpr int QO_BYTES = BLOCK_M * HEAD_DIM * 2;   // (BLOCK_M, HEAD_DIM)
+constexpr int DS_BYTES = BLOCK_N * BLOCK_M * 2;    // (BLOCK_N, BLOCK_M): dSᵀ
+constexpr int DS_BUFFERS = 2;
+constexpr int ROW_STATS = 2 * BLOCK_M;             // f32 LSE·LOG2E and D of a step's rows
+constexpr int STAT_SLOTS = (ROW_STATS + CONSUMER_THREADS - 1) / CONSUMER_THREADS;  // per consumer thread
+constexpr int STAT_BUFFERS = 2;                    // of the STAGES the planner reserves
+constexpr int NUM_BARRIERS = 1 + 2 * STAGES;
+constexpr int WORK_BYTES = 128;                    // the CTA's `Work`, after the barriers
+constexpr int TILE_ALIGN = 1024;
+constexpr int SMEM_BYTES = 2 * KV_BYTES + STAGES * 2 * QO_BYTES + DS_BUFFERS * DS_BYTES + STAGES * ROW_STATS * 4 +
+                           8 * NUM_BARRIERS + WORK_BYTES + TILE_ALIGN;
+constexpr int ST_REGS = BLOCK_M / 2;               // f32 Sᵀ (and dPᵀ) per thread: (64, BLOCK_M) per warpgroup
+constexpr int PK_REGS = BLOCK_M / 4;               // packed 16-bit pairs of Pᵀ (and dSᵀ)
+constexpr int DKV_REGS = HEAD_DIM / 2;             // f32 dK (and dV) per thread: (64, HEAD_DIM)
+constexpr int SLABS = HEAD_DIM / SLAB_ELEMS;
+constexpr int DQ_ROW_GROUPS = BLOCK_M / 64;        // dQ tile split: 64-row groups …
+constexpr int DQ_COL_GROUPS = SLABS < CONSUMER_WGS / DQ_ROW_GROUPS ? SLABS : CONSUMER_WGS / DQ_ROW_GROUPS;
+constexpr int DQ_PARTS = DQ_ROW_GROUPS * DQ_COL_GROUPS;  // … × column groups of whole slabs
+constexpr int DQ_N = HEAD_DIM / DQ_COL_GROUPS;     // the dQ wgmma's N
+constexpr int DQ_REGS = DQ_N / 2;                  // f32 dQ per thread: (64, DQ_N)
+constexpr int SBO_BYTES = 8 * SLAB_ROW_BYTES;      // 8-row core-matrix groups of a swizzle atom
+constexpr int KSTEP_K_MAJOR_BYTES = 32;            // k16 step inside a 128-byte swizzle row
+constexpr int KSTEP_ROWS_BYTES = 16 * SLAB_ROW_BYTES;  // k16 step over 16 rows (MN-major operands)
+
+static_assert(BLOCK_N == KEYS_PER_WG * CONSUMER_WGS, "a consumer warpgroup owns 64 keys");
+static_assert(FIRST_CONSUMER_WARP == WG_THREADS / 32, "warpgroup 0 produces, the others consume");
+static_assert(HEAD_DIM % SLAB_ELEMS == 0, "head dims are whole 64-element slabs");
+static_assert(BLOCK_M % 64 == 0 && BLOCK_M <= 256, "BLOCK_M is a wgmma N and a multiple of the dQ M");
+static_assert(CONSUMER_WGS % DQ_ROW_GROUPS == 0 && SLABS % DQ_COL_GROUPS == 0 && DQ_PARTS <= CONSUMER_WGS,
+              "the dQ tile splits into at most CONSUMER_WGS parts: 64-row groups × whole column slabs");
+static_assert(KV_BYTES % TILE_ALIGN == 0 && QO_BYTES % TILE_ALIGN == 0 && DS_BYTES % TILE_ALIGN == 0,
+              "tiles keep 1024-byte alignment");
+static_assert(SMEM_BYTES == FA4_SMEM_BYTES, "the planner's shared-memory count must match");
+static_assert(STAGES >= 2, "the Q/dO ring needs two stages to overlap loads with compute");
+static_assert(STAGES >= STAT_BUFFERS, "the planner reserves STAGES row-statistics buffers");
+
+// Accumulator layout of wgmma m64nN (f32), as in the forward: thread t of the warpgroup (warp
+// w, lane l) holds register i at row 16w + l/4 + 8·slot(i) and column 8·(i/4) + 2·(l%4) + i%2.
+__device__ __forceinline__ int acc_slot(int i) { return (i >> 1) & 1; }
+__device__ __forceinline__ int acc_col(int i, int lane) { return 8 * (i >> 2) + 2 * (lane % 4) + (i & 1); }
+
+using QState = PipeState<STAGES>;
+
+struct Smem {
+    u32 k, v;        // (BLOCK_N, HEAD_DIM) each
+    u32 q, dout;     // STAGES × (BLOCK_M, HEAD_DIM) each
+    u32 ds;          // DS_BUFFERS × (BLOCK_N, BLOCK_M): dSᵀ
+    float* stats;    // STAT_BUFFERS × [LSE·LOG2E (BLOCK_M), D (BLOCK_M)] (STAGES reserved)
+    Barriers load_kv, load_q, release_q;
+    __device__ Pipeline<STAGES> pipe_q() const { return {load_q, release_q}; }
+    __device__ u32 q_stage(int s) const { return q + s * QO_BYTES; }
+    __device__ u32 do_stage(int s) const { return dout + s * QO_BYTES; }
+    __device__ u32 ds_buf(int b) const { return ds + b * DS_BYTES; }
+    __device__ float* lse2(int s) const { return stats + s * ROW_STATS; }
+    __device__ float* dsum(int s) const { return lse2(s) + BLOCK_M; }
+};
+
+// The CTA's work: its keys, and the trip of (query head, query block) pairs, heads outer.
+struct Work {
+    int n0, valid_n, kv_head, batch;
+    Seq s;
+    QueryBlocks qb;
+    int per_head, trips;
+    __device__ __forceinline__ int head(const FwdParams& p, int it) const { return kv_head * p.group + it / per_head; }
+    __device__ __forceinline__ int m_block(int it) const { return qb.m_begin + it % per_head; }
+};
+
+static_assert(sizeof(Work) <= WORK_BYTES, "the planner reserves WORK_BYTES for the CTA's work");
+
+__device__ __forceinline__ Work work_of(const FwdParams& p) {
+    Work w;
+    w.n0 = blockIdx.x * BLOCK_N;
+    w.kv_head = blockIdx.y;
+    w.batch = blockIdx.z;
+    w.s = sequence(p, w.batch, false);
+    w.valid_n = max(0, min(BLOCK_N, w.s.k_len - w.n0));
+    // A key block no query sees (or past the keys) has no trip: its dK, dV are written as zeros.
+    w.qb = query_blocks(p, w.s, w.n0, w.n0 + max(w.valid_n, 1) - 1, BLOCK_M);
+    w.per_head = w.valid_n > 0 ? max(0, w.qb.m_end - w.qb.m_begin) : 0;
+    w.trips = w.per_head * p.group;
+    return w;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Producer. Thread 0: K and V once, then Q and dO of every step into the ring.
+
+__device__ __forceinline__ void load_tiles(const Sm90BwdParams& P, const Smem& sm, const Work& w) {
+    prefetch_tensormap(&P.tq);
+    prefetch_tensormap(&P.tk);
+    prefetch_tensormap(&P.tv);
+    prefetch_tensormap(&P.tdo);
+    mbar_expect_tx(sm.load_kv[0], 2 * KV_BYTES);
+    tma_load_5d(sm.k, &P.tk, sm.load_kv[0], 0, w.n0, 0, w.kv_head, w.batch);
+    tma_load_5d(sm.v, &P.tv, sm.load_kv[0], 0, w.n0, 0, w.kv_head, w.batch);
+    for (int it = 0; it < w.trips; ++it) {
+        const QState st = QState::at(it);
+        const int head = w.head(P.b.f, it), r0 = w.m_block(it) * BLOCK_M;
+        sm.pipe_q().acquire(st);
+        sm.pipe_q().expect(st, 2 * QO_BYTES);
+        tma_load_5d(sm.q_stage(st.stage), &P.tq, sm.load_q[st.stage], 0, r0, 0, head, w.batch);
+        tma_load_5d(sm.do_stage(st.stage), &P.tdo, sm.load_q[st.stage], 0, r0, 0, head, w.batch);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Consumers.
+
+// Sets the non-finite halves of the 16-bit values of `bytes` of shared memory from `base` to 0
+// (all consumer threads, 16 bytes each per pass), then makes the writes visible to wgmma.
+template <int BYTES>
+__device__ __forceinline__ void clean_nonfinite(u32 base, int ctid) {
+    constexpr u32 EXP = IS_BF16 ? 0x7f80u : 0x7c00u;
+    static_assert(BYTES % (16 * CONSUMER_THREADS) == 0, "whole passes");
+#pragma unroll 4
+    for (int off = 16 * ctid; off < BYTES; off += 16 * CONSUMER_THREADS) {
+        u32 x[4];
+        ld_shared_v4(x, base + off);
+        bool bad = false;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const u32 lo = (x[e] & EXP) == EXP ? 0u : (x[e] & 0xffffu);
+            const u32 hi = ((x[e] >> 16) & EXP) == EXP ? 0u : (x[e] & 0xffff0000u);
+            bad |= (lo | hi) != x[e];
+            x[e] = lo | hi;
+        }
+        if (bad) st_shared_v4(base + off, x);
+    }
+    fence_proxy_async();
+    named_bar_sync<BAR_CLEANED, CONSUMER_THREADS>();
+}
+
+// Sᵀ = K_c·Qᵀ and dPᵀ = V_c·dOᵀ (one commit group): A is the warpgroup's 64 rows of K (V),
+// K-major; B is Q (dO), K-major, N = BLOCK_M.
+__device__ __forceinline__ void issue_st_dpt(float (&rS)[ST_REGS], float (&rdP)[ST_REGS], const Smem& sm, int stage,
+                                             int c) {
+#pragma unroll
+    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+        const u32 a_off = (kk / 4) * (BLOCK_N * SLAB_ROW_BYTES) + KEYS_PER_WG * c * SLAB_ROW_BYTES +
+                          (kk % 4) * KSTEP_K_MAJOR_BYTES;
+        const u32 b_off = (kk / 4) * (BLOCK_M * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
+        wgmma_st(rS, smem_desc(sm.k + a_off, 16, SBO_BYTES), smem_desc(sm.q_stage(stage) + b_off, 16, SBO_BYTES),
+                 kk > 0 ? 1 : 0);
+        wgmma_st(rdP, smem_desc(sm.v + a_off, 16, SBO_BYTES), smem_desc(sm.do_stage(stage) + b_off, 16, SBO_BYTES),
+                 kk > 0 ? 1 : 0);
+    }
+    wgmma_commit();
+}
+
+// acc += A·B for A = a (64 keys, BLOCK_M queries) from registers and B = the (BLOCK_M, HEAD_DIM)
+// tile at `b_base`, MN-major (its slabs BLOCK_M rows apart): dV += Pᵀ·dO and dK += dSᵀ·Q.
+__device__ __forceinline__ void issue_dkv(float (&acc)[DKV_REGS], const u32 (&a)[PK_REGS], u32 b_base) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_M / 16; ++kk)
+        wgmma_dkv(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3],
+                  smem_desc(b_base + kk * KSTEP_ROWS_BYTES, BLOCK_M * SLAB_ROW_BYTES, SBO_BYTES));
+}
+
+// dQ (64 queries of row group `rg`, DQ_N columns of column group `cg`) = dS·K over the block's
+// keys: A = dSᵀ slab rg, MN-major (queries contiguous); B = K's slabs from cg·DQ_N, MN-major.
+__device__ __forceinline__ void issue_dq(float (&acc)[DQ_REGS], const Smem& sm, u32 ds_base, int rg, int cg) {
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
+        const u32 a = ds_base + rg * (BLOCK_N * SLAB_ROW_BYTES) + kk * KSTEP_ROWS_BYTES;
+        const u32 b = sm.k + (cg * DQ_N / SLAB_ELEMS) * (BLOCK_N * SLAB_ROW_BYTES) + kk * KSTEP_ROWS_BYTES;
+        wgmma_dq(acc, smem_desc(a, BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES), smem_desc(b, BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES),
+                 kk > 0 ? 1 : 0);
+    }
+}
+
+// The 128-byte swizzle of a tile of 64-column slabs, `rows` rows tall: element (row, col)
+// (16-bit) sits at slab col / 64, row `row`, 16-byte chunk (col % 64) / 8 XOR row % 8. For the
+// dSᵀ stores of accumulator register i of a thread, row % 8 is lane / 4 (key_row is 8-aligned
+// but for it) and the rest is a constant of i, so the address is
+// (tile + ds_row_base + ds_offset(i)) ^ ((lane / 4) · 16): the chunk bits 4–6 of everything but
+// the constant's chunk are 0, so adding the chunk and then XOR-ing equals XOR-ing the chunk.
+// Computed per store (an add and a xor) so that nothing is held across the step loop.
+__device__ __forceinline__ constexpr u32 ds_offset(int i) {
+    // acc_col(i, lane) = 8·(i/4) + 2·(lane % 4) + i % 2 (the lane part is in ds_row_base).
+    return static_cast<u32>(((8 * (i >> 2)) / SLAB_ELEMS) * BLOCK_N * SLAB_ROW_BYTES + acc_slot(i) * 8 * SLAB_ROW_BYTES +
+                            (((8 * (i >> 2)) % SLAB_ELEMS) / 8) * 16);
+}
+
+// Step `it`'s row statistics from global memory: consumer thread `ctid` takes entries ctid,
+// ctid + CONSUMER_THREADS, … of the (LSE·LOG2E [BLOCK_M], D [BLOCK_M]) buffer. Rows past the
+// sequence get LSE = +inf (so P = 0) and D = 0.
+__device__ __forceinline__ void stats_fetch(float (&v)[STAT_SLOTS], const BwdParams& bp, const Work& w, int it,
+                                            int ctid) {
+    const int head = w.head(bp.f, it), r0 = w.m_block(it) * BLOCK_M;
+#pragma unroll
+    for (int k = 0; k < STAT_SLOTS; ++k) {
+        const int idx = ctid + k * CONSUMER_THREADS, r = idx % BLOCK_M;
+        const bool ok = idx < ROW_STATS && r0 + r < w.s.q_len;
+        if (idx >= BLOCK_M)
+            v[k] = ok ? bp.dpsum[acc_row(bp, w.batch, w.s, r0 + r) * bp.f.heads_q + head] : 0.0f;
+        else
+            v[k] = ok ? lse_log2(bp, w.batch, head, w.s, r0 + r) : -NEG_INF;
+    }
+}
+
+__device__ __forceinline__ void stats_store(const Smem& sm, int buf, const float (&v)[STAT_SLOTS], int ctid) {
+    float* dst = sm.lse2(buf);
+#pragma unroll
+    for (int k = 0; k < STAT_SLOTS; ++k) {
+        const int idx = ctid + k * CONSUMER_THREADS;
+        if (idx < ROW_STATS) dst[idx] = v[k];
+    }
+}
+
+__device__ __forceinline__ void zero(float* r, int n) {
+#pragma unroll
+    for (int i = 0; i < n; ++i) r[i] = 0.0f;
+}
+
+__device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm, const Work& w, int c) {
+    const BwdParams& bp = P.b;
+    const FwdParams& p = bp.f;
+    const int ctid = threadIdx.x - WG_THREADS;  // 0 .. CONSUMER_THREADS
+    const int tid = ctid % WG_THREADS, warp = tid / 32, lane = tid % 32;
+    const int key_row = KEYS_PER_WG * c + 16 * warp + lane / 4;  // this thread's keys: key_row + 8·slot
+
+    float rdK[DKV_REGS], rdV[DKV_REGS];  // (64, HEAD_DIM) each per warpgroup
+    zero(rdK, DKV_REGS);
+    zero(rdV, DKV_REGS);
+
+    float next_stats[STAT_SLOTS];
+    if (w.trips > 0) {
+        stats_fetch(next_stats, bp, w, 0, ctid);
+        stats_store(sm, 0, next_stats, ctid);   // ordered before step 0 by the cleaning's barrier
+        mbar_wait(sm.load_kv[0], 0);
+        clean_nonfinite<KV_BYTES>(sm.k, ctid);  // K only: V never meets a zeroed dS
+    }
+    const bool keys_partial = w.valid_n < BLOCK_N;
+    for (int it = 0; it < w.trips; ++it) {
+        const QState st = QState::at(it);
+        const int head = w.head(p, it), m = w.m_block(it), r0 = m * BLOCK_M;
+        const bool masked = keys_partial || w.qb.masked(m);
+        sm.pipe_q().wait(st);
+        if (masked) clean_nonfinite<QO_BYTES>(sm.q_stage(st.stage), ctid);
+
+        float rS[ST_REGS], rdP[ST_REGS];  // (64 keys, BLOCK_M queries) each per warpgroup
+        wgmma_fence();
+        issue_st_dpt(rS, rdP, sm, st.stage, c);
+        const bool more = it + 1 < w.trips;
+        if (more) stats_fetch(next_stats, bp, w, it + 1, ctid);  // in flight with the products
+        wgmma_wait<0>();
+        if (more) stats_store(sm, (it + 1) % STAT_BUFFERS, next_stats, ctid);
+
+        // Pᵀ and dSᵀ (without the scale), packed into A fragments: k step kk takes registers
+        // 8kk .. 8kk + 7 pairwise (the accumulator layout is the A layout's). In a masked step
+        // query q of the block is allowed for this thread's key of slot h iff q is in
+        // [q_lo[h], q_hi[h]): the queries that see the key (`query_lo`, `query_hi`), which is
+        // `allowed` read from the key side; a key past the sequence's end sees none.
+        const float* lse2 = sm.lse2(it % STAT_BUFFERS);  // and D at lse2 + BLOCK_M (one base register)
+        int q_lo[2] = {0, 0}, q_hi[2] = {BLOCK_M, BLOCK_M};
+        if (masked) {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                const int j = w.n0 + key_row + 8 * h;
+                const bool key_ok = key_row + 8 * h < w.valid_n;
+                q_lo[h] = key_ok ? query_lo(p, w.s, j) - r0 : 0;
+                q_hi[h] = key_ok ? query_hi(p, w.s, j) - r0 : 0;
+            }
+        }
+        u32 rP[PK_REGS], rdS[PK_REGS];
+#pragma unroll
+        for (int j = 0; j < PK_REGS; ++j) {
+            float pv[2], ds[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+                const int i = 2 * j + e, q = acc_col(i, lane);
+                float dsdx;
+                const float x = capped(bp, rS[i], dsdx);
+                pv[e] = exp2_approx(x * LOG2E - lse2[q]);
+                ds[e] = pv[e] * (rdP[i] - lse2[BLOCK_M + q]) * dsdx;
+                const int h = acc_slot(i);
+                if (q < q_lo[h] || q >= q_hi[h]) pv[e] = ds[e] = 0.0f;
+            }
+            rP[j] = pack2(pv[0], pv[1]);
+            rdS[j] = pack2(ds[0], ds[1]);
+        }
+
+        // dV += Pᵀ·dO, dK += dSᵀ·Q, in flight while dSᵀ goes to shared memory.
+        wgmma_fence();
+        issue_dkv(rdV, rP, sm.do_stage(st.stage));
+        issue_dkv(rdK, rdS, sm.q_stage(st.stage));
+        wgmma_commit();
+
+        // dSᵀ to buffer it % 2: register pair j is (key_row + 8·slot, queries acc_col(2j) + 0, 1).
+        const u32 ds_base = sm.ds_buf(it % DS_BUFFERS);
+        const u32 ds_row = ds_base + key_row * SLAB_ROW_BYTES + (lane % 4) * 4, ds_xor = (lane / 4) * 16;
+#pragma unroll
+        for (int j = 0; j < PK_REGS; ++j) st_shared_b32((ds_row + ds_offset(2 * j)) ^ ds_xor, rdS[j]);
+        fence_proxy_async();
+        named_bar_sync<BAR_DS_READY, CONSUMER_THREADS>();
+
+        const int part = (c + it) % CONSUMER_WGS;  // this warpgroup's part of dQ, if any
+        if (part >= DQ_PARTS) {
+            wgmma_wait<0>();  // dV and dK are in: the stage's Q and dO are free
+            sm.pipe_q().release(st, lane);
+            continue;
+        }
+        const int rg = part % DQ_ROW_GROUPS, cg = part / DQ_ROW_GROUPS;
+        float rdQ[DQ_REGS];  // (64, DQ_N) per warpgroup
+        wgmma_fence();
+        issue_dq(rdQ, sm, ds_base, rg, cg);
+        wgmma_commit();
+        wgmma_wait<0>();  // dV, dK and dQ are in: the stage's Q and dO are free
+        sm.pipe_q().release(st, lane);
+
+        // dQ_i += dS·K (the scale is applied by the convert kernel).
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int q = r0 + 64 * rg + 16 * warp + lane / 4 + 8 * h;
+            if (q < w.s.q_len) {
+                float* acc = bp.dq_accum + (acc_row(bp, w.batch, w.s, q) * p.heads_q + head) * HEAD_DIM + cg * DQ_N;
+#pragma unroll
+                for (int i = 0; i < DQ_REGS; i += 4) red_add_v2(acc + acc_col(i, lane), rdQ[i + 2 * h], rdQ[i + 2 * h + 1]);
+            }
+        }
+    }
+
+    // dK = scale · Σ dSᵀ·Q and dV, rounded, rows below the keys' end (head_dim == HEAD_DIM).
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+        const int j = key_row + 8 * h;
+        if (j >= w.valid_n) continue;
+        const long long row = w.s.k_start + w.n0 + j;
+        u16* gdK = static_cast<u16*>(bp.dk) + w.batch * bp.dk_batch_stride + row * bp.dk_row_stride +
+                   w.kv_head * bp.dk_head_stride;
+        u16* gdV = static_cast<u16*>(bp.dv) + w.batch * bp.dv_batch_stride + row * bp.dv_row_stride +
+                   w.kv_head * bp.dv_head_stride;
+#pragma unroll
+        for (int i = 0; i < DKV_REGS; i += 4) {
+            const int col = acc_col(i, lane);
+            st_global_b32(gdK + col, pack2(rdK[i + 2 * h] * bp.scale, rdK[i + 2 * h + 1] * bp.scale));
+            st_global_b32(gdV + col, pack2(rdV[i + 2 * h], rdV[i + 2 * h + 1]));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry: shared-memory carve-out, barrier init, role dispatch.
+
+extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_bwd_sm90(const __grid_constant__ Sm90BwdParams P) {
+    extern __shared__ __align__(1024) unsigned char smem_raw[];
+    // Past this sequence's keys (the grid spans the longest): nothing to write.
+    if (static_cast<int>(blockIdx.x) * BLOCK_N >= P.b.f.seqlen_k) return;
+
+    Smem sm;
+    const u32 base = (smem_u32(smem_raw) + TILE_ALIGN - 1) & ~static_cast<u32>(TILE_ALIGN - 1);
+    sm.k = base;
+    sm.v = sm.k + KV_BYTES;
+    sm.q = sm.v + KV_BYTES;
+    sm.dout = sm.q + STAGES * QO_BYTES;
+    sm.ds = sm.dout + STAGES * QO_BYTES;
+    const u32 stats = sm.ds + DS_BUFFERS * DS_BYTES;
+    sm.stats = reinterpret_cast<float*>(smem_raw + (stats - smem_u32(smem_raw)));
+    sm.load_kv.base = stats + STAGES * ROW_STATS * 4;
+    sm.load_q.base = sm.load_kv[1];
+    sm.release_q.base = sm.load_q[STAGES];
+    // The CTA's work, in shared memory after the barriers: its fields are read where needed
+    // (the loops' barrier waits are memory clobbers, so the reads are not hoisted), which keeps
+    // about a dozen registers free in the producer and the consumers (held in registers, the
+    // producer spilled at 24 registers and the consumers at 232 with a softcap).
+    Work& s_work = *reinterpret_cast<Work*>(smem_raw + (sm.release_q[STAGES] - smem_u32(smem_raw)));
+
+    if (threadIdx.x == 0) {
+        s_work = work_of(P.b.f);
+        mbar_init(sm.load_kv[0], 1);
+        for (int s = 0; s < STAGES; ++s) {
+            mbar_init(sm.load_q[s], 1);                     // thread 0's expect_tx
+            mbar_init(sm.release_q[s], 4 * CONSUMER_WGS);   // one per consumer warp
+        }
+        fence_mbarrier_init();
+    }
+    __syncthreads();
+
+    const int warp = threadIdx.x / 32, wg = threadIdx.x / WG_THREADS;
+    switch (role_of(warp)) {
+    case ROLE_PRODUCER:
+        setmaxnreg_dec<PRODUCER_REGS>();
+        if (s_work.trips > 0 && threadIdx.x == 0) load_tiles(P, sm, s_work);
+        break;
+    case ROLE_CONSUMER:
+        setmaxnreg_inc<CONSUMER_REGS>();
+        consumer(P, sm, s_work, wg - FIRST_CONSUMER_WARP / 4);
+        break;
+    }
+}

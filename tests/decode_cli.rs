@@ -367,7 +367,7 @@ fn bench_decode_refuses_prefill_grid_flags() {
 #[test]
 fn a_bad_decode_variant_is_an_error_on_every_backend() {
     for backend in ["cpu", "auto"] {
-        let out = Command::new(env!("CARGO_BIN_EXE_fa4"))
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_fa4"))
             .args(["run", "--paged", "--backend", backend, "--head-dim", "64"])
             .env("FA4_DECODE_VARIANT", "heads+fast")
             .output()
@@ -386,7 +386,7 @@ fn a_bad_decode_variant_is_an_error_on_every_backend() {
     }
     // `auto` and `plain` are accepted names.
     for v in ["auto", "plain", ""] {
-        let out = Command::new(env!("CARGO_BIN_EXE_fa4"))
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_fa4"))
             .args(["run", "--paged", "--backend", "cpu", "--head-dim", "64"])
             .env("FA4_DECODE_VARIANT", v)
             .output()

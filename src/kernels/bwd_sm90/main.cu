@@ -44,8 +44,9 @@
 //   BAR_CLEANED     K (once) or a masked step's Q is cleaned of non-finite values
 //
 // Row statistics (LSE·LOG2E and D of a step's BLOCK_M rows, f32, buffer step % 2): the consumers
-// fetch step + 1's from global memory while step's Sᵀ, dPᵀ products run, and store them once
-// those are in. Buffer (step + 1) % 2 was last read in step − 1, before that step's
+// load step + 2's from global memory into a register during step (so a load has a whole step to
+// land: loaded and stored within one step, d64's short steps lost 14%) and store step + 1's,
+// loaded the step before, once step's Sᵀ, dPᵀ products are in. Buffer (step + 1) % 2 was last read in step − 1, before that step's
 // BAR_DS_READY, and is next read in step + 1, after step's: both orders are named barriers among
 // the same threads. (An earlier layout had a producer warp write them, ordered only through the
 // Q/dO ring's mbarriers; compute-sanitizer's racecheck does not see that order and reported
@@ -294,10 +295,11 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
     zero(rdK, DKV_REGS);
     zero(rdV, DKV_REGS);
 
-    float next_stats[STAT_SLOTS];
+    float next_stats[STAT_SLOTS];  // step it + 1's, loaded during step it − 1
     if (w.trips > 0) {
         stats_fetch(next_stats, bp, w, 0, ctid);
         stats_store(sm, 0, next_stats, ctid);   // ordered before step 0 by the cleaning's barrier
+        if (w.trips > 1) stats_fetch(next_stats, bp, w, 1, ctid);
         mbar_wait(sm.load_kv[0], 0);
         clean_nonfinite<KV_BYTES>(sm.k, ctid);  // K only: V never meets a zeroed dS
     }
@@ -312,10 +314,11 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
         float rS[ST_REGS], rdP[ST_REGS];  // (64 keys, BLOCK_M queries) each per warpgroup
         wgmma_fence();
         issue_st_dpt(rS, rdP, sm, st.stage, c);
-        const bool more = it + 1 < w.trips;
-        if (more) stats_fetch(next_stats, bp, w, it + 1, ctid);  // in flight with the products
         wgmma_wait<0>();
-        if (more) stats_store(sm, (it + 1) % STAT_BUFFERS, next_stats, ctid);
+        // Step it + 1's statistics (their loads had a whole step to land) into the other
+        // buffer, then step it + 2's loads, in flight until the next step.
+        if (it + 1 < w.trips) stats_store(sm, (it + 1) % STAT_BUFFERS, next_stats, ctid);
+        if (it + 2 < w.trips) stats_fetch(next_stats, bp, w, it + 2, ctid);
 
         // Pᵀ and dSᵀ (without the scale), packed into A fragments: k step kk takes registers
         // 8kk .. 8kk + 7 pairwise (the accumulator layout is the A layout's). In a masked step

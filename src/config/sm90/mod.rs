@@ -275,6 +275,7 @@ pub fn plan(
             let mut t = tiles_for(arch, head_dim, max_q_len(p), max_k_len)
                 .expect("covered problems have tiles");
             t.persistent &= !p.is_varlen();
+            t.tma_store &= !p.is_varlen();
             t
         }
     };
@@ -525,13 +526,16 @@ mod tests {
         assert_eq!((d64(1024).block_m(), d64(1024).persistent), (128, true));
         assert_eq!((d64(4096).block_m(), d64(4096).persistent), (192, true));
         assert_eq!((d64(16384).block_m(), d64(16384).persistent), (192, false));
-        // d128: 176-key blocks from 4k keys, 128 below.
+        // d128: 176-key blocks from 8k keys, 128 below.
         let d128 = |sq, sk| tiles_for(&H200, 128, sq, sk).unwrap();
         assert!(d128(4096, 4096).persistent && !d128(4097, 4097).persistent);
         assert!(d128(100, 100).persistent && d128(100, 100).intra_wg_overlap);
         assert_eq!(d128(1024, 1024).block_n, 128);
-        assert_eq!(d128(1024, 4096).block_n, 176);
-        assert_eq!(d128(16384, 4095).block_n, 128);
+        assert_eq!(d128(4096, 4096).block_n, 128);
+        assert_eq!(d128(1024, 8192).block_n, 176);
+        assert_eq!(d128(16384, 8191).block_n, 128);
+        // The TMA-store epilogue everywhere (plan() turns it off for varlen batches).
+        assert!(d64(1024).tma_store && d64(16384).tma_store && d128(16384, 16384).tma_store);
         assert_eq!(tiles(&H200, 128).unwrap().block_n, 176);
         assert_eq!(tiles_for(&H200, 256, 1024, 1024).unwrap().block_n, 80);
         assert_eq!(tiles_for(&H200, 96, 1024, 1024), None);

@@ -197,7 +197,11 @@ pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
                     window,
                     softcap,
                     varlen,
-                    tiles,
+                    // `tiles_for` turns the TMA store on, `plan` off again for varlen batches.
+                    tiles: Tiles {
+                        tma_store: !varlen,
+                        ..tiles
+                    },
                 })
             }),
         );

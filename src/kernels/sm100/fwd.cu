@@ -71,6 +71,7 @@ static_assert(KV_STAGES >= 2, "the ring needs two slots");
 struct __align__(64) Sm100Params {
     TmaMap tq, tk, tv;  // 4-D maps (head_dim, rows, heads, batch), boxes (64, 128 or BN, 1, 1)
     FwdParams p;
+    TmaMap to;          // the Hopper kernel's TMA-store map of O: unused here
 };
 static_assert(sizeof(Sm100Params) == FA4_SM90_PARAMS_SIZE, "the launch passes the Sm90Params mirror");
 

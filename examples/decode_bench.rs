@@ -13,9 +13,9 @@
 //!   US_PER_CALL`. `bench/decode_peers.py` drives it so that fa4's rounds alternate with
 //!   cuDNN's round by round; the last case's buffers stay allocated between requests (a
 //!   variant switch keeps them).
-//! - `decode_bench --precompile`: fills the kernel cache for an H200, no GPU needed: every
-//!   default split-kernel variant, and the all-heads variants that the decode grid and
-//!   tests/cuda_decode.rs plan.
+//! - `decode_bench --precompile [VARIANT,…]`: fills the kernel cache for an H200, no GPU
+//!   needed: every split-kernel variant, and the all-heads variants that the decode grid and
+//!   tests/cuda_decode.rs plan; with a variant list, only the grid's kernels under those.
 //! - `decode_bench --plans VARIANT,…`: the H200 plan (kernel, split count, grid) of each case of
 //!   the grid per variant, no GPU needed.
 
@@ -250,7 +250,7 @@ fn serve(cuda: &CudaBackend, block: &CudaSlice<bf16>) -> Result<(), Box<dyn std:
 /// for sm_90a, the combines and the append, and the all-heads variants (with and without
 /// `bulk`) at every head dim, row-tile count, dtype and mask kind, for 8, 4, 2 and 1 KV heads
 /// per CTA (what the grid and tests/cuda_decode.rs plan).
-fn precompile() -> Result<(), Box<dyn std::error::Error>> {
+fn precompile(only: Option<String>) -> Result<(), Box<dyn std::error::Error>> {
     use fa4::config::decode::DecodeTiles;
     use fa4::config::decode_gpu::{
         all_specs, heads_stages_for, plan_variant, AppendSpec, CombineSpec, HeadsSpec,
@@ -263,9 +263,8 @@ fn precompile() -> Result<(), Box<dyn std::error::Error>> {
     // First what the grid's cases run under every variant (exactly as planned), so that a cut
     // short precompile still serves the timing call; then everything else.
     let mut first: Vec<Box<dyn KernelSource + Send + Sync>> = Vec::new();
-    for v in
-        "auto,plain,heads,heads4,heads+bulk,heads4+bulk,best,heads+best,heads+bulk+best".split(',')
-    {
+    let every = "auto,plain,heads,heads4,heads+bulk,heads4+bulk,best,heads+best,heads+bulk+best";
+    for v in only.as_deref().unwrap_or(every).split(',') {
         let variant = DecodeVariant::parse(v)?;
         for (page, sq) in GROUPS {
             for (batch, keys) in SHAPES {
@@ -326,6 +325,9 @@ fn precompile() -> Result<(), Box<dyn std::error::Error>> {
                 }
             }
         }
+    }
+    if only.is_some() {
+        rest.clear();
     }
     for (what, mut list) in [("the grid's kernels", first), ("the rest", rest)] {
         // The grid's cases share kernels: each once.
@@ -389,7 +391,7 @@ fn plans(variants: &str) -> Result<(), Box<dyn std::error::Error>> {
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     if std::env::args().nth(1).as_deref() == Some("--precompile") {
-        return precompile();
+        return precompile(std::env::args().nth(2));
     }
     if std::env::args().nth(1).as_deref() == Some("--plans") {
         return plans(&std::env::args().nth(2).unwrap_or_else(|| "auto".into()));

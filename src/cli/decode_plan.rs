@@ -44,18 +44,18 @@ pub struct DecodePlanArgs {
 impl DecodePlanArgs {
     /// The first decode flag given without `--decode`, if any.
     pub fn stray(&self) -> Option<&'static str> {
-        [
-            ("--batch", self.batch.is_some()),
-            ("--seqlen-q", self.seqlen_q.is_some()),
-            ("--seqlen-k", self.seqlen_k.is_some()),
-            ("--heads-q", self.heads_q.is_some()),
-            ("--heads-kv", self.heads_kv.is_some()),
-            ("--num-splits", self.num_splits.is_some()),
-            ("--sms", self.sms.is_some()),
-        ]
-        .into_iter()
-        .find(|&(_, given)| given && !self.decode)
-        .map(|(flag, _)| flag)
+        crate::cli::first_stray(
+            self.decode,
+            [
+                ("--batch", self.batch.is_some()),
+                ("--seqlen-q", self.seqlen_q.is_some()),
+                ("--seqlen-k", self.seqlen_k.is_some()),
+                ("--heads-q", self.heads_q.is_some()),
+                ("--heads-kv", self.heads_kv.is_some()),
+                ("--num-splits", self.num_splits.is_some()),
+                ("--sms", self.sms.is_some()),
+            ],
+        )
     }
 
     /// Whether `--decode` was given.

@@ -217,3 +217,19 @@ fn clap_error(e: clap::Error) -> ExitCode {
     eprintln!("fa4: error: {line}");
     ExitCode::from(2)
 }
+
+/// The first of `flags` (name, given) that was given although the mode that reads them (`mode`:
+/// `--decode`, `--backward` of `fa4 plan`) was not: such a flag would be ignored, so it is
+/// refused by name.
+pub(crate) fn first_stray<const N: usize>(
+    mode: bool,
+    flags: [(&'static str, bool); N],
+) -> Option<&'static str> {
+    if mode {
+        return None;
+    }
+    flags
+        .into_iter()
+        .find(|&(_, given)| given)
+        .map(|(flag, _)| flag)
+}

@@ -52,15 +52,15 @@ pub struct BackwardPlanArgs {
 impl BackwardPlanArgs {
     /// The first backward flag given without `--backward`, if any.
     pub fn stray(&self) -> Option<&'static str> {
-        [
-            ("--deterministic", self.deterministic),
-            ("--causal", self.causal),
-            ("--window", self.window.is_some()),
-            ("--softcap", self.softcap.is_some()),
-        ]
-        .into_iter()
-        .find(|&(_, given)| given && !self.backward)
-        .map(|(flag, _)| flag)
+        crate::cli::first_stray(
+            self.backward,
+            [
+                ("--deterministic", self.deterministic),
+                ("--causal", self.causal),
+                ("--window", self.window.is_some()),
+                ("--softcap", self.softcap.is_some()),
+            ],
+        )
     }
 
     /// Whether `--backward` was given.

@@ -1,5 +1,6 @@
 // Split-KV attention over a paged KV cache with all the KV heads of a cache row in one CTA (the
-// "heads" decode variant, `FA4_DECODE_VARIANT=heads…`; the default is `splitkv.cu`). Ampere-class
+// "heads" decode variant: `FA4_DECODE_VARIANT=heads…`, and what `auto`, the default, runs for
+// decode batches of at least 4 sequences × KV-head groups on sm_90+, with BULK). Ampere-class
 // instructions (mma.sync m16n8k16, ldmatrix) and, with BULK, the Hopper 1-D bulk copy
 // (cp.async.bulk … mbarrier::complete_tx) for the K/V rows.
 //

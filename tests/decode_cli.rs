@@ -399,3 +399,63 @@ fn a_bad_decode_variant_is_an_error_on_every_backend() {
         );
     }
 }
+
+/// `fa4 plan --decode` says what a GPU call runs with the default variant (`auto`), per GPU:
+/// on the H200 the all-heads kernel with bulk copies for 8 sequences, the split kernel for one;
+/// on the A100 the split kernel; a head dim the kernels do not take is said, not an error.
+#[test]
+fn plan_decode_names_the_kernel_auto_runs() {
+    let line = |out: &str, gpu: &str| -> String {
+        out.lines()
+            .find(|l| l.trim_start().starts_with(gpu))
+            .unwrap_or_else(|| panic!("no {gpu} line: {out}"))
+            .to_string()
+    };
+    let (code, out, err) = fa4(&[
+        "plan",
+        "--decode",
+        "--depth",
+        "128",
+        "--batch",
+        "8",
+        "--seqlen-k",
+        "8192",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let h200 = line(&out, "H200");
+    assert!(
+        h200.contains("auto (heads+bulk+best)") && h200.contains("decode heads sm_90a"),
+        "{h200}"
+    );
+    // 8 sequences × 1 group of 8 KV heads: 8 CTAs a split; the best single wave is 16 splits.
+    assert!(h200.contains("16 splits, grid 8x1x16"), "{h200}");
+    let a100 = line(&out, "A100");
+    assert!(
+        a100.contains("auto (best)") && a100.contains("decode splitkv sm_80"),
+        "{a100}"
+    );
+
+    let (code, out, _) = fa4(&[
+        "plan",
+        "--decode",
+        "--depth",
+        "128",
+        "--batch",
+        "1",
+        "--seqlen-k",
+        "32768",
+    ]);
+    assert_eq!(code, 0);
+    let h200 = line(&out, "H200");
+    assert!(
+        h200.contains("auto (best)") && h200.contains("decode splitkv sm_90a"),
+        "{h200}"
+    );
+
+    let (code, out, _) = fa4(&["plan", "--decode", "--depth", "96", "--seqlen-k", "100"]);
+    assert_eq!(code, 0);
+    assert!(
+        line(&out, "H200").contains("no GPU plan for this shape"),
+        "{out}"
+    );
+}

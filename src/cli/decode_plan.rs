@@ -2,7 +2,8 @@
 //!
 //! A child module of `plan`: it reads `--depth` from the plan's flags and adds the decode shape.
 //! The units are the GPU's SMs (`--sms`, default the H100/H200's 132); the tiles are the ones the
-//! GPU decode kernels are planned with ([`DecodeTiles::gpu`]).
+//! GPU decode kernels are planned with ([`DecodeTiles::gpu`]). Then, per GPU (H200, A100), what a
+//! call runs with the default kernel variant (`auto`): the kernel, its split count and grid.
 
 use clap::Args;
 
@@ -143,9 +144,108 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     })?;
     println!("{p}");
     println!(
-        "  (the plan of the GPU decode kernels at their largest row tile; a call with fewer packed \
-         rows runs smaller tiles, the same count; the CPU backend plans with its own tiles and \
-         its thread count as the units)"
+        "  (the split planner's rule at the split kernel's largest row tile; a call with fewer \
+         packed rows runs smaller tiles, the same count; the CPU backend plans with its own tiles \
+         and its thread count as the units)"
     );
+    for (gpu, target) in [(fa4::arch::H200, "sm_90a"), (fa4::arch::A100, "sm_80")] {
+        println!(
+            "  {}",
+            gpu_line(shape, args.depth as usize, a.num_splits, &gpu, target)
+        );
+    }
     Ok(())
+}
+
+/// What a GPU call of `shape` runs with the default kernel variant (`FA4_DECODE_VARIANT=auto`,
+/// [`fa4::config::decode_gpu::plan`]): planned on a bf16 paged problem of that shape (pages of
+/// 16 keys; the page size does not change the plan), so it says which kernel and how many splits,
+/// which the rule above alone does not: `auto` may take the all-heads kernel and the split count
+/// that fills the most SMs in one wave.
+fn gpu_line(
+    shape: DecodeShape,
+    head_dim: usize,
+    num_splits: Option<usize>,
+    gpu: &fa4::arch::GpuArch,
+    target: &'static str,
+) -> String {
+    use fa4::config::decode_gpu;
+    use fa4::paged::{PagedCache, PagedProblem};
+    use fa4::tensor::Layout;
+    let planned = || -> Result<decode_gpu::GpuDecodePlan> {
+        const PAGE: usize = 16;
+        // The stand-in page table is built on the host: far past any real cache, say so instead.
+        const MAX_PAGES: usize = 1 << 22;
+        let per_seq = shape.seqlen_k.div_ceil(PAGE).max(1);
+        let pages = shape
+            .batch
+            .checked_mul(per_seq)
+            .filter(|&n| n <= MAX_PAGES)
+            .ok_or_else(|| {
+                Error::invalid(
+                    "--seqlen-k",
+                    format!("not planned here: more than {MAX_PAGES} pages of {PAGE} keys"),
+                )
+            })?;
+        let table: Vec<i32> = (0..pages)
+            .map(|i| {
+                i32::try_from(i).map_err(|_| Error::invalid("--seqlen-k", "too many pages to plan"))
+            })
+            .collect::<Result<_>>()?;
+        let kl = Layout::new("k_cache", &[pages, PAGE, shape.heads_kv, head_dim], None)?;
+        let lens = vec![
+            i32::try_from(shape.seqlen_k)
+                .map_err(|_| Error::invalid("--seqlen-k", "exceeds int32"))?;
+            shape.batch
+        ];
+        let cache = PagedCache::new(&kl, &kl, &table, per_seq, &lens)?;
+        let ql = Layout::new(
+            "q",
+            &[shape.batch, shape.seqlen_q, shape.heads_q, head_dim],
+            None,
+        )?;
+        let p = PagedProblem::new(
+            fa4::DType::Bf16,
+            &ql,
+            &ql,
+            &cache,
+            None,
+            &fa4::Options::new(),
+        )?;
+        decode_gpu::plan(
+            &p,
+            gpu.sm_count as usize,
+            gpu.max_smem_per_block() as usize,
+            target,
+            num_splits,
+        )
+    };
+    match planned() {
+        Ok(g) => {
+            let kernel = match &g.heads {
+                Some(h) => h.to_string(),
+                None => g.spec.to_string(),
+            };
+            format!(
+                "{} ({target}), FA4_DECODE_VARIANT={}: {kernel}, {} split{}, grid {}x{}x{}",
+                gpu.name,
+                g.variant,
+                g.decode.num_splits,
+                if g.decode.num_splits == 1 { "" } else { "s" },
+                g.grid.0,
+                g.grid.1,
+                g.grid.2
+            )
+        }
+        Err(e) => {
+            let why = match e {
+                Error::InvalidArgument { reason, .. } => reason,
+                other => other.to_string(),
+            };
+            format!(
+                "{} ({target}): no GPU plan for this shape ({why})",
+                gpu.name
+            )
+        }
+    }
 }

@@ -402,7 +402,8 @@ fn a_bad_decode_variant_is_an_error_on_every_backend() {
 
 /// `fa4 plan --decode` says what a GPU call runs with the default variant (`auto`), per GPU:
 /// on the H200 the all-heads kernel with bulk copies for 8 sequences, the split kernel for one;
-/// on the A100 the split kernel; a head dim the kernels do not take is said, not an error.
+/// on the A100 the split kernel with the planner's count (`auto (plain)`); a head dim the
+/// kernels do not take is said, not an error.
 #[test]
 fn plan_decode_names_the_kernel_auto_runs() {
     let line = |out: &str, gpu: &str| -> String {
@@ -431,7 +432,7 @@ fn plan_decode_names_the_kernel_auto_runs() {
     assert!(h200.contains("16 splits, grid 8x1x16"), "{h200}");
     let a100 = line(&out, "A100");
     assert!(
-        a100.contains("auto (best)") && a100.contains("decode splitkv sm_80"),
+        a100.contains("auto (plain)") && a100.contains("decode splitkv sm_80"),
         "{a100}"
     );
 

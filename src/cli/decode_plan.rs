@@ -226,10 +226,21 @@ fn gpu_line(
                 Some(h) => h.to_string(),
                 None => g.spec.to_string(),
             };
+            // A plan `auto` resolved to `plain` prints as `auto` (the unresolved default's
+            // spelling): say which.
+            let named = decode_gpu::DecodeVariant {
+                auto: false,
+                ..g.variant
+            };
+            let variant = if named == decode_gpu::DecodeVariant::PLAIN {
+                "auto (plain)".to_string()
+            } else {
+                g.variant.to_string()
+            };
             format!(
                 "{} ({target}), FA4_DECODE_VARIANT={}: {kernel}, {} split{}, grid {}x{}x{}",
                 gpu.name,
-                g.variant,
+                variant,
                 g.decode.num_splits,
                 if g.decode.num_splits == 1 { "" } else { "s" },
                 g.grid.0,

@@ -285,8 +285,10 @@ pub const AUTO_MIN_HEAD_GROUPS: usize = 4;
 /// `auto`: on sm_90 and later, for a problem of one row tile per (sequence, KV head) (decode and
 /// speculative decode) and at least [`AUTO_MIN_HEAD_GROUPS`] sequences × KV-head groups, the
 /// all-heads kernel with bulk copies and the best single-wave split count (`heads+bulk+best`);
-/// otherwise the split kernel with the best single-wave split count (`best`). The plan's
-/// `variant` is the one chosen, marked `auto`.
+/// otherwise the split kernel with the best single-wave split count (`best`). Before sm_90,
+/// `plain` (the split kernel with the planner's count: the variants were measured on an H200
+/// only, and there `best` differs from `plain` only where one wave holds more splits). The
+/// plan's `variant` is the one chosen, marked `auto`.
 fn plan_auto(
     p: &PagedProblem,
     base: GpuDecodePlan,
@@ -296,11 +298,14 @@ fn plan_auto(
 ) -> Result<GpuDecodePlan> {
     let heads_kv = p.cache().heads_kv();
     let groups = p.decode_shape().batch * heads_kv.div_ceil(MAX_HEADS_PER_CTA.min(heads_kv).max(1));
-    let wide =
-        sm_version(base.spec.target) >= 90 && base.grid.1 == 1 && groups >= AUTO_MIN_HEAD_GROUPS;
+    let hopper = sm_version(base.spec.target) >= 90;
+    let wide = hopper && base.grid.1 == 1 && groups >= AUTO_MIN_HEAD_GROUPS;
     let pick =
         |v: DecodeVariant| plan_variant_fixed(p, base.clone(), sm_count, max_smem, num_splits, v);
-    let chosen = if wide {
+    let chosen = if !hopper {
+        // Before sm_90 nothing but `plain` was measured (no such GPU was lent): keep it.
+        pick(DecodeVariant::PLAIN)?
+    } else if wide {
         // A cache the all-heads kernel cannot hold (shared memory) keeps the split kernel.
         pick(DecodeVariant::parse("heads+bulk+best")?)
             .or_else(|_| pick(DecodeVariant::parse("best")?))?
@@ -469,7 +474,8 @@ pub const MAX_HEADS_PER_CTA: usize = 8;
 ///
 /// - `auto` (the default, and what an unset or empty `FA4_DECODE_VARIANT` means): chosen per
 ///   problem from the H200 measurements in `docs/perf.md`, see [`AUTO_MIN_HEAD_GROUPS`]:
-///   `heads+bulk+best` for decode batches on sm_90 and later, `best` otherwise.
+///   `heads+bulk+best` for decode batches on sm_90 and later, `best` for the rest there, and
+///   `plain` before sm_90 (not measured there).
 /// - `plain`: the split kernel (`kernels/decode/splitkv.cu`) with the planner's split count
 ///   (the default before `auto`).
 /// - `heads` (`heads4`, `heads2`, `heads1`: at most that many KV heads per CTA):

@@ -103,6 +103,10 @@ fn dump_every_variant_cubin() {
         for spec in fa4::config::decode_gpu::all_specs(target, smem) {
             jobs.push((file_name(&spec), Box::new(move || compile_uncached(&spec))));
         }
+        // The all-heads decode kernel's variants (`heads_specs`: cp.async and, on sm_90a, bulk).
+        for spec in fa4::config::decode_gpu::heads_specs(target, smem) {
+            jobs.push((file_name(&spec), Box::new(move || compile_uncached(&spec))));
+        }
     }
     // FA4_SASS_DUMP_FILTER=a,b: only variants whose file name contains one of them;
     // FA4_SASS_DUMP_SKIP=a,b: not those whose name contains one of them (e.g. `longest-first`

@@ -302,15 +302,23 @@ fn plan_auto(
     let wide = hopper && base.grid.1 == 1 && groups >= AUTO_MIN_HEAD_GROUPS;
     let pick =
         |v: DecodeVariant| plan_variant_fixed(p, base.clone(), sm_count, max_smem, num_splits, v);
+    let best = DecodeVariant {
+        best_splits: true,
+        ..DecodeVariant::PLAIN
+    };
     let chosen = if !hopper {
         // Before sm_90 nothing but `plain` was measured (no such GPU was lent): keep it.
         pick(DecodeVariant::PLAIN)?
     } else if wide {
         // A cache the all-heads kernel cannot hold (shared memory) keeps the split kernel.
-        pick(DecodeVariant::parse("heads+bulk+best")?)
-            .or_else(|_| pick(DecodeVariant::parse("best")?))?
+        let heads_bulk_best = DecodeVariant {
+            heads: Some(MAX_HEADS_PER_CTA),
+            bulk: true,
+            ..best
+        };
+        pick(heads_bulk_best).or_else(|_| pick(best))?
     } else {
-        pick(DecodeVariant::parse("best")?)?
+        pick(best)?
     };
     Ok(GpuDecodePlan {
         variant: DecodeVariant {

@@ -15,7 +15,9 @@ use std::borrow::Cow;
 use cudarc::driver::DeviceRepr;
 
 use super::backward::{BwdParams, BWD_PARAMS_SRC};
-use super::compile::{KernelSource, SM90_PARAMS_SRC, SM90_PIPELINE_SRC, SM90_PTX_SRC};
+use super::compile::{
+    KernelSource, MBARRIER_SRC, SM90_PARAMS_SRC, SM90_PIPELINE_SRC, SM90_PTX_SRC,
+};
 use super::family::{Launch, Launchable};
 use super::params::TmaMap;
 use super::tma::{self, MapSpec};
@@ -104,6 +106,7 @@ impl KernelSource for Spec {
     fn family_sources(&self) -> Vec<Cow<'static, str>> {
         vec![
             SM90_PARAMS_SRC.into(),
+            MBARRIER_SRC.into(),
             SM90_PTX_SRC.into(),
             SM90_PIPELINE_SRC.into(),
             BWD_PARAMS_SRC.into(),

@@ -37,7 +37,10 @@ pub const SM80_TILE_OPS_SRC: &str = include_str!("../kernels/sm80/tile_ops.cuh")
 pub const SM80_FWD_SRC: &str = include_str!("../kernels/sm80/fwd.cu");
 /// The Hopper kernels' params (TMA maps around [`PARAMS_SRC`]'s struct).
 pub const SM90_PARAMS_SRC: &str = include_str!("../kernels/sm90/params.cuh");
-/// The Hopper kernels' PTX wrappers.
+/// mbarrier, proxy-fence and 1-D bulk-copy wrappers (sm_90 and later): the Hopper and Blackwell
+/// kernels, the decode all-heads kernel's bulk path.
+pub const MBARRIER_SRC: &str = include_str!("../kernels/common/mbarrier.cuh");
+/// The Hopper kernels' PTX wrappers (after [`MBARRIER_SRC`]).
 pub const SM90_PTX_SRC: &str = include_str!("../kernels/sm90/ptx.cuh");
 /// The Hopper kernels' pipelines (barrier arrays, pipeline state, pipeline).
 pub const SM90_PIPELINE_SRC: &str = include_str!("../kernels/sm90/pipeline.cuh");
@@ -107,6 +110,7 @@ impl KernelSource for sm90::KernelSpec {
     fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>> {
         vec![
             SM90_PARAMS_SRC.into(),
+            MBARRIER_SRC.into(),
             SM90_PTX_SRC.into(),
             self.wgmma_wrappers().into(),
             SM90_PIPELINE_SRC.into(),
@@ -133,6 +137,7 @@ impl KernelSource for sm100_kernel::KernelSpec {
         // The Hopper layer's TMA map, mbarrier and TMA wrappers run unchanged on sm_100a.
         vec![
             SM90_PARAMS_SRC.into(),
+            MBARRIER_SRC.into(),
             SM90_PTX_SRC.into(),
             SM100_TCGEN05_SRC.into(),
             SM100_FWD_SRC.into(),

@@ -29,8 +29,6 @@ pub const DECODE_PTX_SRC: &str = include_str!("../kernels/decode/ptx.cuh");
 pub const SPLITKV_SRC: &str = include_str!("../kernels/decode/splitkv.cu");
 /// The all-heads split-KV kernel (a [`DecodeVariant`]).
 pub const HEADS_SRC: &str = include_str!("../kernels/decode/heads.cu");
-/// The all-heads kernel's bulk-copy wrappers (sm_90+).
-pub const BULK_SRC: &str = include_str!("../kernels/decode/bulk.cuh");
 /// The combine kernel.
 pub const COMBINE_SRC: &str = include_str!("../kernels/decode/combine.cu");
 /// The append kernel.
@@ -125,7 +123,7 @@ impl KernelSource for HeadsSpec {
             DECODE_PARAMS_SRC.into(),
         ];
         if self.bulk {
-            v.push(BULK_SRC.into());
+            v.push(super::compile::MBARRIER_SRC.into());
         }
         v.push(HEADS_SRC.into());
         v

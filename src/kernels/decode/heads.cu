@@ -8,7 +8,7 @@
 // prelude defining HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS (= KV heads per CTA), M_TILES, STAGES,
 // BULK, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, LAZY_RESCALE and FA4_SMEM_BYTES; then come the shared
 // layer (`../common/{base,params,mask,softmax}.cuh`), `../sm80/{ptx,tile_ops}.cuh`, `ptx.cuh`,
-// `params.cuh`, `bulk.cuh` (BULK only), this file.
+// `params.cuh`, `../common/mbarrier.cuh` (BULK only), this file.
 //
 // Why: the default kernel gives each CTA one KV head, so of every cache row
 // ([pages, page_size, heads_kv, d]: heads_kv · d contiguous elements per key) it reads one
@@ -108,10 +108,10 @@ __device__ __forceinline__ void load_kv_block(const DecodeParams& d, const int* 
 #pragma unroll 1
             for (int c = 0; c < ROW_CHUNKS; ++c) st_shared_v4(dst + 16 * c, 0u, 0u, 0u, 0u);
         }
-        fence_proxy_async_shared();  // the zeros before any later bulk write of the stage
+        fence_proxy_async();  // the zeros before any later bulk write of the stage
         __syncwarp();
     }
-    if (lane == 0) mbar_expect_tx_bytes(bar, static_cast<u32>(2 * valid * ROW_BYTES));
+    if (lane == 0) mbar_expect_tx(bar, static_cast<u32>(2 * valid * ROW_BYTES));
     __syncwarp();
     for (int i = lane; i < 2 * valid; i += 32) {
         const bool is_v = i >= valid;
@@ -201,7 +201,7 @@ __device__ __forceinline__ void pv_skip_zero(float (&rO)[M_TILES][NTILES_D][4], 
         }
     __syncwarp();
 #if BULK
-    fence_proxy_async_shared();  // P's generic stores before the stage's next bulk fill
+    fence_proxy_async();  // P's generic stores before the stage's next bulk fill
 #endif
 }
 
@@ -261,8 +261,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
     // copies' complete_tx; consumers all threads; phase i of stage st is block st + STAGES·i.
     const u32 full = sV + STAGES * KV_TILE_BYTES;
     if (tid == 0) {
-        for (int st = 0; st < STAGES; ++st) mbar_init_count(full + 8 * st, 1);
-        fence_barrier_init();
+        for (int st = 0; st < STAGES; ++st) mbar_init(full + 8 * st, 1);
+        fence_mbarrier_init();
     }
     __syncthreads();
     if (warp == 0) {
@@ -310,7 +310,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
             load_kv_block(d, table, s.k_len, head0, n + STAGES - 1, sK + st * KV_TILE_BYTES, sV + st * KV_TILE_BYTES,
                           full + 8 * st, lane);
         }
-        mbar_wait_parity(full + 8 * stage, static_cast<u32>((it / STAGES) & 1));  // block it has landed
+        mbar_wait(full + 8 * stage, static_cast<u32>((it / STAGES) & 1));  // block it has landed
 #else
         cp_async_wait<STAGES - 2>();  // block `it` has landed (this thread's copies) …
         __syncthreads();              // … and everyone's; everyone is done with block it − 1.

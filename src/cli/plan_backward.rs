@@ -249,14 +249,22 @@ impl Gpu {
                 Ok(h) => format!(
                     "the Hopper backward (kernels/bwd_sm90: a TMA producer warpgroup, two consumer \
                      warpgroups, wgmma) replaces launch 2 below with {}: grid {}x{}x{}, {} \
-                     threads, {} B shared memory; launches 1 and 3 are as listed; \
+                     threads, {} B shared memory; launches 1 and 3 are as listed, except that \
+                     launch 1 covers {} rows per sequence (whole query blocks; grid {}x{}x{}) \
+                     and writes D and LSE·log2e padded to them ({} B in place of the D \
+                     workspace below), which the Hopper kernel bulk-copies per step; \
                      FA4_BWD_KERNEL=sm80 runs the Ampere-class main kernel instead",
                     h.spec,
                     h.grid.0,
                     h.grid.1,
                     h.grid.2,
                     h.spec.threads(),
-                    h.spec.smem_bytes()
+                    h.spec.smem_bytes(),
+                    h.stats_rows,
+                    h.pre.1 .0,
+                    h.pre.1 .1,
+                    h.pre.1 .2,
+                    h.base.dpsum_len * 4
                 ),
                 Err(e) => {
                     format!("{ampere} run: the Hopper backward does not cover this problem ({e})")

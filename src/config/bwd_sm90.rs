@@ -346,6 +346,11 @@ pub struct Plan {
     pub spec: Spec,
     /// Its grid: (key blocks, KV heads, batch).
     pub grid: (u32, u32, u32),
+    /// Rows per (batch entry, head) of the padded row statistics the `pre` kernel writes for
+    /// the main kernel (`BwdParams::stats_rows`): the query rows rounded up to whole query
+    /// blocks. The D workspace (`base.dpsum_len`) holds D, then LSE·log2e, each
+    /// `[batch][heads_q][stats_rows]`, so that a step's rows are one bulk copy each.
+    pub stats_rows: usize,
 }
 
 impl fmt::Display for Plan {
@@ -431,12 +436,24 @@ pub fn plan(p: &Problem, arch: &GpuArch, target: &'static str) -> Result<Plan> {
         dim("heads", p.heads_kv())?,
         dim("sequences", p.sequences().len())?,
     );
+    // The padded statistics: the pre kernel covers every padded row (past a sequence's end it
+    // writes D = 0 and LSE·log2e = +inf, so those rows' P is 0).
+    let max_q = p.sequences().iter().map(|s| s.q_len).max().unwrap_or(0);
+    let stats_rows = max_q.div_ceil(tiles.block_m) * tiles.block_m;
+    let mut base = base;
+    base.dpsum_len = 2 * p.sequences().len() * p.heads_q() * stats_rows;
+    let mut pre = pre;
+    pre.1 .0 = u32::try_from(stats_rows.div_ceil(bwd::AUX_WARPS))
+        .ok()
+        .filter(|_| stats_rows <= i32::MAX as usize)
+        .ok_or_else(|| Error::invalid("q", format!("{max_q} query rows exceed the CUDA grid")))?;
     Ok(Plan {
         base,
         pre,
         convert,
         spec,
         grid,
+        stats_rows,
     })
 }
 
@@ -475,6 +492,13 @@ mod tests {
             assert_eq!(p.convert.0.kernel, BwdKernel::Convert);
             assert_eq!(p.pre.0.target, "sm_90");
             assert_eq!(p.base.accum_len, 2 * 300 * 8 * d);
+            // The padded statistics: 300 rows in whole query blocks, D and LSE·log2e for each
+            // of 2 sequences × 8 heads, and the pre kernel's grid over every padded row.
+            let m = s.tiles.block_m;
+            assert_eq!(p.stats_rows, 300usize.div_ceil(m) * m);
+            assert!(p.stats_rows >= 300 && p.stats_rows < 300 + m);
+            assert_eq!(p.base.dpsum_len, 2 * 2 * 8 * p.stats_rows);
+            assert_eq!(p.pre.1, ((p.stats_rows / 4) as u32, 8, 2));
         }
         // The shared-memory sums, by hand: K, V + 2 × (Q, dO) + 2 × dSᵀ + 2 × LSE, D + 5 barriers
         // + the work + slack.

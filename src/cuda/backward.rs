@@ -52,7 +52,9 @@ pub(crate) struct BwdParams {
     pub scale: f32,
     pub softcap: f32,
     pub inv_softcap: f32,
-    pub pad1: i32,
+    /// The Hopper main kernel's padded row statistics (`config::bwd_sm90::Plan::stats_rows`);
+    /// 0 for the Ampere-class kernels.
+    pub stats_rows: i32,
 }
 
 /// The header's `FA4_BWD_PARAMS_SIZE`.
@@ -363,7 +365,8 @@ impl CudaBackend {
             scale: p.scale(),
             softcap,
             inv_softcap: if softcap > 0.0 { 1.0 / softcap } else { 0.0 },
-            pad1: 0,
+            // Checked against int32 by the Hopper planner.
+            stats_rows: hopper.as_ref().map_or(0, |h| h.stats_rows as i32),
         };
         match &hopper {
             Some(h) => {

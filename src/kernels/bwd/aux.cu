@@ -2,7 +2,9 @@
 // heads_q, batch). Lane l handles the 16-byte chunks l, l + 32, … of the row.
 //
 // - fa4_bwd_pre: D_i = Σ_d dO_id·O_id in f32 (from the stored, rounded O, as FlashAttention
-//   does), and the row's dQ accumulator zeroed (when there is one).
+//   does), and the row's dQ accumulator zeroed (when there is one). For the Hopper main kernel
+//   (`stats_rows` > 0) D and LSE·LOG2E go to a padded [batch][heads_q][stats_rows] layout
+//   instead, the grid covering every padded row.
 // - fa4_bwd_convert: dQ = scale · accumulator, rounded to the storage dtype. (dK and dV are
 //   written by the main kernel itself: no atomics reach them.)
 
@@ -27,9 +29,19 @@ __device__ __forceinline__ RowCtx row_ctx(const BwdParams& bp) {
 
 extern "C" __global__ void __launch_bounds__(AUX_WARPS * 32) fa4_bwd_pre(const __grid_constant__ BwdParams bp) {
     const RowCtx r = row_ctx(bp);
-    if (!r.valid) return;
     const FwdParams& p = bp.f;
     const int lane = threadIdx.x % 32;
+    // The Hopper main kernel's layout (fixed-length batches): D, then LSE·LOG2E, each
+    // [batch][heads_q][stats_rows], every padded row written (D = 0, LSE = +inf past the end).
+    const long long padded = bp.stats_rows > 0 ? (static_cast<long long>(r.batch) * p.heads_q + r.head) * bp.stats_rows + r.i : -1;
+    const long long lse_half = static_cast<long long>(p.batch) * p.heads_q * bp.stats_rows;
+    if (!r.valid) {
+        if (padded >= 0 && r.i < bp.stats_rows && lane == 0) {
+            bp.dpsum[padded] = 0.0f;
+            bp.dpsum[lse_half + padded] = -NEG_INF;
+        }
+        return;
+    }
     const long long row = r.s.q_start + r.i;
     const u16* gO = static_cast<const u16*>(p.o) + r.batch * p.o_batch_stride + row * p.o_row_stride +
                     r.head * p.o_head_stride;
@@ -51,7 +63,14 @@ extern "C" __global__ void __launch_bounds__(AUX_WARPS * 32) fa4_bwd_pre(const _
 #pragma unroll
     for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     const long long arow = acc_row(bp, r.batch, r.s, r.i);
-    if (lane == 0) bp.dpsum[arow * p.heads_q + r.head] = sum;
+    if (lane == 0) {
+        if (padded >= 0) {
+            bp.dpsum[padded] = sum;
+            bp.dpsum[lse_half + padded] = lse_log2(bp, r.batch, r.head, r.s, r.i);
+        } else {
+            bp.dpsum[arow * p.heads_q + r.head] = sum;
+        }
+    }
     if (bp.dq_accum != nullptr) {
         float* acc = bp.dq_accum + (arow * p.heads_q + r.head) * HEAD_DIM;
         for (int c = lane; c < HEAD_DIM; c += 32) acc[c] = 0.0f;

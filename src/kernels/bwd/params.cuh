@@ -10,7 +10,7 @@ struct BwdParams {
     void* dk;                   // (rows, heads_kv, head_dim), written
     void* dv;                   // (rows, heads_kv, head_dim), written
     float* dq_accum;            // (acc_rows, heads_q, HEAD_DIM) f32; null in deterministic mode
-    float* dpsum;               // D = rowsum(dO·O): (acc_rows, heads_q) f32
+    float* dpsum;               // D = rowsum(dO·O): (acc_rows, heads_q) f32, or see stats_rows
     long long do_batch_stride, do_row_stride, do_head_stride;
     long long dq_batch_stride, dq_row_stride, dq_head_stride;
     long long dk_batch_stride, dk_row_stride, dk_head_stride;
@@ -19,7 +19,8 @@ struct BwdParams {
     float scale;                // the softmax scale, signed
     float softcap;              // 0 = none
     float inv_softcap;          // 1 / softcap
-    int pad1;
+    int stats_rows;             // > 0 (the Hopper main kernel): `pre` writes D, then LSE·LOG2E,
+                                // each [batch][heads_q][stats_rows], into dpsum instead
 };
 
 #define FA4_BWD_PARAMS_SIZE 392

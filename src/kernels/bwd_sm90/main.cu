@@ -30,28 +30,24 @@
 //
 // Warp roles (the prelude's `Role` and `role_of(warp)`):
 //   warpgroup 0      ROLE_PRODUCER  PRODUCER_REGS  thread 0 issues the TMA loads (K, V once; Q,
-//                                                  dO per step)
-//   warpgroup 1 + c  ROLE_CONSUMER  CONSUMER_REGS  keys [64c, 64c + 64): everything above, and
-//                                                  the row statistics below
+//                                                  dO and the row statistics per step)
+//   warpgroup 1 + c  ROLE_CONSUMER  CONSUMER_REGS  keys [64c, 64c + 64): everything above
 // Barriers (mbarriers; phase bits flip on every completion):
 //   load_kv         producer → consumers   1 (expect_tx) + K and V bytes; one phase per CTA
-//   load_q[s]       producer → consumers   1 (thread 0's expect_tx) + Q and dO bytes
+//   load_q[s]       producer → consumers   1 (thread 0's expect_tx) + Q, dO and statistics bytes
 //   release_q[s]    consumers → producer   one per consumer warp, after the step's last wgmma
 // Named barriers (the prelude's NamedBarrier, all consumer threads):
 //   BAR_DS_READY    every consumer's dSᵀ is in shared memory (buffer step % 2); also orders
-//                   the reuse of a buffer two steps later after everyone's dQ of it, and the
-//                   row statistics of step + 1 (below) after their writes
+//                   the reuse of a buffer two steps later after everyone's dQ of it
 //   BAR_CLEANED     K (once) or a masked step's Q is cleaned of non-finite values
 //
-// Row statistics (LSE·LOG2E and D of a step's BLOCK_M rows, f32, buffer step % 2): the consumers
-// load step + 2's from global memory into a register during step (so a load has a whole step to
-// land: loaded and stored within one step, d64's short steps lost 14%) and store step + 1's,
-// loaded the step before, once step's Sᵀ, dPᵀ products are in. Buffer (step + 1) % 2 was last read in step − 1, before that step's
-// BAR_DS_READY, and is next read in step + 1, after step's: both orders are named barriers among
-// the same threads. (An earlier layout had a producer warp write them, ordered only through the
-// Q/dO ring's mbarriers; compute-sanitizer's racecheck does not see that order and reported
-// every reuse of a stage as a hazard.) Step 0's are stored before K's cleaning, whose barrier
-// orders them.
+// Row statistics (LSE·LOG2E and D of a step's BLOCK_M rows, f32, beside the stage's Q and dO):
+// the `pre` kernel writes them padded (`BwdParams::stats_rows`: [batch][heads_q][rows rounded up
+// to whole query blocks], +inf and 0 past the sequence), so a step's rows are two 1-D bulk copies
+// issued with the stage's Q and dO, counted in its transaction bytes. (Written by a producer warp
+// with ordinary stores, ordered through the ring's mbarriers, compute-sanitizer's racecheck
+// reported every reuse of a stage as a hazard; loaded by the consumers themselves, the extra
+// instructions cost d64 14%.)
 //
 // Non-finite inputs: a masked pair (i, j) gets P = dS = 0 (set, not multiplied), but a wgmma
 // product still multiplies dS_ij = 0 by K_j (dQ) or Q_i (dK), and 0·NaN = NaN would reach a
@@ -75,8 +71,6 @@ constexpr int QO_BYTES = BLOCK_M * HEAD_DIM * 2;   // (BLOCK_M, HEAD_DIM)
 constexpr int DS_BYTES = BLOCK_N * BLOCK_M * 2;    // (BLOCK_N, BLOCK_M): dSᵀ
 constexpr int DS_BUFFERS = 2;
 constexpr int ROW_STATS = 2 * BLOCK_M;             // f32 LSE·LOG2E and D of a step's rows
-constexpr int STAT_SLOTS = (ROW_STATS + CONSUMER_THREADS - 1) / CONSUMER_THREADS;  // per consumer thread
-constexpr int STAT_BUFFERS = 2;                    // of the STAGES the planner reserves
 constexpr int NUM_BARRIERS = 1 + 2 * STAGES;
 constexpr int WORK_BYTES = 128;                    // the CTA's `Work`, after the barriers
 constexpr int TILE_ALIGN = 1024;
@@ -105,7 +99,7 @@ static_assert(KV_BYTES % TILE_ALIGN == 0 && QO_BYTES % TILE_ALIGN == 0 && DS_BYT
               "tiles keep 1024-byte alignment");
 static_assert(SMEM_BYTES == FA4_SMEM_BYTES, "the planner's shared-memory count must match");
 static_assert(STAGES >= 2, "the Q/dO ring needs two stages to overlap loads with compute");
-static_assert(STAGES >= STAT_BUFFERS, "the planner reserves STAGES row-statistics buffers");
+static_assert((BLOCK_M * 4) % 16 == 0, "a step's statistics are whole 16-byte bulk copies");
 
 // Accumulator layout of wgmma m64nN (f32), as in the forward: thread t of the warpgroup (warp
 // w, lane l) holds register i at row 16w + l/4 + 8·slot(i) and column 8·(i/4) + 2·(l%4) + i%2.
@@ -118,7 +112,7 @@ struct Smem {
     u32 k, v;        // (BLOCK_N, HEAD_DIM) each
     u32 q, dout;     // STAGES × (BLOCK_M, HEAD_DIM) each
     u32 ds;          // DS_BUFFERS × (BLOCK_N, BLOCK_M): dSᵀ
-    float* stats;    // STAT_BUFFERS × [LSE·LOG2E (BLOCK_M), D (BLOCK_M)] (STAGES reserved)
+    float* stats;    // STAGES × [LSE·LOG2E (BLOCK_M), D (BLOCK_M)]
     Barriers load_kv, load_q, release_q;
     __device__ Pipeline<STAGES> pipe_q() const { return {load_q, release_q}; }
     __device__ u32 q_stage(int s) const { return q + s * QO_BYTES; }
@@ -165,13 +159,19 @@ __device__ __forceinline__ void load_tiles(const Sm90BwdParams& P, const Smem& s
     mbar_expect_tx(sm.load_kv[0], 2 * KV_BYTES);
     tma_load_5d(sm.k, &P.tk, sm.load_kv[0], 0, w.n0, 0, w.kv_head, w.batch);
     tma_load_5d(sm.v, &P.tv, sm.load_kv[0], 0, w.n0, 0, w.kv_head, w.batch);
+    const BwdParams& bp = P.b;
+    // The padded statistics of (batch, head): D at `dsum`, LSE·LOG2E half a workspace later.
+    const long long half = static_cast<long long>(bp.f.batch) * bp.f.heads_q * bp.stats_rows;
     for (int it = 0; it < w.trips; ++it) {
         const QState st = QState::at(it);
-        const int head = w.head(P.b.f, it), r0 = w.m_block(it) * BLOCK_M;
+        const int head = w.head(bp.f, it), r0 = w.m_block(it) * BLOCK_M;
         sm.pipe_q().acquire(st);
-        sm.pipe_q().expect(st, 2 * QO_BYTES);
+        sm.pipe_q().expect(st, 2 * QO_BYTES + ROW_STATS * 4);
         tma_load_5d(sm.q_stage(st.stage), &P.tq, sm.load_q[st.stage], 0, r0, 0, head, w.batch);
         tma_load_5d(sm.do_stage(st.stage), &P.tdo, sm.load_q[st.stage], 0, r0, 0, head, w.batch);
+        const float* dsum = bp.dpsum + (static_cast<long long>(w.batch) * bp.f.heads_q + head) * bp.stats_rows + r0;
+        bulk_copy_g2s(smem_u32(sm.lse2(st.stage)), dsum + half, BLOCK_M * 4, sm.load_q[st.stage]);
+        bulk_copy_g2s(smem_u32(sm.dsum(st.stage)), dsum, BLOCK_M * 4, sm.load_q[st.stage]);
     }
 }
 
@@ -253,32 +253,6 @@ __device__ __forceinline__ constexpr u32 ds_offset(int i) {
                             (((8 * (i >> 2)) % SLAB_ELEMS) / 8) * 16);
 }
 
-// Step `it`'s row statistics from global memory: consumer thread `ctid` takes entries ctid,
-// ctid + CONSUMER_THREADS, … of the (LSE·LOG2E [BLOCK_M], D [BLOCK_M]) buffer. Rows past the
-// sequence get LSE = +inf (so P = 0) and D = 0.
-__device__ __forceinline__ void stats_fetch(float (&v)[STAT_SLOTS], const BwdParams& bp, const Work& w, int it,
-                                            int ctid) {
-    const int head = w.head(bp.f, it), r0 = w.m_block(it) * BLOCK_M;
-#pragma unroll
-    for (int k = 0; k < STAT_SLOTS; ++k) {
-        const int idx = ctid + k * CONSUMER_THREADS, r = idx % BLOCK_M;
-        const bool ok = idx < ROW_STATS && r0 + r < w.s.q_len;
-        if (idx >= BLOCK_M)
-            v[k] = ok ? bp.dpsum[acc_row(bp, w.batch, w.s, r0 + r) * bp.f.heads_q + head] : 0.0f;
-        else
-            v[k] = ok ? lse_log2(bp, w.batch, head, w.s, r0 + r) : -NEG_INF;
-    }
-}
-
-__device__ __forceinline__ void stats_store(const Smem& sm, int buf, const float (&v)[STAT_SLOTS], int ctid) {
-    float* dst = sm.lse2(buf);
-#pragma unroll
-    for (int k = 0; k < STAT_SLOTS; ++k) {
-        const int idx = ctid + k * CONSUMER_THREADS;
-        if (idx < ROW_STATS) dst[idx] = v[k];
-    }
-}
-
 __device__ __forceinline__ void zero(float* r, int n) {
 #pragma unroll
     for (int i = 0; i < n; ++i) r[i] = 0.0f;
@@ -295,11 +269,7 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
     zero(rdK, DKV_REGS);
     zero(rdV, DKV_REGS);
 
-    float next_stats[STAT_SLOTS];  // step it + 1's, loaded during step it − 1
     if (w.trips > 0) {
-        stats_fetch(next_stats, bp, w, 0, ctid);
-        stats_store(sm, 0, next_stats, ctid);   // ordered before step 0 by the cleaning's barrier
-        if (w.trips > 1) stats_fetch(next_stats, bp, w, 1, ctid);
         mbar_wait(sm.load_kv[0], 0);
         clean_nonfinite<KV_BYTES>(sm.k, ctid);  // K only: V never meets a zeroed dS
     }
@@ -315,17 +285,13 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
         wgmma_fence();
         issue_st_dpt(rS, rdP, sm, st.stage, c);
         wgmma_wait<0>();
-        // Step it + 1's statistics (their loads had a whole step to land) into the other
-        // buffer, then step it + 2's loads, in flight until the next step.
-        if (it + 1 < w.trips) stats_store(sm, (it + 1) % STAT_BUFFERS, next_stats, ctid);
-        if (it + 2 < w.trips) stats_fetch(next_stats, bp, w, it + 2, ctid);
 
         // Pᵀ and dSᵀ (without the scale), packed into A fragments: k step kk takes registers
         // 8kk .. 8kk + 7 pairwise (the accumulator layout is the A layout's). In a masked step
         // query q of the block is allowed for this thread's key of slot h iff q is in
         // [q_lo[h], q_hi[h]): the queries that see the key (`query_lo`, `query_hi`), which is
         // `allowed` read from the key side; a key past the sequence's end sees none.
-        const float* lse2 = sm.lse2(it % STAT_BUFFERS);  // and D at lse2 + BLOCK_M (one base register)
+        const float* lse2 = sm.lse2(st.stage);  // and D at lse2 + BLOCK_M (one base register)
         int q_lo[2] = {0, 0}, q_hi[2] = {BLOCK_M, BLOCK_M};
         if (masked) {
 #pragma unroll

@@ -40,7 +40,15 @@ pub const TILE_ALIGN: usize = 1024;
 /// needed instead of held in registers).
 pub const WORK_BYTES: usize = 128;
 /// Named barriers of the kernel, in id order (id 0 is `__syncthreads`).
-pub const NAMED_BARRIERS: [&str; 3] = ["SYNC_ALL", "DS_READY", "CLEANED"];
+/// `STATS_FREE0`/`1`: the consumers have read a stage's row statistics (producer warp 0 syncs
+/// before the stage's next bulk copies; one per stage of the 2-stage ring).
+pub const NAMED_BARRIERS: [&str; 5] = [
+    "SYNC_ALL",
+    "DS_READY",
+    "CLEANED",
+    "STATS_FREE0",
+    "STATS_FREE1",
+];
 
 /// Tiles and register split of the main kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -29,17 +29,21 @@
 // buffers, one barrier).
 //
 // Warp roles (the prelude's `Role` and `role_of(warp)`):
-//   warpgroup 0      ROLE_PRODUCER  PRODUCER_REGS  thread 0 issues the TMA loads (K, V once; Q,
-//                                                  dO and the row statistics per step)
+//   warpgroup 0      ROLE_PRODUCER  PRODUCER_REGS  warp 0: lane 0 issues the TMA loads (K, V
+//                                                  once; Q, dO and the row statistics per
+//                                                  step), the warp takes the STATS_FREE syncs
 //   warpgroup 1 + c  ROLE_CONSUMER  CONSUMER_REGS  keys [64c, 64c + 64): everything above
 // Barriers (mbarriers; phase bits flip on every completion):
 //   load_kv         producer → consumers   1 (expect_tx) + K and V bytes; one phase per CTA
 //   load_q[s]       producer → consumers   1 (thread 0's expect_tx) + Q, dO and statistics bytes
 //   release_q[s]    consumers → producer   one per consumer warp, after the step's last wgmma
-// Named barriers (the prelude's NamedBarrier, all consumer threads):
+// Named barriers (the prelude's NamedBarrier; all consumer threads, and producer warp 0 for
+// the STATS_FREE pair):
 //   BAR_DS_READY    every consumer's dSᵀ is in shared memory (buffer step % 2); also orders
 //                   the reuse of a buffer two steps later after everyone's dQ of it
 //   BAR_CLEANED     K (once) or a masked step's Q is cleaned of non-finite values
+//   BAR_STATS_FREE0/1  the consumers have read stage 0's / 1's row statistics (bar.arrive);
+//                   producer warp 0 syncs before refilling the stage
 //
 // Row statistics (LSE·LOG2E and D of a step's BLOCK_M rows, f32, beside the stage's Q and dO):
 // the `pre` kernel writes them padded (`BwdParams::stats_rows`: [batch][heads_q][rows rounded up
@@ -47,7 +51,8 @@
 // issued with the stage's Q and dO, counted in its transaction bytes. (Written by a producer warp
 // with ordinary stores, ordered through the ring's mbarriers, compute-sanitizer's racecheck
 // reported every reuse of a stage as a hazard; loaded by the consumers themselves, the extra
-// instructions cost d64 14%.)
+// instructions cost d64 15–21%; bulk-copied but ordered only by the mbarriers, racecheck
+// reported 2 hazards per problem: hence the STATS_FREE barriers.)
 //
 // Non-finite inputs: a masked pair (i, j) gets P = dS = 0 (set, not multiplied), but a wgmma
 // product still multiplies dS_ij = 0 by K_j (dQ) or Q_i (dK), and 0·NaN = NaN would reach a
@@ -149,16 +154,41 @@ __device__ __forceinline__ Work work_of(const FwdParams& p) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Producer. Thread 0: K and V once, then Q and dO of every step into the ring.
+// Producer. Warp 0 (lane 0 issues): K and V once, then Q, dO and the row statistics of every
+// step into the ring.
 
-__device__ __forceinline__ void load_tiles(const Sm90BwdParams& P, const Smem& sm, const Work& w) {
-    prefetch_tensormap(&P.tq);
-    prefetch_tensormap(&P.tk);
-    prefetch_tensormap(&P.tv);
-    prefetch_tensormap(&P.tdo);
-    mbar_expect_tx(sm.load_kv[0], 2 * KV_BYTES);
-    tma_load_5d(sm.k, &P.tk, sm.load_kv[0], 0, w.n0, 0, w.kv_head, w.batch);
-    tma_load_5d(sm.v, &P.tv, sm.load_kv[0], 0, w.n0, 0, w.kv_head, w.batch);
+// The STATS_FREE barriers: the consumers arrive once they have read the statistics of the step
+// in stage `stage` and a later step will refill it; producer warp 0 syncs before that refill.
+// One barrier per stage, so a consumer's arrival for a stage's next step can only come after
+// the producer refilled it, hence after the producer's sync on the previous generation. (The
+// ring's release mbarrier orders the same reads too, but compute-sanitizer's racecheck does not
+// follow mbarriers for ordinary loads.)
+constexpr int STATS_SYNC_THREADS = 32 + 128 * CONSUMER_WGS;
+static_assert(STAGES == 2, "one STATS_FREE barrier per stage: the planner names two");
+__device__ __forceinline__ void stats_free_sync(int stage) {
+    __syncwarp();
+    if (stage == 0)
+        named_bar_sync<BAR_STATS_FREE0, STATS_SYNC_THREADS>();
+    else
+        named_bar_sync<BAR_STATS_FREE1, STATS_SYNC_THREADS>();
+}
+__device__ __forceinline__ void stats_free_arrive(int stage) {
+    if (stage == 0)
+        named_bar_arrive<BAR_STATS_FREE0, STATS_SYNC_THREADS>();
+    else
+        named_bar_arrive<BAR_STATS_FREE1, STATS_SYNC_THREADS>();
+}
+
+__device__ __forceinline__ void load_tiles(const Sm90BwdParams& P, const Smem& sm, const Work& w, int lane) {
+    if (lane == 0) {
+        prefetch_tensormap(&P.tq);
+        prefetch_tensormap(&P.tk);
+        prefetch_tensormap(&P.tv);
+        prefetch_tensormap(&P.tdo);
+        mbar_expect_tx(sm.load_kv[0], 2 * KV_BYTES);
+        tma_load_5d(sm.k, &P.tk, sm.load_kv[0], 0, w.n0, 0, w.kv_head, w.batch);
+        tma_load_5d(sm.v, &P.tv, sm.load_kv[0], 0, w.n0, 0, w.kv_head, w.batch);
+    }
     const BwdParams& bp = P.b;
     // The padded statistics of (batch, head): D at `dsum`, LSE·LOG2E half a workspace later.
     const long long half = static_cast<long long>(bp.f.batch) * bp.f.heads_q * bp.stats_rows;
@@ -166,6 +196,8 @@ __device__ __forceinline__ void load_tiles(const Sm90BwdParams& P, const Smem& s
         const QState st = QState::at(it);
         const int head = w.head(bp.f, it), r0 = w.m_block(it) * BLOCK_M;
         sm.pipe_q().acquire(st);
+        if (it >= STAGES) stats_free_sync(st.stage);
+        if (lane != 0) continue;
         sm.pipe_q().expect(st, 2 * QO_BYTES + ROW_STATS * 4);
         tma_load_5d(sm.q_stage(st.stage), &P.tq, sm.load_q[st.stage], 0, r0, 0, head, w.batch);
         tma_load_5d(sm.do_stage(st.stage), &P.tdo, sm.load_q[st.stage], 0, r0, 0, head, w.batch);
@@ -319,6 +351,8 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             rP[j] = pack2(pv[0], pv[1]);
             rdS[j] = pack2(ds[0], ds[1]);
         }
+        // This stage's statistics are read: the producer may refill it (STATS_FREE).
+        if (it + STAGES < w.trips) stats_free_arrive(st.stage);
 
         // dV += Pᵀ·dO, dK += dSᵀ·Q, in flight while dSᵀ goes to shared memory.
         wgmma_fence();
@@ -420,7 +454,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_bwd_sm90(const 
     switch (role_of(warp)) {
     case ROLE_PRODUCER:
         setmaxnreg_dec<PRODUCER_REGS>();
-        if (s_work.trips > 0 && threadIdx.x == 0) load_tiles(P, sm, s_work);
+        if (s_work.trips > 0 && warp == 0) load_tiles(P, sm, s_work, threadIdx.x % 32);
         break;
     case ROLE_CONSUMER:
         setmaxnreg_inc<CONSUMER_REGS>();

@@ -20,12 +20,3 @@ __device__ __forceinline__ void st_shared_v4(u32 addr, const u32 (&x)[4]) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3])
                  : "memory");
 }
-
-// `bytes` (a multiple of 16; both addresses 16-byte aligned) from global `src` to shared `dst`,
-// completing `bytes` of the mbarrier `bar`'s transaction count (the row statistics of a step).
-__device__ __forceinline__ void bulk_copy_g2s(u32 dst, const void* src, u32 bytes, u32 bar) {
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
-        "l"(src), "r"(bytes), "r"(bar)
-        : "memory");
-}

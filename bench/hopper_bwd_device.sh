@@ -91,7 +91,9 @@ for case in \
     for tool in memcheck racecheck synccheck; do
         log=$out/sanitize-$name-$tool.txt t0=$(date +%s)
         [ -n "$cs" ] || { note "sanitize $name $tool" FAIL 0 "compute-sanitizer not found"; continue; }
-        FA4_BWD_KERNEL=sm90 timeout -k 5 "$(left 40)" "$cs" --tool "$tool" --error-exitcode 3 "$F" $args > "$log" 2>&1
+        extra=()
+        [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)  # every hazard, not a summary
+        FA4_BWD_KERNEL=sm90 timeout -k 5 "$(left 40)" "$cs" --tool "$tool" "${extra[@]}" --error-exitcode 3 "$F" $args > "$log" 2>&1
         rc=$? secs=$(($(date +%s) - t0))
         summ=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)
         case $rc in

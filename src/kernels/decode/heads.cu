@@ -84,8 +84,9 @@ __device__ __forceinline__ u32 kv_at(int r, int h, int c) {
 // table's used entries, validated on the host).
 __device__ __forceinline__ void row_offsets(const DecodeParams& d, const int* table, int key, long long& k_off,
                                             long long& v_off) {
-    const long long page = table[key / d.page_size];
-    const long long slot = key % d.page_size;
+    u32 index, slot;
+    page_slot(key, d.page_size, index, slot);
+    const long long page = table[index];
     k_off = page * d.p.k_batch_stride + slot * d.p.k_row_stride;
     v_off = page * d.p.v_batch_stride + slot * d.p.v_row_stride;
 }
@@ -393,7 +394,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
                 }
             row_sum[r] = row_sum[r] * corr[r] + sum;
         }
-        rescale_o(rO, corr);
+        // Rescale O: a warp-uniform branch under LAZY_RESCALE, rare after the first blocks.
+        bool moved = false;
+#pragma unroll
+        for (int r = 0; r < ROW_SLOTS; ++r) moved |= corr[r] != 1.0f;
+        if (!LAZY_RESCALE || __any_sync(0xffffffffu, moved)) rescale_o(rO, corr);
 
         // O += P·V over the block's keys.
         if (masked && warp_v_nonfinite(sVs, warp, lane)) {

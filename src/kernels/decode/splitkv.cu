@@ -77,8 +77,9 @@ __device__ __forceinline__ void load_kv_block(const DecodeParams& d, const int* 
         const bool ok = key < k_len;
         long long k_off = 0, v_off = 0;
         if (ok) {
-            const long long page = table[key / d.page_size];
-            const long long slot = key % d.page_size;
+            u32 index, slot;
+            page_slot(key, d.page_size, index, slot);
+            const long long page = table[index];
             k_off = page * p.k_batch_stride + slot * p.k_row_stride;
             v_off = page * p.v_batch_stride + slot * p.v_row_stride;
         }
@@ -307,7 +308,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_splitkv(
                 }
             row_sum[r] = row_sum[r] * corr[r] + sum;
         }
-        rescale_o(rO, corr);
+        // Rescale O: a warp-uniform branch under LAZY_RESCALE, rare after the first blocks (each
+        // warp keeps a whole (BLOCK_M, HEAD_DIM) O: 64 multiplies per lane per block at d128).
+        bool moved = false;
+#pragma unroll
+        for (int r = 0; r < ROW_SLOTS; ++r) moved |= corr[r] != 1.0f;
+        if (!LAZY_RESCALE || __any_sync(0xffffffffu, moved)) rescale_o(rO, corr);
 
         // O += P·V over this warp's keys.
         if (masked && warp_v_nonfinite(sVs, wk0, lane)) {

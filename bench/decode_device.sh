@@ -25,7 +25,8 @@ OUT=${OUT:-/tmp/decode_device_out}
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-}
 # The kernel cache built here (decode_bench --precompile): no NVRTC time on the device.
-rm -rf /tmp/fa4cache && cp -r "$D/cache" /tmp/fa4cache
+rm -rf /tmp/fa4cache && mkdir -p /tmp/fa4cache
+if [ -f "$D/cache.tar.xz" ]; then tar -xJf "$D/cache.tar.xz" -C /tmp/fa4cache; else cp -r "$D/cache/." /tmp/fa4cache/; fi
 export FA4_CACHE_DIR=/tmp/fa4cache
 VARIANTS=${VARIANTS:-auto,plain,heads,heads+bulk,best,heads+best,heads4,heads+bulk+best,heads4+bulk}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm,clocks.max.mem --format=csv > "$OUT/gpu.txt" 2>&1

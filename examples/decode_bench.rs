@@ -249,11 +249,12 @@ fn serve(cuda: &CudaBackend, block: &CudaSlice<bf16>) -> Result<(), Box<dyn std:
 /// variant `bench/decode_device.sh` times, then every split-kernel variant the planner emits
 /// for sm_90a, the combines and the append, and the all-heads variants (with and without
 /// `bulk`) at every head dim, row-tile count, dtype and mask kind, for 8, 4, 2 and 1 KV heads
-/// per CTA (what the grid and tests/cuda_decode.rs plan).
+/// per CTA (what the grid and tests/cuda_decode.rs plan); the split and all-heads kernels each
+/// also with the fused combine (`fuse`).
 fn precompile(only: Option<String>) -> Result<(), Box<dyn std::error::Error>> {
     use fa4::config::decode::DecodeTiles;
     use fa4::config::decode_gpu::{
-        all_specs, heads_stages_for, plan_variant, AppendSpec, CombineSpec, HeadsSpec,
+        all_specs, heads_stages_for, plan_variant, AppendSpec, CombineSpec, HeadsSpec, SplitKvSpec,
         HEADS_BLOCK_N, HEAD_DIMS,
     };
     use fa4::cuda::compile::{compile, KernelSource};
@@ -263,7 +264,8 @@ fn precompile(only: Option<String>) -> Result<(), Box<dyn std::error::Error>> {
     // First what the grid's cases run under every variant (exactly as planned), so that a cut
     // short precompile still serves the timing call; then everything else.
     let mut first: Vec<Box<dyn KernelSource + Send + Sync>> = Vec::new();
-    let every = "auto,plain,heads,heads4,heads+bulk,heads4+bulk,best,heads+best,heads+bulk+best";
+    let every = "auto,plain,heads,heads4,heads+bulk,heads4+bulk,best,heads+best,heads+bulk+best,\
+                 heads+bulk+best+fuse,best+fuse";
     for v in only.as_deref().unwrap_or(every).split(',') {
         let variant = DecodeVariant::parse(v)?;
         for (page, sq) in GROUPS {
@@ -287,6 +289,7 @@ fn precompile(only: Option<String>) -> Result<(), Box<dyn std::error::Error>> {
     let mut rest: Vec<Box<dyn KernelSource + Send + Sync>> = Vec::new();
     for s in all_specs("sm_90a", smem) {
         rest.push(Box::new(s));
+        rest.push(Box::new(SplitKvSpec { fuse: true, ..s }));
     }
     for bf16 in [false, true] {
         for head_dim in HEAD_DIMS {
@@ -308,18 +311,21 @@ fn precompile(only: Option<String>) -> Result<(), Box<dyn std::error::Error>> {
                     };
                     for bf16 in [true, false] {
                         for (window, softcap) in [(false, false), (true, false), (true, true)] {
-                            rest.push(Box::new(HeadsSpec {
-                                target: "sm_90a",
-                                bf16,
-                                head_dim,
-                                m_tiles,
-                                block_n: HEADS_BLOCK_N,
-                                heads,
-                                stages,
-                                bulk,
-                                window,
-                                softcap,
-                            }));
+                            for fuse in [false, true] {
+                                rest.push(Box::new(HeadsSpec {
+                                    target: "sm_90a",
+                                    bf16,
+                                    head_dim,
+                                    m_tiles,
+                                    block_n: HEADS_BLOCK_N,
+                                    heads,
+                                    stages,
+                                    bulk,
+                                    window,
+                                    softcap,
+                                    fuse,
+                                }));
+                            }
                         }
                     }
                 }
@@ -373,10 +379,15 @@ fn plans(variants: &str) -> Result<(), Box<dyn std::error::Error>> {
                     None,
                     variant,
                 )?;
-                let kernel = match &plan.heads {
+                let mut kernel = match &plan.heads {
                     Some(h) => h.to_string(),
                     None => plan.spec.to_string(),
                 };
+                // Say which call runs the merge of the splits (the kernel's name ends in
+                // ` fuse` when it merges them itself).
+                if plan.decode.num_splits > 1 && !plan.fused() {
+                    kernel.push_str(" + combine");
+                }
                 let (x, y, z) = plan.grid;
                 println!(
                     "{variant} | {page} | {sq} | {batch} | {keys} | {kernel} | {} | ({x}, {y}, {z}) | {}",

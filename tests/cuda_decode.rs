@@ -9,6 +9,8 @@
 //! unset), so `bench/decode_device.sh` runs this binary once per variant;
 //! `the_environments_variant_is_the_one_planned` proves which ran, and
 //! `every_variant_matches_the_oracle_in_one_process` switches variants on one set of tables.
+//! The fused combine (`fuse`): `the_fused_combine_matches_the_oracle_call_after_call` (split
+//! counts 1 to MAX_SPLITS, calls back to back that rely on the arrival counters' reset).
 
 use fa4::config::decode::{DecodeTiles, MAX_SPLITS};
 use fa4::config::decode_gpu::DecodeVariant;
@@ -554,9 +556,23 @@ fn every_variant_matches_the_oracle_in_one_process() {
     let cuda = gpu();
     // Bulk copies need sm_90 or later (sm_80 and sm_86/89 refuse them: tested on the host).
     let hopper = !cuda.info().target.starts_with("sm_8");
-    let mut variants = vec!["auto", "plain", "best", "heads", "heads4", "heads2+best"];
+    let mut variants = vec![
+        "auto",
+        "plain",
+        "best",
+        "heads",
+        "heads4",
+        "heads2+best",
+        "best+fuse",
+        "heads4+fuse",
+    ];
     if hopper {
-        variants.extend(["heads+bulk", "heads4+bulk", "heads+bulk+best"]);
+        variants.extend([
+            "heads+bulk",
+            "heads4+bulk",
+            "heads+bulk+best",
+            "heads+bulk+best+fuse",
+        ]);
     }
     let mut rng = StdRng::seed_from_u64(23);
     let cases = [
@@ -632,6 +648,101 @@ fn every_variant_matches_the_oracle_in_one_process() {
                     // last one's output.
                     dout = cuda.upload(&vec![bf16::NAN; inputs.q.len()]).unwrap();
                     dlse = cuda.upload(&vec![f32::NAN; p.lse_len()]).unwrap();
+                }
+            }
+        }
+    }
+}
+
+/// The fused combine (`fuse`: the last split CTA of a row tile merges the splits) on one set of
+/// device tables per case, switching variants (so the arrival counters are reallocated as the
+/// grid grows, and reused): pages of 1 and 16 keys, GQA 4 (32/8 heads, decode) and GQA 8 (16/2,
+/// causal speculative decode of 4 rows, two row tiles at d64), ragged lengths with an empty
+/// sequence, split counts 1, 2, 7 and MAX_SPLITS (more than the keys' blocks: empty parts) and
+/// the planner's. Each split count runs three calls back to back into three output buffers
+/// before any is read (the second and third start from the counters the first left, so a
+/// missing reset leaves poisoned rows), and all three are judged.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn the_fused_combine_matches_the_oracle_call_after_call() {
+    let cuda = gpu();
+    let hopper = !cuda.info().target.starts_with("sm_8");
+    let mut variants = vec!["best+fuse", "fuse", "heads+fuse", "heads4+best+fuse"];
+    if hopper {
+        variants.push("heads+bulk+best+fuse");
+    }
+    let mut rng = StdRng::seed_from_u64(31);
+    for page_size in [1, 16] {
+        for (hq, hkv, sq, head_dim, opts) in [
+            (32, 8, 1, 128, Options::new()),
+            (16, 2, 4, 64, Options::new().causal()),
+        ] {
+            let spec = PagedSpec {
+                seqlens_q: vec![sq; 5],
+                seqlens_k: vec![0, 1, 129, 1500, 2 * page_size + 3],
+                heads_q: hq,
+                heads_kv: hkv,
+                head_dim,
+                head_dim_v: head_dim,
+                page_size,
+                varlen: false,
+            };
+            let what = format!("page {page_size} heads {hq}/{hkv} sq {sq} d{head_dim}");
+            let inputs = random_paged::<bf16, _>(&mut rng, &spec).unwrap();
+            let p = inputs.problem(&opts).unwrap();
+            let mut tables = cuda.paged_tables(&p).unwrap();
+            let (dq, dk, dv) = (
+                cuda.upload(&inputs.q).unwrap(),
+                cuda.upload(&inputs.k_cache).unwrap(),
+                cuda.upload(&inputs.v_cache).unwrap(),
+            );
+            for v in &variants {
+                tables.set_variant(DecodeVariant::parse(v).unwrap());
+                for splits in [Some(2), Some(MAX_SPLITS), None, Some(1), Some(7)] {
+                    let mut outs: Vec<_> = (0..3)
+                        .map(|_| {
+                            (
+                                cuda.upload(&vec![bf16::NAN; inputs.q.len()]).unwrap(),
+                                cuda.upload(&vec![f32::NAN; p.lse_len()]).unwrap(),
+                            )
+                        })
+                        .collect();
+                    let mut ran = Vec::new();
+                    for (dout, dlse) in outs.iter_mut() {
+                        let plan = cuda
+                            .forward_paged_device(
+                                &p,
+                                &mut tables,
+                                &dq,
+                                &dk,
+                                &dv,
+                                dout,
+                                Some(dlse),
+                                splits,
+                            )
+                            .unwrap_or_else(|e| panic!("{what} {v} {splits:?}: {e}"));
+                        ran.push(plan.num_splits);
+                    }
+                    if let Some(s) = splits {
+                        assert_eq!(ran, vec![s; 3], "{what} {v}");
+                    }
+                    for (call, (dout, dlse)) in outs.iter().enumerate() {
+                        let (o, l) = (cuda.download(dout).unwrap(), cuda.download(dlse).unwrap());
+                        let r = reference::check(
+                            &p,
+                            &inputs.q,
+                            &inputs.k_cache,
+                            &inputs.v_cache,
+                            &o,
+                            Some(&l),
+                        )
+                        .unwrap();
+                        assert!(
+                            r.passed(),
+                            "{what} {v} splits {splits:?} ({} run), call {call}: {r}",
+                            ran[call]
+                        );
+                    }
                 }
             }
         }

@@ -460,3 +460,51 @@ fn plan_decode_names_the_kernel_auto_runs() {
         "{out}"
     );
 }
+
+/// `fa4 plan --decode` plans `FA4_DECODE_VARIANT` when set: `fuse` shows in the variant and the
+/// kernel's name, and no combine launch follows; without it the split kernel's line says
+/// `+ combine`.
+#[test]
+fn plan_decode_shows_the_fused_combine() {
+    let run = |variant: &str| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_fa4"))
+            .args([
+                "plan",
+                "--decode",
+                "--depth",
+                "128",
+                "--batch",
+                "8",
+                "--seqlen-k",
+                "8192",
+            ])
+            .env("FA4_DECODE_VARIANT", variant)
+            .output()
+            .expect("the fa4 binary runs");
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{variant}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text.lines()
+            .find(|l| l.trim_start().starts_with("H200"))
+            .unwrap_or_else(|| panic!("no H200 line: {text}"))
+            .to_string()
+    };
+    let fused = run("heads+bulk+best+fuse");
+    assert!(
+        fused.contains("FA4_DECODE_VARIANT=heads+bulk+best+fuse")
+            && fused.contains("bulk fuse, 16 splits")
+            && !fused.contains("combine"),
+        "{fused}"
+    );
+    let split = run("best");
+    assert!(split.contains("+ combine"), "{split}");
+    let fused = run("best+fuse");
+    assert!(
+        fused.contains("FA4_DECODE_VARIANT=best+fuse") && fused.contains(" fuse, "),
+        "{fused}"
+    );
+}

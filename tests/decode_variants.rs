@@ -8,7 +8,8 @@ use std::io::Write;
 
 use fa4::arch::{A100, H200};
 use fa4::config::decode_gpu::{
-    heads_specs, plan, plan_variant, DecodeVariant, GpuDecodePlan, VARIANT_ENV,
+    heads_specs, plan, plan_variant, DecodeVariant, GpuDecodePlan, HeadsSpec, SplitKvSpec,
+    VARIANT_ENV,
 };
 use fa4::cuda::compile::{compile_with_log, nvrtc_version};
 use fa4::paged::{PagedCache, PagedProblem};
@@ -155,6 +156,58 @@ fn best_takes_the_best_wave_efficiency() {
     );
 }
 
+/// `fuse` changes nothing but the kernels' FUSE switch: the same kernel, split count and grid
+/// as without it, the switch on only with more than one split (one split writes O directly),
+/// and `auto` never takes it (not measured yet).
+#[test]
+fn fuse_keeps_the_plan_and_switches_the_kernel_only_with_splits() {
+    for (b, k) in [(1, 32768), (8, 8192), (4, 131072), (32, 4096)] {
+        let p = problem(b, k, None);
+        for base in ["plain", "best", "heads", "heads+bulk+best", "heads4+best"] {
+            let plain = h200(&p, base, None);
+            let fused_name = match base {
+                "plain" => "fuse".to_string(),
+                b => format!("{b}+fuse"),
+            };
+            let fused = h200(&p, &fused_name, None);
+            assert!(fused.variant.fuse && !plain.variant.fuse);
+            assert_eq!(fused.decode, plain.decode, "{base} ({b}, {k})");
+            assert_eq!(fused.grid, plain.grid, "{base} ({b}, {k})");
+            assert!(!plain.fused());
+            assert_eq!(
+                fused.fused(),
+                fused.decode.num_splits > 1,
+                "{base} ({b}, {k})"
+            );
+            match (fused.heads, plain.heads) {
+                (Some(f), Some(h)) => {
+                    assert_eq!(f.fuse, fused.fused());
+                    assert_eq!(HeadsSpec { fuse: false, ..f }, h);
+                }
+                (None, None) => {
+                    assert_eq!(fused.spec.fuse, fused.fused());
+                    assert_eq!(
+                        SplitKvSpec {
+                            fuse: false,
+                            ..fused.spec
+                        },
+                        plain.spec
+                    );
+                }
+                other => panic!("{base}: {other:?}"),
+            }
+            // One split: the unfused kernel.
+            let one = h200(&p, &fused_name, Some(1));
+            assert!(!one.fused() && !one.spec.fuse && one.heads.is_none_or(|h| !h.fuse));
+        }
+        assert!(
+            !plan(&p, 132, H200.max_smem_per_block() as usize, "sm_90a", None)
+                .unwrap()
+                .fused()
+        );
+    }
+}
+
 #[test]
 fn bulk_is_refused_before_hopper_and_falls_back_on_strided_heads() {
     let p = problem(8, 8192, None);
@@ -212,6 +265,12 @@ fn the_heads_kernel_compiles_for_sm80_and_sm90a() {
         (4, 6),
         "sm_80: no bulk; sm_90a: all six"
     );
+    // Each also with the fused combine (`fuse`).
+    let fused: Vec<HeadsSpec> = specs
+        .iter()
+        .map(|&h| HeadsSpec { fuse: true, ..h })
+        .collect();
+    specs.extend(fused);
     let failures: Vec<String> = specs
         .par_iter()
         .filter_map(

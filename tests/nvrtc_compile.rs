@@ -233,7 +233,7 @@ fn every_sm100_variant_compiles_for_sm100a() {
 }
 
 /// Every decode kernel variant (split-KV, combine, append) compiles for sm_80, sm_90a and
-/// sm_100a, and the split kernel spills little: its O accumulator is sized to the register file
+/// sm_100a (and sm_90a's split kernels with the fused combine), and the split kernel spills little: its O accumulator is sized to the register file
 /// (`DecodeTiles::gpu`). Measured with NVRTC 13.0: the one-MMA-tile variants of d64 and d128
 /// (every decode shape up to 16 packed rows) spill nothing; 32 rows of d128 spill 40–64 bytes
 /// and d256 with softcap 12 bytes (L1-resident stack traffic, once per key block).
@@ -264,6 +264,14 @@ fn every_decode_variant_compiles_for_every_target_with_little_spilling() {
         3 * 5 * 8,
         "d64/d128 × 2 row tiles, d256 × 1, × dtype × mask × softcap"
     );
+    // And sm_90a's with the fused combine (`fuse`: its merge runs after the main loop, so the
+    // same spill limits hold).
+    let fused: Vec<_> = split
+        .iter()
+        .filter(|s| s.target == targets[1])
+        .map(|&s| fa4::config::decode_gpu::SplitKvSpec { fuse: true, ..s })
+        .collect();
+    let split: Vec<_> = split.into_iter().chain(fused).collect();
     let mut failures: Vec<String> = split
         .par_iter()
         .filter_map(

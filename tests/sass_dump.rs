@@ -107,6 +107,26 @@ fn dump_every_variant_cubin() {
         for spec in fa4::config::decode_gpu::heads_specs(target, smem) {
             jobs.push((file_name(&spec), Box::new(move || compile_uncached(&spec))));
         }
+        // Both kernels with the fused combine (`fuse`): new variants, for the next diff.
+        for spec in fa4::config::decode_gpu::all_specs(target, smem) {
+            let spec = fa4::config::decode_gpu::SplitKvSpec { fuse: true, ..spec };
+            jobs.push((file_name(&spec), Box::new(move || compile_uncached(&spec))));
+        }
+        for spec in fa4::config::decode_gpu::heads_specs(target, smem) {
+            let spec = fa4::config::decode_gpu::HeadsSpec { fuse: true, ..spec };
+            jobs.push((file_name(&spec), Box::new(move || compile_uncached(&spec))));
+        }
+        // The combine of the splits, each dtype and head dim.
+        for bf16 in [false, true] {
+            for head_dim in fa4::config::decode_gpu::HEAD_DIMS {
+                let spec = fa4::config::decode_gpu::CombineSpec {
+                    target,
+                    bf16,
+                    head_dim,
+                };
+                jobs.push((file_name(&spec), Box::new(move || compile_uncached(&spec))));
+            }
+        }
     }
     // FA4_SASS_DUMP_FILTER=a,b: only variants whose file name contains one of them;
     // FA4_SASS_DUMP_SKIP=a,b: not those whose name contains one of them (e.g. `longest-first`

@@ -3,7 +3,9 @@
 //! A child module of `plan`: it reads `--depth` from the plan's flags and adds the decode shape.
 //! The units are the GPU's SMs (`--sms`, default the H100/H200's 132); the tiles are the ones the
 //! GPU decode kernels are planned with ([`DecodeTiles::gpu`]). Then, per GPU (H200, A100), what a
-//! call runs with the default kernel variant (`auto`): the kernel, its split count and grid.
+//! call runs with the kernel variant `FA4_DECODE_VARIANT` names (`auto`, the default, when unset):
+//! the kernel (` fuse` when it merges its splits itself, `+ combine` when a combine launch
+//! follows), its split count and grid.
 
 use clap::Args;
 
@@ -142,6 +144,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         }
         e => e,
     })?;
+    let variant = fa4::config::decode_gpu::DecodeVariant::from_env()?;
     println!("{p}");
     println!(
         "  (the split planner's rule at the split kernel's largest row tile; a call with fewer \
@@ -151,21 +154,29 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     for (gpu, target) in [(fa4::arch::H200, "sm_90a"), (fa4::arch::A100, "sm_80")] {
         println!(
             "  {}",
-            gpu_line(shape, args.depth as usize, a.num_splits, &gpu, target)
+            gpu_line(
+                shape,
+                args.depth as usize,
+                a.num_splits,
+                variant,
+                &gpu,
+                target
+            )
         );
     }
     Ok(())
 }
 
-/// What a GPU call of `shape` runs with the default kernel variant (`FA4_DECODE_VARIANT=auto`,
-/// [`fa4::config::decode_gpu::plan`]): planned on a bf16 paged problem of that shape (pages of
-/// 16 keys; the page size does not change the plan), so it says which kernel and how many splits,
-/// which the rule above alone does not: `auto` may take the all-heads kernel and the split count
-/// that fills the most SMs in one wave.
+/// What a GPU call of `shape` runs with `variant` (`FA4_DECODE_VARIANT`, `auto` when unset,
+/// [`fa4::config::decode_gpu::plan_variant`]): planned on a bf16 paged problem of that shape
+/// (pages of 16 keys; the page size does not change the plan), so it says which kernel and how
+/// many splits, which the rule above alone does not: `auto` may take the all-heads kernel and the
+/// split count that fills the most SMs in one wave.
 fn gpu_line(
     shape: DecodeShape,
     head_dim: usize,
     num_splits: Option<usize>,
+    variant: fa4::config::decode_gpu::DecodeVariant,
     gpu: &fa4::arch::GpuArch,
     target: &'static str,
 ) -> String {
@@ -212,20 +223,24 @@ fn gpu_line(
             None,
             &fa4::Options::new(),
         )?;
-        decode_gpu::plan(
+        decode_gpu::plan_variant(
             &p,
             gpu.sm_count as usize,
             gpu.max_smem_per_block() as usize,
             target,
             num_splits,
+            variant,
         )
     };
     match planned() {
         Ok(g) => {
-            let kernel = match &g.heads {
+            let mut kernel = match &g.heads {
                 Some(h) => h.to_string(),
                 None => g.spec.to_string(),
             };
+            if g.decode.num_splits > 1 && !g.fused() {
+                kernel.push_str(" + combine");
+            }
             // A plan `auto` resolved to `plain` prints as `auto` (the unresolved default's
             // spelling): say which.
             let named = decode_gpu::DecodeVariant {

@@ -59,6 +59,9 @@ pub struct SplitKvSpec {
     pub window: bool,
     /// Softcap.
     pub softcap: bool,
+    /// The fused combine (`fuse`): the last split CTA of a row tile merges the splits, no
+    /// combine launch. Only planned with more than one split.
+    pub fuse: bool,
 }
 
 impl SplitKvSpec {
@@ -91,6 +94,7 @@ impl SplitKvSpec {
             .flag("HAS_WINDOW", self.window)
             .flag("HAS_SOFTCAP", self.softcap)
             .flag("LAZY_RESCALE", true)
+            .define("FUSE", u8::from(self.fuse))
             .define("FA4_SMEM_BYTES", self.smem_bytes())
             .finish()
     }
@@ -100,7 +104,7 @@ impl fmt::Display for SplitKvSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "decode splitkv {} {} d{} {}x{} {} stages{}{}",
+            "decode splitkv {} {} d{} {}x{} {} stages{}{}{}",
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
             self.head_dim,
@@ -108,7 +112,8 @@ impl fmt::Display for SplitKvSpec {
             self.block_n,
             self.stages,
             if self.window { " window" } else { "" },
-            if self.softcap { " softcap" } else { "" }
+            if self.softcap { " softcap" } else { "" },
+            if self.fuse { " fuse" } else { "" }
         )
     }
 }
@@ -194,13 +199,25 @@ pub struct GpuDecodePlan {
     pub spec: SplitKvSpec,
     /// Its grid: `(batch · heads_kv, row tiles, num_splits)`.
     pub grid: (u32, u32, u32),
-    /// The combine kernel (run when `num_splits > 1`).
+    /// The combine kernel (run when `num_splits > 1`, unless the split kernel fuses it:
+    /// [`GpuDecodePlan::fused`]).
     pub combine: CombineSpec,
     /// The variant planned ([`DecodeVariant`], `FA4_DECODE_VARIANT`).
     pub variant: DecodeVariant,
     /// The all-heads kernel when the variant asks for it: it runs instead of `spec`, with
     /// `grid` = `(batch · heads_kv / heads, row tiles, num_splits)`.
     pub heads: Option<HeadsSpec>,
+}
+
+impl GpuDecodePlan {
+    /// Whether the split kernel merges its splits itself (`fuse` with more than one split): then
+    /// no combine is launched, and the call needs the row tiles' arrival counters.
+    pub fn fused(&self) -> bool {
+        match &self.heads {
+            Some(h) => h.fuse,
+            None => self.spec.fuse,
+        }
+    }
 }
 
 /// Plans a validated paged problem for a GPU of `sm_count` SMs and `max_smem` bytes of shared
@@ -271,6 +288,12 @@ fn plan_variant_fixed(
             plan.decode.num_splits = s;
             plan.grid.2 = s as u32;
         }
+    }
+    // With one split the kernel writes O itself: the unfused kernel, no counters.
+    let fuse = variant.fuse && plan.decode.num_splits > 1;
+    plan.spec.fuse = fuse;
+    if let Some(h) = plan.heads.as_mut() {
+        h.fuse = fuse;
     }
     Ok(plan)
 }
@@ -417,6 +440,7 @@ fn plan_default(
         stages,
         window: p.options().get_mask().is_restrictive(),
         softcap: p.softcap().is_some(),
+        fuse: false,
     };
     Ok(GpuDecodePlan {
         grid: (x, y, decode.num_splits as u32),
@@ -454,6 +478,7 @@ pub fn all_specs(target: &'static str, max_smem: usize) -> Vec<SplitKvSpec> {
                             stages,
                             window,
                             softcap,
+                            fuse: false,
                         });
                     }
                 }
@@ -496,8 +521,11 @@ pub const MAX_HEADS_PER_CTA: usize = 8;
 /// - `best`: the split count that fills the most SMs in one wave (fewest splits among equals)
 ///   instead of the planner's fewest splits within 85% of the best efficiency over any number
 ///   of waves (its rule, shared with the CPU, is unchanged).
+/// - `fuse` (with either kernel): with more than one split, the last split CTA of each row tile
+///   to finish merges the splits (an arrival counter per row tile in the workspace), instead
+///   of a second launch of the combine kernel. Prepared for issue 15, not yet measured.
 ///
-/// Tokens join with `+`: `heads+bulk+best`.
+/// Tokens join with `+`: `heads+bulk+best`, `best+fuse`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct DecodeVariant {
     /// Chosen per problem (`auto`); in a plan, the variant `auto` chose, with this flag kept.
@@ -508,6 +536,8 @@ pub struct DecodeVariant {
     pub bulk: bool,
     /// The best wave efficiency's split count.
     pub best_splits: bool,
+    /// The combine fused into the split kernel.
+    pub fuse: bool,
 }
 
 impl Default for DecodeVariant {
@@ -527,6 +557,7 @@ impl DecodeVariant {
         heads: None,
         bulk: false,
         best_splits: false,
+        fuse: false,
     };
 
     /// Parses `FA4_DECODE_VARIANT`'s grammar (see the type's docs); errors name
@@ -545,6 +576,7 @@ impl DecodeVariant {
                 "heads" => v.heads = Some(MAX_HEADS_PER_CTA),
                 "bulk" => v.bulk = true,
                 "best" => v.best_splits = true,
+                "fuse" => v.fuse = true,
                 t if t.starts_with("heads") => {
                     let n = t["heads".len()..]
                         .parse::<usize>()
@@ -563,7 +595,7 @@ impl DecodeVariant {
                         VARIANT_ENV,
                         format!(
                             "unknown token `{other}` in `{text}` (expected `auto`, `plain` or \
-                             tokens heads, heads1..heads{MAX_HEADS_PER_CTA}, bulk, best joined by `+`)"
+                             tokens heads, heads1..heads{MAX_HEADS_PER_CTA}, bulk, best, fuse joined by `+`)"
                         ),
                     ))
                 }
@@ -612,6 +644,9 @@ impl fmt::Display for DecodeVariant {
         if self.best_splits {
             parts.push("best".into());
         }
+        if self.fuse {
+            parts.push("fuse".into());
+        }
         if parts.is_empty() {
             f.write_str("plain")
         } else {
@@ -643,6 +678,8 @@ pub struct HeadsSpec {
     pub window: bool,
     /// Softcap.
     pub softcap: bool,
+    /// The fused combine, as [`SplitKvSpec::fuse`].
+    pub fuse: bool,
 }
 
 /// Shared memory of the all-heads kernel: a Q tile per warp, the K/V ring with a 16-byte pad per
@@ -694,6 +731,7 @@ impl HeadsSpec {
             .int("M_TILES", self.m_tiles)
             .int("STAGES", self.stages)
             .define("BULK", u8::from(self.bulk))
+            .define("FUSE", u8::from(self.fuse))
             .flag("IS_BF16", self.bf16)
             .flag("HAS_WINDOW", self.window)
             .flag("HAS_SOFTCAP", self.softcap)
@@ -707,7 +745,7 @@ impl fmt::Display for HeadsSpec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "decode heads {} {} d{} {}x{} {} heads {} stages{}{}{}",
+            "decode heads {} {} d{} {}x{} {} heads {} stages{}{}{}{}",
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
             self.head_dim,
@@ -717,7 +755,8 @@ impl fmt::Display for HeadsSpec {
             self.stages,
             if self.bulk { " bulk" } else { "" },
             if self.window { " window" } else { "" },
-            if self.softcap { " softcap" } else { "" }
+            if self.softcap { " softcap" } else { "" },
+            if self.fuse { " fuse" } else { "" }
         )
     }
 }
@@ -826,6 +865,7 @@ fn plan_heads(
             bulk,
             window: spec.window,
             softcap: spec.softcap,
+            fuse: false,
         },
     ))
 }
@@ -876,6 +916,7 @@ pub fn heads_specs(target: &'static str, max_smem: usize) -> Vec<HeadsSpec> {
             bulk,
             window: masked,
             softcap: masked,
+            fuse: false,
         };
         if !out.contains(&spec) {
             out.push(spec);
@@ -916,6 +957,32 @@ mod variant_tests {
                     bulk: true,
                     best_splits: true,
                     auto: false,
+                    fuse: false,
+                },
+            ),
+            (
+                "heads+bulk+best+fuse",
+                DecodeVariant {
+                    heads: Some(8),
+                    bulk: true,
+                    best_splits: true,
+                    auto: false,
+                    fuse: true,
+                },
+            ),
+            (
+                "best+fuse",
+                DecodeVariant {
+                    best_splits: true,
+                    fuse: true,
+                    ..DecodeVariant::PLAIN
+                },
+            ),
+            (
+                "fuse",
+                DecodeVariant {
+                    fuse: true,
+                    ..DecodeVariant::PLAIN
                 },
             ),
             (
@@ -938,6 +1005,8 @@ mod variant_tests {
             "Heads",
             "default",
             "auto+best",
+            "auto+fuse",
+            "fused",
         ] {
             match DecodeVariant::parse(bad) {
                 Err(Error::InvalidArgument { name, .. }) => assert_eq!(name, VARIANT_ENV, "{bad}"),

@@ -29,6 +29,8 @@ pub const DECODE_PTX_SRC: &str = include_str!("../kernels/decode/ptx.cuh");
 pub const SPLITKV_SRC: &str = include_str!("../kernels/decode/splitkv.cu");
 /// The all-heads split-KV kernel (a [`DecodeVariant`]).
 pub const HEADS_SRC: &str = include_str!("../kernels/decode/heads.cu");
+/// The merge of a workspace row's splits (the combine kernel's, and the fused combine's).
+pub const MERGE_SRC: &str = include_str!("../kernels/decode/merge.cuh");
 /// The combine kernel.
 pub const COMBINE_SRC: &str = include_str!("../kernels/decode/combine.cu");
 /// The append kernel.
@@ -49,13 +51,15 @@ pub(crate) struct DecodeParams {
     pub max_pages: i32,
     pub num_splits: i32,
     pub pad1: i32,
+    pub counters: u64,
 }
 
 /// The header's `FA4_DECODE_PARAMS_SIZE`.
-pub const DECODE_PARAMS_SIZE: usize = 280;
+pub const DECODE_PARAMS_SIZE: usize = 288;
 const _: () = assert!(std::mem::size_of::<DecodeParams>() == DECODE_PARAMS_SIZE);
 const _: () = assert!(std::mem::offset_of!(DecodeParams, page_table) == 224);
 const _: () = assert!(std::mem::offset_of!(DecodeParams, page_size) == 264);
+const _: () = assert!(std::mem::offset_of!(DecodeParams, counters) == 280);
 // SAFETY: #[repr(C)] plain integers and floats, laid out like the header (size asserted on both
 // sides).
 unsafe impl DeviceRepr for DecodeParams {}
@@ -92,13 +96,17 @@ impl KernelSource for SplitKvSpec {
         SplitKvSpec::prelude(self)
     }
     fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>> {
-        vec![
+        let mut v: Vec<std::borrow::Cow<'static, str>> = vec![
             SM80_PTX_SRC.into(),
             SM80_TILE_OPS_SRC.into(),
             DECODE_PTX_SRC.into(),
             DECODE_PARAMS_SRC.into(),
-            SPLITKV_SRC.into(),
-        ]
+        ];
+        if self.fuse {
+            v.push(MERGE_SRC.into());
+        }
+        v.push(SPLITKV_SRC.into());
+        v
     }
     fn entry(&self) -> &'static str {
         SplitKvSpec::entry(self)
@@ -125,6 +133,9 @@ impl KernelSource for HeadsSpec {
         if self.bulk {
             v.push(super::compile::MBARRIER_SRC.into());
         }
+        if self.fuse {
+            v.push(MERGE_SRC.into());
+        }
         v.push(HEADS_SRC.into());
         v
     }
@@ -144,7 +155,11 @@ impl KernelSource for CombineSpec {
         CombineSpec::prelude(self)
     }
     fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>> {
-        vec![DECODE_PARAMS_SRC.into(), COMBINE_SRC.into()]
+        vec![
+            DECODE_PARAMS_SRC.into(),
+            MERGE_SRC.into(),
+            COMBINE_SRC.into(),
+        ]
     }
     /// The base types and the params only: the mask and softmax headers want constants of
     /// the split kernel's prelude that a combine has no use for.
@@ -154,6 +169,7 @@ impl KernelSource for CombineSpec {
             COMMON_SRCS[0],
             PARAMS_SRC,
             DECODE_PARAMS_SRC,
+            MERGE_SRC,
             COMBINE_SRC,
         ]
         .join("\n")
@@ -188,7 +204,8 @@ impl KernelSource for AppendSpec {
 }
 
 /// A validated page table and lengths on the device, and the split workspace (grown on
-/// demand). Made for one [`PagedCache`] by [`CudaBackend::paged_tables`]; a call with a problem
+/// demand; with the fused combine also one arrival counter per row tile, zeroed when allocated
+/// and left at zero by every call). Made for one [`PagedCache`] by [`CudaBackend::paged_tables`]; a call with a problem
 /// over another cache (other table, lengths or query offsets) is an error naming `page_table`,
 /// so the kernels only ever read a table that was validated against the cache's pages.
 pub struct PagedTables {
@@ -200,6 +217,7 @@ pub struct PagedTables {
     d_cu_q: Option<CudaSlice<i32>>,
     o_part: Option<CudaSlice<f32>>,
     lse_part: Option<CudaSlice<f32>>,
+    counters: Option<CudaSlice<i32>>,
 }
 
 impl PagedTables {
@@ -301,6 +319,7 @@ impl CudaBackend {
             cu_q: cu,
             o_part: None,
             lse_part: None,
+            counters: None,
         })
     }
 
@@ -351,6 +370,15 @@ impl CudaBackend {
                 tables.lse_part = Some(self.alloc::<f32>(want_l)?);
             }
         }
+        // The fused combine's arrival counters, one per CTA row tile (grid x · y), zeroed here
+        // once: every fused call leaves them at zero (the last CTA of a tile resets its own).
+        let fused = plan.fused();
+        if fused {
+            let want_c = gx as usize * gy as usize;
+            if tables.counters.as_ref().is_none_or(|b| b.len() < want_c) {
+                tables.counters = Some(self.upload_i32(&vec![0; want_c])?);
+            }
+        }
         let stream = self.stream();
         let (q_ptr, _q_sync) = q.device_ptr(stream);
         let (k_ptr, _k_sync) = k_cache.device_ptr(stream);
@@ -399,6 +427,13 @@ impl CudaBackend {
             }
             None => (0, None),
         };
+        let (counters_ptr, _c_sync) = match tables.counters.as_mut().filter(|_| fused) {
+            Some(b) => {
+                let (ptr, sync) = b.device_ptr_mut(stream);
+                (ptr, Some(sync))
+            }
+            None => (0, None),
+        };
         let c = p.cache();
         let params = DecodeParams {
             p: fwd_params(p, [q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_ptr]),
@@ -413,9 +448,10 @@ impl CudaBackend {
                 .map_err(|_| Error::invalid("page_table", "max_pages_per_seq exceeds int32"))?,
             num_splits: splits as i32,
             pad1: 0,
+            counters: counters_ptr,
         };
         self.launch(&plan, &params)?;
-        if splits > 1 {
+        if splits > 1 && !fused {
             self.launch(&Combine::new(&plan, part_rows)?, &params)?;
         }
         Ok(plan.decode)

@@ -23,6 +23,12 @@ use crate::error::{Error, Result};
 // copies (one span of heads · head_dim elements per key) are planned only where the cache's
 // head stride is head_dim, so the span is exactly those heads. Table entries are read for keys
 // below the length only, as above.
+//
+// With the fused combine (`fuse`, planned only with more than one split) each CTA also adds one
+// to counter blockIdx.x · grid.y + blockIdx.y of `counters`, which `forward_paged_device`
+// allocates with grid.x · grid.y zeroed entries for such a plan; the last of a tile's num_splits
+// CTAs reads the workspace rows the others wrote (the combine's reads, below) and writes O and
+// LSE of the tile's rows once, then sets the counter back to 0.
 unsafe impl Launchable for GpuDecodePlan {
     fn launch(&self) -> Launch<'_> {
         match &self.heads {

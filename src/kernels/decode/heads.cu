@@ -6,9 +6,10 @@
 //
 // Self-contained (no CUDA headers). The planner (`config::decode_gpu::HeadsSpec`) prepends a
 // prelude defining HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS (= KV heads per CTA), M_TILES, STAGES,
-// BULK, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, LAZY_RESCALE and FA4_SMEM_BYTES; then come the shared
-// layer (`../common/{base,params,mask,softmax}.cuh`), `../sm80/{ptx,tile_ops}.cuh`, `ptx.cuh`,
-// `params.cuh`, `../common/mbarrier.cuh` (BULK only), this file.
+// BULK, FUSE, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, LAZY_RESCALE and FA4_SMEM_BYTES; then come the
+// shared layer (`../common/{base,params,mask,softmax}.cuh`), `../sm80/{ptx,tile_ops}.cuh`,
+// `ptx.cuh`, `params.cuh`, `../common/mbarrier.cuh` (BULK only), `merge.cuh` (FUSE only), this
+// file.
 //
 // Why: the default kernel gives each CTA one KV head, so of every cache row
 // ([pages, page_size, heads_kv, d]: heads_kv · d contiguous elements per key) it reads one
@@ -33,8 +34,8 @@
 // waits on that barrier's phase; rows past the keys are zeroed by generic stores before the
 // arrive (the tail block only), ordered before later bulk writes by a proxy fence.
 //
-// Non-finite V, masks, softcap, splits and the outputs: as `splitkv.cu` (the same formulas per
-// warp). A masked block whose V rows (of this warp's head) hold a non-finite value runs its
+// Non-finite V, masks, softcap, splits, the fused combine (FUSE) and the outputs: as
+// `splitkv.cu` (the same formulas per warp). A masked block whose V rows (of this warp's head) hold a non-finite value runs its
 // P·V as scalar FMAs that skip P = 0, with P staged in the warp's own K rows of the stage.
 
 constexpr int HEADS = NUM_WARPS;                   // KV heads per CTA, one per warp
@@ -449,4 +450,14 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
             if (t == 0) d.lse_part[split * d.part_rows + o.part_row] = lse;
         }
     }
+#if FUSE
+    // The fused combine (merge.cuh): the tile's last split CTA merges its rows, each warp its
+    // KV head's.
+    if (!direct && fused_combine_arrive(d)) {
+        for (int row = 0; row < valid_m; ++row) {
+            const int pr = m0 + row;
+            merge_split_row(d, out_row(p, s, b, pr / p.group, kv_head * p.group + pr % p.group).part_row, lane);
+        }
+    }
+#endif
 }

@@ -1,6 +1,6 @@
 // Launch parameters of the decode kernels (split-KV attention over a paged cache, and the combine
 // of its splits): the forward's FwdParams for Q, O, LSE, the mask and the scale, plus the page
-// table and the split workspace. Mirrored by `cuda::params::DecodeParams` (Rust, #[repr(C)]);
+// table and the split workspace (and the fused combine's arrival counters). Mirrored by `cuda::params::DecodeParams` (Rust, #[repr(C)]);
 // both sides assert the size; also the paged sequence bounds and output rows the split kernels
 // share. Needs `../common/params.cuh`.
 //
@@ -19,9 +19,10 @@ struct DecodeParams {
     int max_pages;
     int num_splits;             // 1: the split kernel writes O and LSE directly
     int pad1;
+    unsigned int* counters;     // FUSE: [grid.x · grid.y] arrivals per row tile, 0 between launches
 };
 
-#define FA4_DECODE_PARAMS_SIZE 280
+#define FA4_DECODE_PARAMS_SIZE 288
 static_assert(sizeof(DecodeParams) == FA4_DECODE_PARAMS_SIZE, "DecodeParams layout must match the Rust mirror");
 
 // Where packed query row `i` (of sequence b's own rows) of head `head` lands: the batch index and

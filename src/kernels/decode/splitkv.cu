@@ -3,9 +3,9 @@
 //
 // Self-contained (no CUDA headers). The planner (`config::decode_gpu`) prepends a prelude
 // defining HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS, M_TILES, STAGES, IS_BF16, HAS_WINDOW,
-// HAS_SOFTCAP, LAZY_RESCALE and FA4_SMEM_BYTES; then come the shared layer
+// HAS_SOFTCAP, LAZY_RESCALE, FUSE and FA4_SMEM_BYTES; then come the shared layer
 // (`../common/{base,params,mask,softmax}.cuh`), `../sm80/{ptx,tile_ops}.cuh`, `ptx.cuh`,
-// `params.cuh`, this file.
+// `params.cuh`, `merge.cuh` (FUSE only), this file.
 //
 // Work split: one CTA per (sequence · KV head, tile of BLOCK_M packed rows, split). GQA packing:
 // packed row r of a (sequence, KV head) is query row r / group of query head
@@ -23,7 +23,8 @@
 //
 // The CTA's split of the keys is whole key blocks: with one split it writes O (16-bit) and LSE;
 // with more it writes its normalised partial O (f32) and LSE to the workspace, and
-// `fa4_decode_combine` merges the splits.
+// `fa4_decode_combine` merges the splits; with FUSE (the `fuse` variant) the tile's last split
+// CTA to finish merges them instead (`merge.cuh`), and there is no second launch.
 
 constexpr int NUM_THREADS = NUM_WARPS * 32;
 constexpr int KEYS_W = BLOCK_N / NUM_WARPS;       // keys of a block each warp owns
@@ -409,4 +410,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_splitkv(
             if (c == 0) d.lse_part[split * d.part_rows + o.part_row] = sLse[row];
         }
     }
+#if FUSE
+    // The fused combine (merge.cuh): the tile's last split CTA merges its rows, a warp per row.
+    if (!direct && fused_combine_arrive(d)) {
+        for (int row = warp; row < valid_m; row += NUM_WARPS) {
+            const int pr = m0 + row;
+            merge_split_row(d, out_row(p, s, b, pr / p.group, kv_head * p.group + pr % p.group).part_row, lane);
+        }
+    }
+#endif
 }

@@ -10,7 +10,7 @@
 # of that call is profiled, whatever PyTorch launches for it. Both with --cache-control all (L2
 # flushed before each kernel: the reads come from DRAM, as with the rotated caches of the
 # timing) and --clock-control none (the clocks the timings ran at). DP_SHAPES="B:K ..." picks
-# shapes. Writes under $OUT: decode-profile.txt (one line per kernel) and decode-profile.tar.gz
+# shapes, DP_VARIANTS="auto best ..." fa4's variants, DP_PEER=0 skips cuDNN. Writes under $OUT: decode-profile.txt (one line per kernel) and decode-profile.tar.gz
 # (each profile's details page as text and the .ncu-rep reports).
 set -uo pipefail
 D=${1:?usage: decode_profile.sh DIR}
@@ -61,14 +61,20 @@ def g(r, name):
         return r[h.index(name)]
     except ValueError:
         return "?"
+u = rows[1]  # the units row
+SCALE = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6,
+         "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "Tbyte": 1e12}
 def num(x):
     try:
         return float(x.replace(",", ""))
     except ValueError:
         return float("nan")
+def scaled(r, name):
+    i = h.index(name) if name in h else None
+    return float("nan") if i is None else num(r[i]) * SCALE.get(u[i], float("nan"))
 for r in rows[2:]:
-    dur = num(g(r, "gpu__time_duration.sum"))   # ns
-    rd = num(g(r, "dram__bytes_read.sum"))        # bytes
+    dur = scaled(r, "gpu__time_duration.sum") * 1e3  # ns
+    rd = scaled(r, "dram__bytes_read.sum")            # bytes
     name = g(r, "Kernel Name")[:48]
     print(lib, b, sk, name, f"{dur/1e3:.2f}", f"{rd/1e6:.1f}", f"{rd/dur/1e3:.2f}",
           g(r, "dram__throughput.avg.pct_of_peak_sustained_elapsed"), g(r, "launch__grid_size"),
@@ -78,14 +84,17 @@ for r in rows[2:]:
 }
 for s in ${DP_SHAPES:-1:32768 8:8192 8:32768}; do
     b=${s%%:*} sk=${s##*:}
-    left=$((deadline - SECONDS))
-    [ "$left" -lt 15 ] && { echo "skipped $s: budget spent" >> "$summ"; continue; }
-    rep=$work/fa4-$b-$sk
-    echo "16 1 $b $sk 0 random auto" | timeout -k 5 $((left < 60 ? left : 60)) "$ncu" "${common[@]}" \
-        --kernel-name regex:'fa4_decode_(heads|splitkv|combine)' --launch-skip 2 --launch-count 4 \
-        -f -o "$rep" "$D/decode_bench" --serve > "$rep.log" 2>&1
-    [ -f "$rep.ncu-rep" ] && row fa4 "$b" "$sk" "$rep.ncu-rep" && "$ncu" --import "$rep.ncu-rep" --page details > "$rep.txt" 2>&1
-    [ -f "$rep.ncu-rep" ] || echo "fa4 $b $sk: no report ($(tail -1 "$rep.log"))" >> "$summ"
+    for v in ${DP_VARIANTS:-auto}; do
+        left=$((deadline - SECONDS))
+        [ "$left" -lt 15 ] && { echo "skipped $v $s: budget spent" >> "$summ"; continue; }
+        rep=$work/fa4-$v-$b-$sk
+        echo "16 1 $b $sk 0 random $v" | timeout -k 5 $((left < 60 ? left : 60)) "$ncu" "${common[@]}" \
+            --kernel-name regex:'fa4_decode_(heads|splitkv|combine)' --launch-skip 2 --launch-count 4 \
+            -f -o "$rep" "$D/decode_bench" --serve > "$rep.log" 2>&1
+        [ -f "$rep.ncu-rep" ] && row "fa4:$v" "$b" "$sk" "$rep.ncu-rep" && "$ncu" --import "$rep.ncu-rep" --page details > "$rep.txt" 2>&1
+        [ -f "$rep.ncu-rep" ] || echo "fa4 $v $b $sk: no report ($(tail -1 "$rep.log"))" >> "$summ"
+    done
+    [ "${DP_PEER:-1}" = 0 ] && continue
     left=$((deadline - SECONDS))
     [ "$left" -lt 15 ] && { echo "skipped cudnn $s: budget spent" >> "$summ"; continue; }
     rep=$work/cudnn-$b-$sk

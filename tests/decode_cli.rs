@@ -453,6 +453,44 @@ fn plan_decode_names_the_kernel_auto_runs() {
         "{h200}"
     );
 
+    // Over pages of 256 keys `auto` keeps the split kernel at 8 sequences too; a page size of
+    // 0 is refused, and --page-size needs --decode.
+    let (code, out, err) = fa4(&[
+        "plan",
+        "--decode",
+        "--depth",
+        "128",
+        "--batch",
+        "8",
+        "--seqlen-k",
+        "8192",
+        "--page-size",
+        "256",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let h200 = line(&out, "H200");
+    assert!(
+        h200.contains("pages of 256 keys")
+            && h200.contains("auto (best)")
+            && h200.contains("decode splitkv sm_90a"),
+        "{h200}"
+    );
+    let (code, _, err) = fa4(&[
+        "plan",
+        "--decode",
+        "--depth",
+        "128",
+        "--seqlen-k",
+        "64",
+        "--page-size",
+        "0",
+    ]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--page-size"), "{err}");
+    let (code, _, err) = fa4(&["plan", "--depth", "128", "--page-size", "64"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("--page-size"), "{err}");
+
     let (code, out, _) = fa4(&["plan", "--decode", "--depth", "96", "--seqlen-k", "100"]);
     assert_eq!(code, 0);
     assert!(

@@ -20,7 +20,16 @@ use rayon::prelude::*;
 /// The decode layout (32 query / 8 KV heads, d128, bf16) at `batch` × `keys` in pages
 /// of 16, seqlen_q 1; `k_strides` overrides the cache's strides.
 fn problem(batch: usize, keys: usize, k_strides: Option<&[usize]>) -> PagedProblem {
-    let page = 16;
+    problem_paged(batch, keys, 16, k_strides)
+}
+
+/// [`problem`] over pages of `page` keys.
+fn problem_paged(
+    batch: usize,
+    keys: usize,
+    page: usize,
+    k_strides: Option<&[usize]>,
+) -> PagedProblem {
     let per_seq = keys.div_ceil(page);
     let num_pages = batch * per_seq;
     let table: Vec<i32> = (0..num_pages as i32).rev().collect();
@@ -83,6 +92,21 @@ fn auto_is_the_default_and_picks_by_the_number_of_head_groups() {
         // `plain` is the split kernel with the planner's own count.
         let plain = h200(&p, "plain", None);
         assert!(plain.heads.is_none() && !plain.variant.auto && !plain.variant.best_splits);
+    }
+    // Pages of 64 keys and more keep the split kernel at every batch (AUTO_HEADS_MAX_PAGE); 32
+    // still takes the all-heads kernel; pages of 1 key take it for one sequence too.
+    for (b, page, named) in [
+        (8, 32, "heads+bulk+best"),
+        (8, 64, "best"),
+        (8, 256, "best"),
+        (1, 1, "heads+bulk+best"),
+        (1, 16, "best"),
+    ] {
+        let p = problem_paged(b, 8192, page, None);
+        let auto = h200(&p, "auto", None);
+        let mut want = h200(&p, named, None);
+        want.variant.auto = true;
+        assert_eq!(auto, want, "({b} sequences) page {page} should run {named}");
     }
     let p = problem(8, 8192, None);
     let forced = h200(&p, "auto", Some(3));

@@ -42,6 +42,9 @@ pub struct DecodePlanArgs {
     /// Streaming multiprocessors to fill [default: 132, the H100/H200].
     #[arg(long, allow_negative_numbers = true, help_heading = "Decode")]
     sms: Option<usize>,
+    /// Keys per page of the cache, for the per-GPU lines (`auto` picks its kernel by it) [default: 16].
+    #[arg(long, allow_negative_numbers = true, help_heading = "Decode")]
+    page_size: Option<usize>,
 }
 
 impl DecodePlanArgs {
@@ -57,6 +60,7 @@ impl DecodePlanArgs {
                 ("--heads-kv", self.heads_kv.is_some()),
                 ("--num-splits", self.num_splits.is_some()),
                 ("--sms", self.sms.is_some()),
+                ("--page-size", self.page_size.is_some()),
             ],
         )
     }
@@ -78,11 +82,12 @@ impl DecodePlanArgs {
         }
     }
 
-    /// The first flag given that only a decode plan uses (`--num-splits`, `--sms`).
+    /// The first flag given that only a decode plan uses (`--num-splits`, `--sms`, `--page-size`).
     pub fn split_flag(&self) -> Option<&'static str> {
         [
             ("--num-splits", self.num_splits.is_some()),
             ("--sms", self.sms.is_some()),
+            ("--page-size", self.page_size.is_some()),
         ]
         .into_iter()
         .find(|&(_, given)| given)
@@ -126,6 +131,10 @@ pub fn run(args: &PlanArgs) -> Result<()> {
     if sms == 0 {
         return Err(Error::invalid("--sms", "must be at least 1"));
     }
+    let page_size = a.page_size.unwrap_or(16);
+    if page_size == 0 {
+        return Err(Error::invalid("--page-size", "must be at least 1"));
+    }
     let p = plan(
         shape,
         DecodeTiles::gpu(args.depth as usize),
@@ -157,6 +166,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             gpu_line(
                 shape,
                 args.depth as usize,
+                page_size,
                 a.num_splits,
                 variant,
                 &gpu,
@@ -169,12 +179,13 @@ pub fn run(args: &PlanArgs) -> Result<()> {
 
 /// What a GPU call of `shape` runs with `variant` (`FA4_DECODE_VARIANT`, `auto` when unset,
 /// [`fa4::config::decode_gpu::plan_variant`]): planned on a bf16 paged problem of that shape
-/// (pages of 16 keys; the page size does not change the plan), so it says which kernel and how
-/// many splits, which the rule above alone does not: `auto` may take the all-heads kernel and the
-/// split count that fills the most SMs in one wave.
+/// over pages of `page` keys (`auto` takes the all-heads kernel only over small pages), so it
+/// says which kernel and how many splits, which the rule above alone does not: `auto` may take
+/// the all-heads kernel and the split count that fills the most SMs in one wave.
 fn gpu_line(
     shape: DecodeShape,
     head_dim: usize,
+    page: usize,
     num_splits: Option<usize>,
     variant: fa4::config::decode_gpu::DecodeVariant,
     gpu: &fa4::arch::GpuArch,
@@ -184,10 +195,9 @@ fn gpu_line(
     use fa4::paged::{PagedCache, PagedProblem};
     use fa4::tensor::Layout;
     let planned = || -> Result<decode_gpu::GpuDecodePlan> {
-        const PAGE: usize = 16;
         // The stand-in page table is built on the host: far past any real cache, say so instead.
         const MAX_PAGES: usize = 1 << 22;
-        let per_seq = shape.seqlen_k.div_ceil(PAGE).max(1);
+        let per_seq = shape.seqlen_k.div_ceil(page).max(1);
         let pages = shape
             .batch
             .checked_mul(per_seq)
@@ -195,7 +205,7 @@ fn gpu_line(
             .ok_or_else(|| {
                 Error::invalid(
                     "--seqlen-k",
-                    format!("not planned here: more than {MAX_PAGES} pages of {PAGE} keys"),
+                    format!("not planned here: more than {MAX_PAGES} pages of {page} keys"),
                 )
             })?;
         let table: Vec<i32> = (0..pages)
@@ -203,7 +213,7 @@ fn gpu_line(
                 i32::try_from(i).map_err(|_| Error::invalid("--seqlen-k", "too many pages to plan"))
             })
             .collect::<Result<_>>()?;
-        let kl = Layout::new("k_cache", &[pages, PAGE, shape.heads_kv, head_dim], None)?;
+        let kl = Layout::new("k_cache", &[pages, page, shape.heads_kv, head_dim], None)?;
         let lens = vec![
             i32::try_from(shape.seqlen_k)
                 .map_err(|_| Error::invalid("--seqlen-k", "exceeds int32"))?;
@@ -253,7 +263,7 @@ fn gpu_line(
                 g.variant.to_string()
             };
             format!(
-                "{} ({target}), FA4_DECODE_VARIANT={}: {kernel}, {} split{}, grid {}x{}x{}",
+                "{} ({target}), pages of {page} keys, FA4_DECODE_VARIANT={}: {kernel}, {} split{}, grid {}x{}x{}",
                 gpu.name,
                 variant,
                 g.decode.num_splits,

@@ -305,9 +305,23 @@ fn plan_variant_fixed(
 /// led, 3.4–4.2 TB/s against 2.6–2.9).
 pub const AUTO_MIN_HEAD_GROUPS: usize = 4;
 
+/// Pages of at least this many keys keep the split kernel under `auto` whatever the batch: on
+/// the H200 (tenth session, after the split kernel's gather lost its division) `best` matched or
+/// beat `heads+bulk+best` at pages of 64 (−2 to +5%) and 256 (−2 to +7%), while the all-heads
+/// kernel still led at pages of 16 (5–11%) and 1 (2×).
+pub const AUTO_HEADS_MAX_PAGE: usize = 32;
+
+/// Pages of fewer keys than this take the all-heads kernel under `auto` even below
+/// [`AUTO_MIN_HEAD_GROUPS`]: a key row of one head is then a short scattered read for the split
+/// kernel, where the all-heads kernel reads the row of all the group's heads at once (H200, tenth
+/// session, pages of 1 key, one sequence of 32k keys: `heads+bulk+best` 58 µs, `best` 83 µs; only
+/// page size 1 was measured below 16).
+pub const AUTO_HEADS_SMALL_PAGE: usize = 16;
+
 /// `auto`: on sm_90 and later, for a problem of one row tile per (sequence, KV head) (decode and
-/// speculative decode) and at least [`AUTO_MIN_HEAD_GROUPS`] sequences × KV-head groups, the
-/// all-heads kernel with bulk copies and the best single-wave split count (`heads+bulk+best`);
+/// speculative decode), at least [`AUTO_MIN_HEAD_GROUPS`] sequences × KV-head groups (or pages of
+/// fewer than [`AUTO_HEADS_SMALL_PAGE`] keys) and pages of at most [`AUTO_HEADS_MAX_PAGE`] keys,
+/// the all-heads kernel with bulk copies and the best single-wave split count (`heads+bulk+best`);
 /// otherwise the split kernel with the best single-wave split count (`best`). Before sm_90,
 /// `plain` (the split kernel with the planner's count: the variants were measured on an H200
 /// only, and there `best` differs from `plain` only where one wave holds more splits). The
@@ -322,7 +336,11 @@ fn plan_auto(
     let heads_kv = p.cache().heads_kv();
     let groups = p.decode_shape().batch * heads_kv.div_ceil(MAX_HEADS_PER_CTA.min(heads_kv).max(1));
     let hopper = sm_version(base.spec.target) >= 90;
-    let wide = hopper && base.grid.1 == 1 && groups >= AUTO_MIN_HEAD_GROUPS;
+    let page = p.cache().page_size();
+    let wide = hopper
+        && base.grid.1 == 1
+        && (groups >= AUTO_MIN_HEAD_GROUPS || page < AUTO_HEADS_SMALL_PAGE)
+        && page <= AUTO_HEADS_MAX_PAGE;
     let pick =
         |v: DecodeVariant| plan_variant_fixed(p, base.clone(), sm_count, max_smem, num_splits, v);
     let best = DecodeVariant {
@@ -506,8 +524,9 @@ pub const MAX_HEADS_PER_CTA: usize = 8;
 /// binary times them all:
 ///
 /// - `auto` (the default, and what an unset or empty `FA4_DECODE_VARIANT` means): chosen per
-///   problem from the H200 measurements in `docs/perf.md`, see [`AUTO_MIN_HEAD_GROUPS`]:
-///   `heads+bulk+best` for decode batches on sm_90 and later, `best` for the rest there, and
+///   problem from the H200 measurements in `docs/perf.md`, see [`AUTO_MIN_HEAD_GROUPS`] and
+///   [`AUTO_HEADS_MAX_PAGE`]: `heads+bulk+best` for decode batches over pages of up to 32 keys
+///   on sm_90 and later, `best` for the rest there, and
 ///   `plain` before sm_90 (not measured there).
 /// - `plain`: the split kernel (`kernels/decode/splitkv.cu`) with the planner's split count
 ///   (the default before `auto`).

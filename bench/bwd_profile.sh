@@ -52,14 +52,16 @@ lib = sys.argv[1]
 rows = list(csv.reader(sys.stdin))
 if len(rows) < 3:
     print(lib, "no kernels profiled"); sys.exit()
-h = rows[0]
+h, u = rows[0], rows[1]  # names, units
+US = {"nsecond": 1e-3, "usecond": 1.0, "msecond": 1e3, "second": 1e6, "ns": 1e-3, "us": 1.0, "ms": 1e3, "s": 1e6}
 def g(r, n):
     return r[h.index(n)] if n in h else "?"
 def num(x):
     try: return float(x.replace(",", ""))
     except ValueError: return float("nan")
 for r in rows[2:]:
-    dur = num(g(r, "gpu__time_duration.sum")) / 1e3
+    i = h.index("gpu__time_duration.sum") if "gpu__time_duration.sum" in h else None
+    dur = float("nan") if i is None else num(r[i]) * US.get(u[i], float("nan"))  # µs
     wf = num(g(r, "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum")) / 1e6
     bc = num(g(r, "l1tex__data_bank_conflicts_pipe_lsu_mem_shared.sum")) / 1e6
     print(lib, g(r, "Kernel Name")[:40].replace(" ", "_"), "%.1f" % dur,

@@ -105,7 +105,11 @@ fn sm90_ptxas_problems(spec: &fa4::config::sm90::KernelSpec) -> Option<String> {
             // counts on (less, and setmaxnreg.inc would wait forever).
             let want = format!("Used {} registers", spec.tiles.launch_regs(&H200));
             if !log.contains(&want) {
-                bad.push(format!("expected `{want}` in the ptxas report"));
+                let used: Vec<&str> = log.lines().filter(|l| l.contains("Used ")).collect();
+                bad.push(format!(
+                    "expected `{want}` in the ptxas report, which says: {}",
+                    used.join(" | ")
+                ));
             }
             (!bad.is_empty()).then(|| format!("{spec}:\n  {}", bad.join("\n  ")))
         }

@@ -122,6 +122,9 @@ impl KernelSource for Spec {
     fn smem_bytes(&self) -> usize {
         Spec::smem_bytes(self)
     }
+    fn setmaxnreg_launch_regs(&self) -> Option<u32> {
+        Some(self.tiles.registers().div_ceil(self.tiles.threads()) as u32)
+    }
 }
 
 /// The main kernel of a Hopper plan.
@@ -226,5 +229,29 @@ mod tests {
         assert_eq!(BwdChoice::of(KernelChoice::Sm80), BwdChoice::Sm80);
         assert_eq!(BwdChoice::of(KernelChoice::Sm90), BwdChoice::Sm90);
         assert_eq!(BwdChoice::of(KernelChoice::Auto), BwdChoice::Auto);
+    }
+
+    /// The registers a warp-specialised kernel must be launched with, which loading checks
+    /// against ptxas's count: the planned Hopper kernels take the whole launch-bounds share of
+    /// an H200 (168 per thread at 384 threads).
+    #[test]
+    fn planned_hopper_kernels_need_their_whole_launch_share() {
+        use crate::arch::H200;
+        for spec in crate::config::sm90::all_specs(&H200, "sm_90a") {
+            let need = spec.setmaxnreg_launch_regs().unwrap();
+            assert_eq!(need, spec.tiles.launch_regs(&H200), "{spec}");
+        }
+        for head_dim in crate::config::bwd_sm90::HEAD_DIMS {
+            let spec = Spec {
+                target: "sm_90a",
+                bf16: true,
+                head_dim,
+                window: true,
+                softcap: false,
+                tiles: crate::config::bwd_sm90::tiles(head_dim),
+            };
+            let want = Some(crate::config::bwd_sm90::LAUNCH_REGS);
+            assert_eq!(spec.setmaxnreg_launch_regs(), want, "{spec}");
+        }
     }
 }

@@ -76,6 +76,13 @@ pub trait KernelSource: std::fmt::Debug + std::fmt::Display {
     fn entry(&self) -> &'static str;
     /// Dynamic shared memory of a launch.
     fn smem_bytes(&self) -> usize;
+    /// Registers per thread that the kernel's `setmaxnreg` split needs the CTA to be launched
+    /// with (warp-specialised kernels: with fewer, a warpgroup's `setmaxnreg.inc` waits
+    /// forever); `None` for kernels without `setmaxnreg`. Checked against what ptxas gave when
+    /// the kernel is loaded ([`crate::cuda::CudaBackend::kernel`]).
+    fn setmaxnreg_launch_regs(&self) -> Option<u32> {
+        None
+    }
 }
 
 impl KernelSource for sm80::KernelSpec {
@@ -123,6 +130,11 @@ impl KernelSource for sm90::KernelSpec {
     }
     fn smem_bytes(&self) -> usize {
         sm90::KernelSpec::smem_bytes(self)
+    }
+    fn setmaxnreg_launch_regs(&self) -> Option<u32> {
+        let t = &self.tiles;
+        let cta = 128 * (t.producer_regs as usize + t.consumer_wgs * t.consumer_regs as usize);
+        Some(cta.div_ceil(t.threads()) as u32)
     }
 }
 

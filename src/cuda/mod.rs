@@ -437,6 +437,24 @@ impl CudaBackend {
         let f = module
             .load_function(spec.entry())
             .map_err(|e| Error::cuda("cuModuleGetFunction", e))?;
+        if let Some(need) = spec.setmaxnreg_launch_regs() {
+            // A compiler that gives a warp-specialised kernel fewer registers than its launch
+            // bounds would make it hang: refuse it here instead.
+            let got = f
+                .num_regs()
+                .map_err(|e| Error::cuda("cuFuncGetAttribute(NUM_REGS)", e))?;
+            if (got.max(0) as u32) < need {
+                return Err(Error::invalid(
+                    "kernel",
+                    format!(
+                        "this NVRTC's ptxas gave {spec} {got} registers per thread, fewer than the \
+                         {need} its warpgroups' setmaxnreg split needs (the kernel would wait \
+                         forever); run the Ampere-class kernel (--kernel sm80 / FA4_KERNEL=sm80, \
+                         FA4_BWD_KERNEL=sm80) or use NVRTC 13.0.88"
+                    ),
+                ));
+            }
+        }
         f.set_attribute(
             CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             spec.smem_bytes() as i32,

@@ -506,7 +506,7 @@ pub fn all_specs(target: &'static str, max_smem: usize) -> Vec<SplitKvSpec> {
     out
 }
 
-// ---- Variants (issue 15's next device session: prepared, not measured) ----
+// ---- Variants (measured on the H200: docs/perf.md, eighth to tenth sessions) ----
 
 /// The environment variable that picks a [`DecodeVariant`] at run time (read by
 /// `CudaBackend::plan_paged` and `CudaBackend::paged_tables`).
@@ -542,7 +542,8 @@ pub const MAX_HEADS_PER_CTA: usize = 8;
 ///   of waves (its rule, shared with the CPU, is unchanged).
 /// - `fuse` (with either kernel): with more than one split, the last split CTA of each row tile
 ///   to finish merges the splits (an arrival counter per row tile in the workspace), instead
-///   of a second launch of the combine kernel. Prepared for issue 15, not yet measured.
+///   of a second launch of the combine kernel. Measured on the H200 (tenth session): a tie
+///   with the split kernel, 4–12% slower with the all-heads kernel, so `auto` does not take it.
 ///
 /// Tokens join with `+`: `heads+bulk+best`, `best+fuse`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -132,9 +132,7 @@ impl KernelSource for sm90::KernelSpec {
         sm90::KernelSpec::smem_bytes(self)
     }
     fn setmaxnreg_launch_regs(&self) -> Option<u32> {
-        let t = &self.tiles;
-        let cta = 128 * (t.producer_regs as usize + t.consumer_wgs * t.consumer_regs as usize);
-        Some(cta.div_ceil(t.threads()) as u32)
+        Some(self.tiles.registers().div_ceil(self.tiles.threads() as u32))
     }
 }
 

@@ -194,7 +194,7 @@ impl fmt::Display for Sm90Plan {
             t.producer_regs,
             t.consumer_wgs,
             t.consumer_regs,
-            128 * (t.producer_regs + t.consumer_wgs as u32 * t.consumer_regs),
+            t.registers(),
             self.threads as u32 * self.launch_regs,
             self.threads,
             self.launch_regs,

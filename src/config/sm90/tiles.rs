@@ -188,6 +188,14 @@ impl Tiles {
         }
     }
 
+    /// Registers of the CTA after `setmaxnreg`: a warpgroup's worth at the producer's count and
+    /// at each consumer's. They must fit the launch allocation, or a warpgroup's
+    /// `setmaxnreg.inc` waits forever.
+    pub fn registers(&self) -> u32 {
+        WARPGROUP_THREADS as u32
+            * (self.producer_regs + self.consumer_wgs as u32 * self.consumer_regs)
+    }
+
     /// Registers per thread a CTA is launched with: the kernel's launch bounds (one CTA of
     /// [`Tiles::threads`] per SM) let ptxas give each thread the SM's file divided by the
     /// threads, in steps of 8, at most 248 (255 is the per-thread limit); `setmaxnreg` then moves
@@ -286,8 +294,7 @@ impl Tiles {
         // setmaxnreg only moves registers between the warps of a CTA: what the consumers gain
         // the producer must give up, out of what the CTA was launched with (otherwise
         // setmaxnreg.inc waits forever).
-        let total = WARPGROUP_THREADS as u32
-            * (self.producer_regs + self.consumer_wgs as u32 * self.consumer_regs);
+        let total = self.registers();
         let launched = threads as u32 * self.launch_regs(arch);
         if total > launched {
             return bad(format!(

@@ -263,8 +263,9 @@ fn gpu_line(
                 g.variant.to_string()
             };
             format!(
-                "{} ({target}), pages of {page} keys, FA4_DECODE_VARIANT={}: {kernel}, {} split{}, grid {}x{}x{}",
+                "{} ({target}), pages of {page} key{}, FA4_DECODE_VARIANT={}: {kernel}, {} split{}, grid {}x{}x{}",
                 gpu.name,
+                if page == 1 { "" } else { "s" },
                 variant,
                 g.decode.num_splits,
                 if g.decode.num_splits == 1 { "" } else { "s" },

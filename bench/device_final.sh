@@ -33,8 +33,9 @@ cpu_threads=${FA4_CPU_TEST_THREADS:-8}
 # Not this machine's hardware (one H200): the SM100 kernel's matrix, the NCCL ring (2+ GPUs),
 # the SASS dump (a tool: needs FA4_SASS_DUMP_DIR) and the microkernel timing (a benchmark).
 skip=${FA4_FINAL_SKIP:-sm100_kernel_passes_the_matrix nccl_ring_on_two_gpus the_nccl_library_loads one_rank_per_thread dump_every_variant_cubin microkernel_gflops}
-# Ignored as known limits of the CUDA kernels (tests/cuda_matrix.rs says which and why).
-known=${FA4_FINAL_KNOWN:-cuda_non_finite_keys_reach_only_their_rows cuda_non_finite_v_under_a_window_reaches_only_its_rows cuda_infinite_score_then_more_blocks_gives_infinite_lse cuda_huge_finite_scores_give_finite_answers}
+# Tests whose failure is a documented known limit (none since the exact fixup kernel of issue 12:
+# the four non-finite cases of tests/cuda_matrix.rs must pass).
+known=${FA4_FINAL_KNOWN:-}
 families=${FA4_FINAL_FAMILIES:-sm80 sm90 decode backward}
 tools=${FA4_FINAL_TOOLS:-memcheck racecheck synccheck}
 

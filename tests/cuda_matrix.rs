@@ -813,21 +813,21 @@ fn varlen_case<T: fa4::Element>(cuda: &CudaBackend, d: usize, mask: fa4::Mask) -
 
 /// A NaN in V at key 100 under a causal mask leaves rows 0..99 finite: P = 0 there, but the
 /// block's P·V would multiply that V row by it, and 0 · NaN is NaN (docs/attention.md, rule 7).
-/// The CPU backend passes the same case (`tests/cpu_matrix.rs`). Known limit of both kernels:
-/// a fix passed it on the H200 but cost up to 13% (docs/perf.md, seventh session).
+/// The CPU backend passes the same case (`tests/cpu_matrix.rs`). Both kernels' epilogues see a NaN
+/// in such a row's O and flag it; the fixup kernel recomputes it (`kernels/common/exact.cuh`).
 #[test]
-#[ignore = "known limit of the CUDA kernels (README: a NaN in V reaches rows that mask its key); run with --ignored on a GPU"]
+#[ignore = "needs a CUDA GPU"]
 fn cuda_non_finite_keys_reach_only_their_rows() {
     non_finite_case(true, false);
 }
 
 /// A +inf score gives LSE +inf (not NaN), in its first key block or a later one, however many
 /// blocks follow. Known limit of both kernels (docs/perf.md, seventh session): rows that see
-/// few keys get NaN, from 0 · inf in a lane's partial sum when the correction after a +inf max
-/// is exp2(+inf). Clamping that exponent at 0 passed it on the H200 but lost 6–7% at d128 4k and
-/// 16k non-causal in three interleaved rounds (docs/perf.md, seventh session), so it is not in.
+/// few keys get NaN from the fast path (0 · inf in a lane's partial sum when the correction
+/// after a +inf max is exp2(+inf)); the epilogue sees the sum is not finite, stores the row as
+/// NaN and the fixup kernel recomputes it (`kernels/common/exact.cuh`).
 #[test]
-#[ignore = "known limit of the CUDA kernels (LSE NaN after a +inf score on rows with few keys); run with --ignored on a GPU"]
+#[ignore = "needs a CUDA GPU"]
 fn cuda_infinite_score_then_more_blocks_gives_infinite_lse() {
     non_finite_case(false, true);
 }
@@ -897,9 +897,10 @@ fn non_finite_case(nan_v: bool, inf_k: bool) {
 /// it), at keys 150 and 250 of head 1 (other columns). Every other row stays finite and matches
 /// the oracle: the blocks holding those keys are seen in part by the rows around them, whose
 /// P = 0 must not multiply the V row. (An infinity is caught by the same check, but a 16-bit P
-/// that underflows to 0 where the oracle's is tiny turns inf into NaN.) Known limit, as above.
+/// that underflows to 0 where the oracle's is tiny turns inf into NaN.) Fixed as above, by the
+/// epilogue's flag and the fixup kernel.
 #[test]
-#[ignore = "known limit of the CUDA kernels (README: a NaN in V reaches rows that mask its key); run with --ignored on a GPU"]
+#[ignore = "needs a CUDA GPU"]
 fn cuda_non_finite_v_under_a_window_reaches_only_its_rows() {
     let cuda = gpu();
     let mut failures = non_finite_v_window_case::<bf16>(&cuda, DType::Bf16);
@@ -962,10 +963,12 @@ fn non_finite_v_window_case<T: fa4::Element>(cuda: &CudaBackend, dtype: DType) -
 /// Finite scores of any magnitude give finite O and LSE within the tolerance: a Q element of
 /// 1e12 (scores ~1e12), and a scale of 1e10 (exponents ~1e11), with and without a causal mask.
 /// The old exponent form `exp2(s·c − RN(m·c))` lost the row max's own exponent there (P = inf or
-/// 0: NaN rows, or O = 0 and LSE = −inf). Known limit: three exact forms passed it on the H200
-/// but cost 3–13% on ordinary inputs (docs/perf.md, sixth and seventh sessions).
+/// 0: NaN rows, or O = 0 and LSE = −inf). Three exact forms inside the key loop cost 3–13% on
+/// ordinary inputs (docs/perf.md, sixth and seventh sessions); now the loop is unchanged and
+/// the epilogue flags rows whose |max · scale · log2 e| reaches 2^14 and the fixup kernel
+/// recomputes them (`kernels/common/exact.cuh`).
 #[test]
-#[ignore = "known limit of the CUDA kernels with huge finite scores (issue 12); run with --ignored on a GPU"]
+#[ignore = "needs a CUDA GPU"]
 fn cuda_huge_finite_scores_give_finite_answers() {
     let cuda = gpu();
     let mut failures = Vec::new();
@@ -1025,6 +1028,78 @@ fn cuda_huge_finite_scores_give_finite_answers() {
                 && r.max_err <= r.bound;
             if !(o_ok && lse_ok) {
                 failures.push(format!("{case}: {r} (max |LSE| {lse_max:e})"));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The fixup kernel (`kernels/common/exact.cuh`) reads Q, K and V itself: its
+/// indexing and score must agree with the oracle beyond the cases above. Every row is sent there
+/// by a huge negative scale (|max · scale · log2 e| far above 2^14), or, with a softcap (scores
+/// stay small), by a NaN in V at key 100 that rows 96..=99 mask within its key block; GQA (4 query
+/// heads on 2 KV heads), a head dim that the kernels pad (96), a window and a causal mask, and a
+/// batch of 2 with strides between entries.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn cuda_exact_fallback_matches_the_oracle() {
+    let cuda = gpu();
+    let mut failures = Vec::new();
+    for (d, scale, softcap, window) in [
+        (96, -3e8f32, None, Some((30, 5))),
+        (128, 0.1, Some(20f32), None),
+        (64, -1e9, None, None),
+    ] {
+        let (b, s, hq, hk) = (2, 200, 4, 2);
+        let mut rng = StdRng::seed_from_u64(17);
+        let mut q = vec![bf16::ZERO; b * s * hq * d];
+        let mut k = vec![bf16::ZERO; b * s * hk * d];
+        let mut v = vec![bf16::ZERO; b * s * hk * d];
+        for x in [&mut q, &mut k, &mut v] {
+            random_fill(&mut rng, x, d, 2.0);
+        }
+        if softcap.is_some() {
+            // Batch 1, key 100, KV head 1 (query heads 2 and 3), column 7.
+            v[((s + 100) * hk + 1) * d + 7] = bf16::NAN;
+        }
+        let lq = fa4::tensor::Layout::new("q", &[b, s, hq, d], None).unwrap();
+        let lk = fa4::tensor::Layout::new("k", &[b, s, hk, d], None).unwrap();
+        let mut opts = match window {
+            Some((l, r)) => Options::new().window(Some(l), Some(r)),
+            None => Options::new().causal(),
+        };
+        opts = opts.scale(scale);
+        if let Some(c) = softcap {
+            opts = opts.softcap(c);
+        }
+        let p = fa4::Problem::new(DType::Bf16, &lq, &lk, &lk, &lq, None, None, &opts).unwrap();
+        for kernel in [fa4::cuda::KernelChoice::Auto, fa4::cuda::KernelChoice::Sm80] {
+            let case =
+                format!("d{d} scale {scale:e} softcap {softcap:?} window {window:?} {kernel:?}");
+            let bk = cuda.with_kernel(kernel);
+            let mut o = vec![bf16::NAN; b * s * hq * d];
+            let mut lse = vec![f32::NAN; b * hq * s];
+            if let Err(e) = bk.forward_host(&p, &q, &k, &v, &mut o, Some(&mut lse)) {
+                failures.push(format!("{case}: {e}"));
+                continue;
+            }
+            let r = fa4::check::check(&p, &q, &k, &v, &o, Some(&lse)).unwrap();
+            // Huge scales put the LSE near 1e9..1e11, where an f32 ulp is large: relative there.
+            let lse_max = lse.iter().fold(0f64, |m, &x| {
+                if x.is_finite() {
+                    m.max(f64::from(x).abs())
+                } else {
+                    m
+                }
+            });
+            let lse_ok = r
+                .lse_err
+                .is_none_or(|e| e <= r.lse_bound.max(1e-6 * lse_max));
+            let o_ok = r.first_bad.is_none_or(|(pos, _, _)| pos.col.is_none())
+                && r.finiteness_mismatches == 0
+                && r.max_err <= r.bound;
+            if !(o_ok && lse_ok) {
+                failures.push(format!("{case}: {r}"));
             }
         }
     }

@@ -87,11 +87,7 @@ struct BwdLaunch<'a> {
 // size.
 unsafe impl Launchable for BwdLaunch<'_> {
     fn launch(&self) -> Launch<'_> {
-        Launch {
-            kernel: self.spec,
-            grid: self.grid,
-            threads: self.spec.threads(),
-        }
+        Launch::new(self.spec, self.grid, self.spec.threads())
     }
 }
 

@@ -144,11 +144,7 @@ struct MainLaunch<'a>(&'a Plan);
 // forever.
 unsafe impl Launchable for MainLaunch<'_> {
     fn launch(&self) -> Launch<'_> {
-        Launch {
-            kernel: &self.0.spec,
-            grid: self.0.grid,
-            threads: self.0.spec.threads(),
-        }
+        Launch::new(&self.0.spec, self.0.grid, self.0.spec.threads())
     }
 }
 

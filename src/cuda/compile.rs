@@ -29,6 +29,9 @@ pub const COMMON_SRCS: [&str; 4] = [
 ];
 /// The params header, shared by every kernel family.
 pub const PARAMS_SRC: &str = include_str!("../kernels/common/params.cuh");
+/// The forward kernels' exact path for rows the fast one may get wrong: the epilogue's marks and
+/// the fixup kernel (issue 12).
+pub const EXACT_SRC: &str = include_str!("../kernels/common/exact.cuh");
 /// The Ampere-class kernel's PTX wrappers.
 pub const SM80_PTX_SRC: &str = include_str!("../kernels/sm80/ptx.cuh");
 /// The register-tile steps the Ampere-class forward and the decode kernel share.
@@ -83,6 +86,19 @@ pub trait KernelSource: std::fmt::Debug + std::fmt::Display {
     fn setmaxnreg_launch_regs(&self) -> Option<u32> {
         None
     }
+    /// Whether the module holds the exact fixup kernel that the backend launches after each
+    /// launch of its entry ([`crate::cuda::family::ExactFixup`]).
+    fn exact_fixup(&self) -> bool {
+        false
+    }
+    /// The module's entry points beside [`KernelSource::entry`].
+    fn extra_entries(&self) -> &'static [&'static str] {
+        if self.exact_fixup() {
+            &[super::family::EXACT_FIXUP_ENTRY]
+        } else {
+            &[]
+        }
+    }
 }
 
 impl KernelSource for sm80::KernelSpec {
@@ -96,8 +112,12 @@ impl KernelSource for sm80::KernelSpec {
         vec![
             SM80_PTX_SRC.into(),
             SM80_TILE_OPS_SRC.into(),
+            EXACT_SRC.into(),
             SM80_FWD_SRC.into(),
         ]
+    }
+    fn exact_fixup(&self) -> bool {
+        true
     }
     fn entry(&self) -> &'static str {
         sm80::KernelSpec::entry(self)
@@ -122,8 +142,12 @@ impl KernelSource for sm90::KernelSpec {
             self.wgmma_wrappers().into(),
             SM90_PIPELINE_SRC.into(),
             SM90_TILES_SRC.into(),
+            EXACT_SRC.into(),
             SM90_FWD_SRC.into(),
         ]
+    }
+    fn exact_fixup(&self) -> bool {
+        true
     }
     fn entry(&self) -> &'static str {
         sm90::KernelSpec::entry(self)

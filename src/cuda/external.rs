@@ -35,6 +35,7 @@ impl CudaBackend {
                 stream,
                 info,
                 kernels: Mutex::new(HashMap::new()),
+                exact_order: Mutex::new(()),
             }),
             ..probe
         })

@@ -80,8 +80,12 @@ struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     info: DeviceInfo,
-    /// Loaded kernels by their spec's `Debug` form (which names every specialisation).
+    /// Loaded kernels by entry point and their spec's `Debug` form (which names every
+    /// specialisation).
     kernels: Mutex<HashMap<String, CudaFunction>>,
+    /// Held from a forward's launch to its exact fixup's (`family::ExactFixup`), which share
+    /// their module's flag.
+    exact_order: Mutex<()>,
 }
 
 /// Whether the driver library was found (then a driver call may describe its errors).
@@ -318,6 +322,7 @@ impl CudaBackend {
                     arch,
                 },
                 kernels: Mutex::new(HashMap::new()),
+                exact_order: Mutex::new(()),
             }),
             overrides: Overrides::default(),
             choice: KernelChoice::from_env()?,
@@ -421,12 +426,36 @@ impl CudaBackend {
         self.kernel(plan.spec()).map(drop)
     }
 
+    /// Held between a forward launch and its exact fixup's.
+    fn exact_order(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.dev
+            .exact_order
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
     /// The loaded kernel of a spec: compiled (or read from the disk cache) on first use.
     pub fn kernel<S: KernelSource + ?Sized>(&self, spec: &S) -> Result<CudaFunction> {
-        let key = format!("{}:{spec:?}", spec.entry());
+        self.kernel_entry(spec, spec.entry())
+    }
+
+    /// Entry point `entry` of a spec's module (its own or one of its extra entries). A module is
+    /// loaded once, with all its entries: they share its globals (the exact fixup's flag).
+    pub fn kernel_entry<S: KernelSource + ?Sized>(
+        &self,
+        spec: &S,
+        entry: &str,
+    ) -> Result<CudaFunction> {
+        let key = |e: &str| format!("{e}:{spec:?}");
         let mut kernels = self.dev.kernels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(f) = kernels.get(&key) {
+        if let Some(f) = kernels.get(&key(entry)) {
             return Ok(f.clone());
+        }
+        if entry != spec.entry() && !spec.extra_entries().contains(&entry) {
+            return Err(Error::invalid(
+                "kernel",
+                format!("{spec} has no entry point {entry}"),
+            ));
         }
         let compiled = compile::compile(spec)?;
         let module = self
@@ -460,8 +489,14 @@ impl CudaBackend {
             spec.smem_bytes() as i32,
         )
         .map_err(|e| Error::cuda("setting the shared-memory limit", e))?;
-        kernels.insert(key, f.clone());
-        Ok(f)
+        for &extra in spec.extra_entries() {
+            let g = module
+                .load_function(extra)
+                .map_err(|e| Error::cuda(format!("cuModuleGetFunction({extra})"), e))?;
+            kernels.insert(key(extra), g);
+        }
+        kernels.insert(key(spec.entry()), f);
+        Ok(kernels[&key(entry)].clone())
     }
 
     /// Runs a validated problem on device buffers laid out as it says. `cu_seqlens` (varlen

@@ -32,16 +32,8 @@ use crate::error::{Error, Result};
 unsafe impl Launchable for GpuDecodePlan {
     fn launch(&self) -> Launch<'_> {
         match &self.heads {
-            Some(h) => Launch {
-                kernel: h,
-                grid: self.grid,
-                threads: h.threads(),
-            },
-            None => Launch {
-                kernel: &self.spec,
-                grid: self.grid,
-                threads: self.spec.threads(),
-            },
+            Some(h) => Launch::new(h, self.grid, h.threads()),
+            None => Launch::new(&self.spec, self.grid, self.spec.threads()),
         }
     }
 }
@@ -68,11 +60,7 @@ impl<'a> Combine<'a> {
 // returns for rows past part_rows. No shared memory.
 unsafe impl Launchable for Combine<'_> {
     fn launch(&self) -> Launch<'_> {
-        Launch {
-            kernel: &self.plan.combine,
-            grid: (self.blocks, 1, 1),
-            threads: COMBINE_WARPS * 32,
-        }
+        Launch::new(&self.plan.combine, (self.blocks, 1, 1), COMBINE_WARPS * 32)
     }
 }
 
@@ -101,10 +89,6 @@ impl Append {
 // inside the extent. One CTA per row; no shared memory.
 unsafe impl Launchable for Append {
     fn launch(&self) -> Launch<'_> {
-        Launch {
-            kernel: &self.spec,
-            grid: (self.rows, 1, 1),
-            threads: APPEND_THREADS,
-        }
+        Launch::new(&self.spec, (self.rows, 1, 1), APPEND_THREADS)
     }
 }

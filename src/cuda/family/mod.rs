@@ -50,12 +50,81 @@ use crate::problem::Problem;
 /// One kernel launch as its plan sized it.
 #[derive(Clone, Copy)]
 pub struct Launch<'a> {
-    /// The kernel (compiled, or loaded from the cache, on first use).
+    /// The kernel's module (compiled, or loaded from the cache, on first use).
     pub kernel: &'a dyn KernelSource,
+    /// The entry point launched: the module's own ([`KernelSource::entry`]) or one of its
+    /// [`KernelSource::extra_entries`].
+    pub entry: &'static str,
     /// The grid.
     pub grid: (u32, u32, u32),
     /// Threads per CTA.
     pub threads: usize,
+    /// Dynamic shared memory, bytes.
+    pub smem_bytes: usize,
+}
+
+impl<'a> Launch<'a> {
+    /// A launch of the module's own entry point with the shared memory its spec sizes.
+    pub fn new(kernel: &'a dyn KernelSource, grid: (u32, u32, u32), threads: usize) -> Launch<'a> {
+        Launch {
+            kernel,
+            entry: kernel.entry(),
+            grid,
+            threads,
+            smem_bytes: kernel.smem_bytes(),
+        }
+    }
+}
+
+/// The entry point of the exact fixup kernel that the forward modules with
+/// [`KernelSource::exact_fixup`] hold (`kernels/common/exact.cuh`).
+pub const EXACT_FIXUP_ENTRY: &str = "fa4_exact_fixup";
+/// Its threads per CTA (`EXACT_THREADS` in the header).
+pub const EXACT_FIXUP_THREADS: usize = 256;
+
+/// The exact fixup after a forward launch: the second kernel of the forward's module, which
+/// recomputes the rows the forward flagged (a no-op when it flagged none).
+pub(crate) struct ExactFixup<'a> {
+    module: &'a dyn KernelSource,
+    blocks: u32,
+}
+
+impl<'a> ExactFixup<'a> {
+    /// The fixup of the forward kernel `module` over the rows of `params`: one warp per 32 rows
+    /// of a (sequence, query head), at most one CTA per SM (the warps loop over the rest; with
+    /// the flag clear, the fewer CTAs, the cheaper the launch).
+    pub(crate) fn new(
+        module: &'a dyn KernelSource,
+        params: &FwdParams,
+        sm_count: u32,
+    ) -> ExactFixup<'a> {
+        let rows = (params.seqlen_q.max(0) as u64).div_ceil(32);
+        let units = params.batch.max(0) as u64 * params.heads_q.max(0) as u64 * rows;
+        let warps = (EXACT_FIXUP_THREADS / 32) as u64;
+        let blocks = units.div_ceil(warps).clamp(1, u64::from(sm_count.max(1)));
+        ExactFixup {
+            module,
+            blocks: blocks as u32,
+        }
+    }
+}
+
+// SAFETY: the fixup takes the forward's own common params (a validated problem, buffers checked
+// against it). With its module's flag clear every CTA returns at once. Otherwise each warp reads
+// the stored O of rows i < q_len of its (sequence, query head), columns < head_dim, and for a row
+// holding a NaN reads Q row i, the K and V rows of its allowed keys [key_lo(i), key_hi(i)) (inside
+// [0, k_len)) and writes O row i and its LSE entry: the elements the forward itself reads and
+// writes. No shared memory; the grid is any positive size (the warps stride over the rows).
+unsafe impl Launchable for ExactFixup<'_> {
+    fn launch(&self) -> Launch<'_> {
+        Launch {
+            kernel: self.module,
+            entry: EXACT_FIXUP_ENTRY,
+            grid: (self.blocks, 1, 1),
+            threads: EXACT_FIXUP_THREADS,
+            smem_bytes: 0,
+        }
+    }
 }
 
 /// A plan that can be launched.
@@ -136,7 +205,18 @@ impl CudaBackend {
         common: FwdParams,
     ) -> Result<()> {
         let args = F::params(plan, p, common)?;
-        self.launch(plan, &args)
+        let module = plan.launch().kernel;
+        if !module.exact_fixup() {
+            return self.launch(plan, &args);
+        }
+        // The forward and its fixup share the module's flag: no other forward of this device may
+        // come between them on the stream.
+        let _order = self.exact_order();
+        self.launch(plan, &args)?;
+        self.launch(
+            &ExactFixup::new(module, &common, self.info().sm_count),
+            &common,
+        )
     }
 
     /// Launches a plan's kernel with its one argument: the one launch site of every fa4
@@ -149,11 +229,11 @@ impl CudaBackend {
         args: &A,
     ) -> Result<()> {
         let l = plan.launch();
-        let func = self.kernel(l.kernel)?;
+        let func = self.kernel_entry(l.kernel, l.entry)?;
         let cfg = LaunchConfig {
             grid_dim: l.grid,
             block_dim: (l.threads as u32, 1, 1),
-            shared_mem_bytes: l.kernel.smem_bytes() as u32,
+            shared_mem_bytes: l.smem_bytes as u32,
         };
         let mut launch = self.dev.stream.launch_builder(&func);
         launch.arg(args);
@@ -267,6 +347,63 @@ mod tests {
             Err(Error::InvalidArgument { name, .. }) => assert_eq!(name, "--kernel"),
             other => panic!("expected an error naming --kernel, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn forward_modules_carry_the_exact_fixup_and_size_its_grid() {
+        let o = Overrides::default();
+        let p = problem(DType::Bf16, 128);
+        let h200 = device(H200, "sm_90");
+        for kind in [KernelKind::Sm80, KernelKind::Sm90] {
+            let plan = Planned::new(kind, &h200, &p, &o).unwrap();
+            let module = plan.spec();
+            assert!(module.exact_fixup(), "{module}");
+            assert_eq!(module.extra_entries(), &[EXACT_FIXUP_ENTRY]);
+            assert!(module.source().contains(&format!(
+                "void __launch_bounds__(EXACT_THREADS) {EXACT_FIXUP_ENTRY}("
+            )));
+            assert!(module.source().contains(&format!(
+                "constexpr int EXACT_THREADS = {EXACT_FIXUP_THREADS};"
+            )));
+        }
+        // Decode and the Blackwell kernel have none.
+        let b200 = device(B200, "sm_100");
+        let plan = Planned::new(KernelKind::Sm100, &b200, &p, &o).unwrap();
+        assert!(!plan.spec().exact_fixup() && plan.spec().extra_entries().is_empty());
+        let a = decode::Append::new("sm_90", 5).unwrap();
+        assert!(!a.launch().kernel.exact_fixup());
+        // One warp per 32 rows of a (sequence, head), 8 warps a CTA, at most one CTA per SM.
+        let params = crate::cuda::make_params(&p, [0; 7]);
+        let plan = Planned::new(KernelKind::Sm90, &h200, &p, &o).unwrap();
+        let fixup = ExactFixup::new(plan.spec(), &params, 132);
+        let l = fixup.launch();
+        // 300 rows → 10 units per head, 4 heads: 40 warps, 5 CTAs.
+        assert_eq!(
+            (l.grid, l.threads, l.smem_bytes, l.entry),
+            ((5, 1, 1), 256, 0, EXACT_FIXUP_ENTRY)
+        );
+        let big = Problem::new(
+            DType::Bf16,
+            &Layout::new("q", &[8, 4096, 32, 128], None).unwrap(),
+            &Layout::new("k", &[8, 4096, 32, 128], None).unwrap(),
+            &Layout::new("v", &[8, 4096, 32, 128], None).unwrap(),
+            &Layout::new("out", &[8, 4096, 32, 128], None).unwrap(),
+            None,
+            None,
+            &Options::new(),
+        )
+        .unwrap();
+        let params = crate::cuda::make_params(&big, [0; 7]);
+        assert_eq!(
+            ExactFixup::new(plan.spec(), &params, 132).launch().grid,
+            (132, 1, 1)
+        );
+        // An empty problem still launches one CTA (the forward returns before either launch).
+        let empty = crate::cuda::params::FwdParams::default();
+        assert_eq!(
+            ExactFixup::new(plan.spec(), &empty, 132).launch().grid,
+            (1, 1, 1)
+        );
     }
 
     #[test]

@@ -19,11 +19,7 @@ pub struct Sm100;
 // the layouts' extents, and the kernel stores only rows below seqlen_q.
 unsafe impl Launchable for sm100_kernel::Plan {
     fn launch(&self) -> Launch<'_> {
-        Launch {
-            kernel: &self.spec,
-            grid: self.grid,
-            threads: self.spec.threads(),
-        }
+        Launch::new(&self.spec, self.grid, self.spec.threads())
     }
 }
 

@@ -19,11 +19,7 @@ pub struct Sm80;
 // past each sequence's length, so it touches only the layouts' extents.
 unsafe impl Launchable for sm80::Plan {
     fn launch(&self) -> Launch<'_> {
-        Launch {
-            kernel: &self.spec,
-            grid: self.grid,
-            threads: self.spec.threads(),
-        }
+        Launch::new(&self.spec, self.grid, self.spec.threads())
     }
 }
 

@@ -24,11 +24,7 @@ pub struct Sm90;
 // cannot wait forever; the shared memory is the tiles' (static_asserted by the kernel).
 unsafe impl Launchable for sm90::Plan {
     fn launch(&self) -> Launch<'_> {
-        Launch {
-            kernel: &self.spec,
-            grid: self.grid,
-            threads: self.spec.threads(),
-        }
+        Launch::new(&self.spec, self.grid, self.spec.threads())
     }
 }
 

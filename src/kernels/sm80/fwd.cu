@@ -318,16 +318,19 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
     cp_async_wait<0>();
 
     // Epilogue: O = acc / sum in 16-bit through this warp's own rows of sQ, then 16-byte stores.
+    // A row the fast path may have got wrong is stored as NaN, and a NaN stored in a valid row
+    // raises the flag of the fixup kernel (common/exact.cuh).
     float inv[ROW_SLOTS];
 #pragma unroll
     for (int r = 0; r < ROW_SLOTS; ++r) {
         const float sum = quad_sum(row_sum[r]);
-        inv[r] = row_inv_sum(sum);
+        inv[r] = row_out_scale(row_max[r], sum, p.scale_log2);
         const int i = m0 + warp_row0 + g + 8 * r;
         if (p.lse != nullptr && t == 0 && i < s.q_len)
             p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + s.q_start + i] =
                 row_lse(row_max[r], sum, p.lse_scale);
     }
+    u32 folded = 0;  // the NaN max of this thread's stored pairs of valid rows
     __syncthreads();  // every warp is done reading K/V and its Q rows before sQ is reused
 #pragma unroll
     for (int mt = 0; mt < M_TILES; ++mt)
@@ -337,10 +340,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4
             for (int h = 0; h < 2; ++h) {
                 const int r = 2 * mt + h;
                 u32 v = pack2(rO[mt][i][2 * h] * inv[r], rO[mt][i][2 * h + 1] * inv[r]);
+                if (warp_row0 + g + 8 * r < valid_m) folded = nan_max2(folded, v);
                 u32 addr = sQ + swz(warp_row0 + g + 8 * r, i) + t * 4;
                 st_shared_b32(addr, v);
             }
         }
+    raise_exact_flag(folded);
     __syncwarp();
     u16* gO = static_cast<u16*>(p.o) + batch * p.o_batch_stride + (s.q_start + m0) * p.o_row_stride +
               head * p.o_head_stride;

@@ -375,21 +375,27 @@ __device__ __forceinline__ void epilogue_sync(int c) {
 // proxy, and thread 0 stores the SLABS boxes of (64 rows, 64) and releases Q for its warp once
 // the store has read them; the other warps release Q after the warpgroup's barrier, so Q's slot
 // is free only when all have. The sequence's offsets are read again here rather than kept in
-// registers through the loop.
+// registers through the loop. A row the fast path may have got wrong is stored as NaN, and a NaN
+// stored in a valid row raises the flag of the fixup kernel (common/exact.cuh).
 __device__ __forceinline__ void epilogue(const Sm90Params& P, const Smem& sm, int c, const Tile& w, QState qs,
-                                         const RowState& st, const float (&rO)[O_REGS], int row0, int lane) {
+                                         const RowState& st, const float (&rO)[O_REGS], int row0, int lane,
+                                         u32& folded) {
     const FwdParams& p = P.p;
     const Seq s = sequence(p, w.batch, VARLEN);
     float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const float sum = quad_sum(st.sum[h]);
-        inv[h] = row_inv_sum(sum);
+        inv[h] = row_out_scale(st.max[h], sum, p.scale_log2);
         const int i = row0 + 8 * h;
         if (p.lse != nullptr && lane % 4 == 0 && i < s.q_len)
             p.lse[w.bi * p.lse_batch_stride + w.head * p.lse_head_stride + s.q_start + i] =
                 row_lse(st.max[h], sum, p.lse_scale);
     }
+    // `folded`: the NaN max of this thread's stored pairs over its tiles so far (the consumer
+    // raises the flag once, after its last tile: a store in the tile loop slowed the d64 causal
+    // key loop). The TMA store folds rows past the sequence's end too: their O is finite unless
+    // an input is not, so they can only add a fixup pass that finds nothing on non-finite inputs.
     if constexpr (O_VIA_TMA) {
         const int tid = threadIdx.x % WG_THREADS;
         const u32 sO = sm.q_slot(qs.stage) + 64 * c * SLAB_ROW_BYTES;  // (64, HEAD_DIM), slabs BLOCK_M rows apart
@@ -400,7 +406,9 @@ __device__ __forceinline__ void epilogue(const Sm90Params& P, const Smem& sm, in
             const int slab = col / SLAB_ELEMS, chunk = (col % SLAB_ELEMS) / 8;
             const u32 addr = sO + slab * (BLOCK_M * SLAB_ROW_BYTES) + r * SLAB_ROW_BYTES + ((chunk ^ (r % 8)) * 16) +
                              (col % 8) * 2;
-            st_shared_b32(addr, pack2(rO[i] * inv[acc_slot(i)], rO[i + 1] * inv[acc_slot(i)]));
+            const u32 v = pack2(rO[i] * inv[acc_slot(i)], rO[i + 1] * inv[acc_slot(i)]);
+            folded = nan_max2(folded, v);  // rows past q_len too: finite for finite inputs
+            st_shared_b32(addr, v);
         }
         fence_proxy_async();
         epilogue_sync(c);
@@ -422,6 +430,7 @@ __device__ __forceinline__ void epilogue(const Sm90Params& P, const Smem& sm, in
             const int h = acc_slot(i), row = row0 + 8 * h, col = acc_col(i, lane);
             if (row < s.q_len) {
                 const u32 v = pack2(rO[i] * inv[h], rO[i + 1] * inv[h]);
+                folded = nan_max2(folded, v);
                 st_global_b32(gO + row * p.o_row_stride + col, v);
             }
         }
@@ -431,7 +440,7 @@ __device__ __forceinline__ void epilogue(const Sm90Params& P, const Smem& sm, in
 // One tile: the key loop from ring position j (the key blocks this consumer saw before), then
 // the epilogue. Releases Q once its last Q·Kᵀ is done (O_VIA_TMA: once O has left its slot).
 __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& sm, int c, const Tile& w, int j,
-                                              QState qs) {
+                                              QState qs, u32& folded) {
     const FwdParams& p = P.p;
     const int tid = threadIdx.x % WG_THREADS;
     const int warp = tid / 32, lane = tid % 32;
@@ -476,7 +485,7 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
         }
         if constexpr (!O_VIA_TMA) sm.pipe_q().release(qs, lane);
     }
-    epilogue(P, sm, c, w, qs, st, rO, row0, lane);
+    epilogue(P, sm, c, w, qs, st, rO, row0, lane, folded);
 }
 
 // The CTA's next tile with queries from walk position k on (k moves past it), or false.
@@ -509,6 +518,7 @@ __device__ __forceinline__ void consumer_cross_tile(const Sm90Params& P, const S
     float rS[S_REGS];  // (64, BLOCK_N) per warpgroup
     u32 rP[P_REGS];
     RowState st;
+    u32 folded = 0;  // the NaN max of this thread's stored O pairs (epilogue)
     float corr[2];
     bool started = false;  // the tile's first block is already P (carried over from the last tile)
     // How O starts a tile. Up to d128 it is not zeroed between tiles (a second definition of it
@@ -567,7 +577,7 @@ __device__ __forceinline__ void consumer_cross_tile(const Sm90Params& P, const S
             }
             wgmma_wait<0>();  // this tile's O is complete; its last V is free
             sm.pipe_v().release(last, lane);
-            epilogue(P, sm, c, w, qs, st, rO, row0, lane);
+            epilogue(P, sm, c, w, qs, st, rO, row0, lane, folded);
             pack_p(rS, rP);
             if constexpr (!FRESH) zero(rO, O_REGS);
             st = st2;
@@ -578,7 +588,7 @@ __device__ __forceinline__ void consumer_cross_tile(const Sm90Params& P, const S
                 last_pv(sm, KvState::at(j2 - 1), lane, rO, rP, corr, FRESH && n_blocks == 1);
             else if constexpr (FRESH)
                 zero(rO, O_REGS);
-            epilogue(P, sm, c, w, qs, st, rO, row0, lane);
+            epilogue(P, sm, c, w, qs, st, rO, row0, lane, folded);
             if constexpr (!FRESH) zero(rO, O_REGS);
         }
         j = j2;
@@ -587,6 +597,7 @@ __device__ __forceinline__ void consumer_cross_tile(const Sm90Params& P, const S
         w = w2;
         have = have2;
     }
+    raise_exact_flag(folded);
 }
 
 __device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, int c) {
@@ -598,14 +609,16 @@ __device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, in
     if (c == 1) sched_pass(1);  // warpgroup 0 issues first
     int j = 0;                  // ring position: key blocks consumed so far
     int kq = 0;                 // tiles consumed so far (VARLEN skips empty ones)
+    u32 folded = 0;             // the NaN max of this thread's stored O pairs (epilogue)
     for (int k = 0;; ++k) {
         const int t = tile_number(k, total);
         if (t < 0) break;
         const Tile w = tile_at(P.p, t);
         if (w.empty) continue;
-        consumer_tile(P, sm, c, w, j, QState::at(VARLEN ? kq++ : k));
+        consumer_tile(P, sm, c, w, j, QState::at(VARLEN ? kq++ : k), folded);
         j += w.kb.n_end - w.kb.n_begin;
     }
+    raise_exact_flag(folded);
 }
 
 // ---------------------------------------------------------------------------------------------

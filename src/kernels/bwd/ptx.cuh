@@ -28,14 +28,3 @@ __device__ __forceinline__ void st_global_b32(void* dst, u32 v) {
     asm volatile("st.global.b32 [%0], %1;\n" ::"l"(dst), "r"(v) : "memory");
 }
 
-// The two 16-bit values of a packed pair, widened (lo, hi).
-__device__ __forceinline__ void unpack2(u32 x, float& lo, float& hi) {
-    if constexpr (IS_BF16) {
-        lo = __uint_as_float(x << 16);
-        hi = __uint_as_float(x & 0xffff0000u);
-    } else {
-        asm("{.reg .f16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;}\n"
-            : "=f"(lo), "=f"(hi)
-            : "r"(x));
-    }
-}

@@ -27,6 +27,18 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
     return r;
 }
 
+// The two 16-bit values of a packed pair, widened (lo, hi): pack2's inverse.
+__device__ __forceinline__ void unpack2(u32 x, float& lo, float& hi) {
+    if constexpr (IS_BF16) {
+        lo = __uint_as_float(x << 16);
+        hi = __uint_as_float(x & 0xffff0000u);
+    } else {
+        asm("{.reg .f16 a, b;\n mov.b32 {a, b}, %2;\n cvt.f32.f16 %0, a;\n cvt.f32.f16 %1, b;}\n"
+            : "=f"(lo), "=f"(hi)
+            : "r"(x));
+    }
+}
+
 __device__ __forceinline__ float exp2_approx(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

@@ -68,8 +68,8 @@ __device__ __forceinline__ bool pair_has_nan(u32 x) {
     return (x & 0x7fffu) > INF16 || ((x >> 16) & 0x7fffu) > INF16;
 }
 
-// The epilogue's last step: `folded` (the nan_max2 fold of this thread's stored pairs of valid
-// rows) holds a NaN, so the fixup kernel has rows to redo. Rare; a plain store of the same value
+// The epilogue's last step: `folded` (the nan_max2 fold of the pairs this thread stored) holds
+// a NaN, so the fixup kernel has rows to redo. Rare; a plain store of the same value
 // from any number of threads.
 __device__ __forceinline__ void raise_exact_flag(u32 folded) {
     if (pair_has_nan(folded)) *static_cast<volatile unsigned*>(&fa4_exact_flag[0]) = 1u;
@@ -77,14 +77,7 @@ __device__ __forceinline__ void raise_exact_flag(u32 folded) {
 
 // Two 16-bit values at `src` (4-byte aligned: rows are 16-byte aligned, columns even) as floats.
 __device__ __forceinline__ void load_pair(const u16* src, float& lo, float& hi) {
-    const u32 x = *reinterpret_cast<const u32*>(src);
-    if constexpr (IS_BF16) {
-        lo = __uint_as_float(x << 16);
-        hi = __uint_as_float(x & 0xffff0000u);
-    } else {
-        asm("cvt.f32.f16 %0, %1;\n" : "=f"(lo) : "h"(static_cast<u16>(x & 0xffffu)));
-        asm("cvt.f32.f16 %0, %1;\n" : "=f"(hi) : "h"(static_cast<u16>(x >> 16)));
-    }
+    unpack2(*reinterpret_cast<const u32*>(src), lo, hi);
 }
 
 // tanh for the softcap: the fast path's form (`tanh_accurate`, relative error ~1e-7) with the

@@ -252,7 +252,9 @@ impl Gpu {
                      threads, {} B shared memory; launches 1 and 3 are as listed, except that \
                      launch 1 covers {} rows per sequence (whole query blocks; grid {}x{}x{}) \
                      and writes D and LSE·log2e padded to them ({} B in place of the D \
-                     workspace below), which the Hopper kernel bulk-copies per step; \
+                     workspace below), which the Hopper kernel bulk-copies per step, and zeroes a \
+                     dQ accumulator of {} B laid out in 64 x 64 tiles over those rows, which it \
+                     adds to tile by tile from shared memory (cp.reduce.async.bulk); \
                      FA4_BWD_KERNEL=sm80 runs the Ampere-class main kernel instead",
                     h.spec,
                     h.grid.0,
@@ -264,7 +266,8 @@ impl Gpu {
                     h.pre.1 .0,
                     h.pre.1 .1,
                     h.pre.1 .2,
-                    h.base.dpsum_len * 4
+                    h.base.dpsum_len * 4,
+                    h.base.accum_len * 4
                 ),
                 Err(e) => {
                     format!("{ampere} run: the Hopper backward does not cover this problem ({e})")
@@ -273,12 +276,19 @@ impl Gpu {
         }
     }
 
-    /// How the main kernel adds into the dQ accumulator on this target.
-    fn reduction(&self) -> &'static str {
-        if self.flag == "sm90" {
-            "red.global.add.v2.f32 (one vector reduction per pair of f32, sm_90 and later)"
-        } else {
-            "red.global.add.f32 (scalar reductions; the vector form needs sm_90)"
+    /// How the main kernel adds into the dQ accumulator on this target: the Ampere-class
+    /// kernel's reductions, and the Hopper kernel's bulk reduce-add where it covers `p`.
+    fn reduction(&self, p: &Problem) -> String {
+        if self.flag != "sm90" {
+            return "red.global.add.f32 (scalar reductions; the vector form needs sm_90)".into();
+        }
+        let ampere = "red.global.add.v2.f32 (one vector reduction per pair of f32, sm_90 and later)";
+        match fa4::config::bwd_sm90::plan(p, &self.arch, self.target) {
+            Ok(_) => format!(
+                "cp.reduce.async.bulk add.f32 of 64 x 64 tiles from shared memory (the Hopper \
+                 main kernel; the Ampere-class one: {ampere})"
+            ),
+            Err(_) => ampere.into(),
         }
     }
 }
@@ -414,7 +424,7 @@ fn print_gpu(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) {
             "  dQ         accumulated in f32 ({} B) by {}; its bits may differ between runs \
              (dK and dV never take atomics)",
             this.accum_len * 4,
-            gpu.reduction()
+            gpu.reduction(p)
         );
     }
     println!("  launches   one stream, in order:");
@@ -454,7 +464,7 @@ fn print_gpu(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) {
              {}, and {} converts it ({} warps, grid {} x {} x {}) in place of dq: faster where \
              the reductions are cheap, but dQ's bits may differ run to run",
             other.accum_len * 4,
-            gpu.reduction(),
+            gpu.reduction(p),
             last.entry(),
             last.threads() / 32,
             grid.0,
@@ -513,7 +523,7 @@ fn gpu_json(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) -> serde_js
         "padded_head_dim": main.head_dim,
         "kernels": gpu.family_note(p, det),
         "deterministic": det,
-        "dq_accumulation": if det { "deterministic" } else { gpu.reduction() },
+        "dq_accumulation": if det { "deterministic".to_string() } else { gpu.reduction(p) },
         "launches": this.launches.iter().map(|l| launch(det, l)).collect::<Vec<_>>(),
         "workspace_bytes": { "d": this.dpsum_len * 4, "dq_accumulator": this.accum_len * 4 },
         "other_mode": {

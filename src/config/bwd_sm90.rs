@@ -9,8 +9,10 @@
 //! ahead into two of the `stages` row-statistics buffers. Per query block of
 //! `block_m` rows each consumer holds Sᵀ and dPᵀ (64 × `block_m` f32) and its dK and dV
 //! (64 × head_dim f32) in registers; dSᵀ goes through shared memory for dQ = dS·K, which the
-//! consumers split into 64-row groups × column slabs (or, with one part, take turns on) and
-//! add to the f32 accumulator.
+//! consumers split into 64 × 64 tiles (or, with one tile, take turns on); each tile goes to the
+//! warpgroup's shared buffer and one bulk reduce-add (TMA) adds it to the f32 accumulator,
+//! which for this kernel is laid out in those tiles ([`Plan::base`]'s `accum_len` covers the
+//! padded rows).
 
 use std::fmt;
 
@@ -41,14 +43,21 @@ pub const TILE_ALIGN: usize = 1024;
 pub const WORK_BYTES: usize = 128;
 /// Named barriers of the kernel, in id order (id 0 is `__syncthreads`).
 /// `STATS_FREE0`/`1`: the consumers have read a stage's row statistics (producer warp 0 syncs
-/// before the stage's next bulk copies; one per stage of the 2-stage ring).
-pub const NAMED_BARRIERS: [&str; 5] = [
+/// before the stage's next bulk copies; one per stage of the 2-stage ring). `DQ_STORED0`/`1`:
+/// a consumer warpgroup's dQ tile is in its shared buffer (its thread 0 then issues the
+/// reduce-add; one per consumer warpgroup).
+pub const NAMED_BARRIERS: [&str; 7] = [
     "SYNC_ALL",
     "DS_READY",
     "CLEANED",
     "STATS_FREE0",
     "STATS_FREE1",
+    "DQ_STORED0",
+    "DQ_STORED1",
 ];
+/// A consumer warpgroup's dQ tile (64 × 64 f32): the unit of its shared buffer, of the bulk
+/// reduce-add and of the accumulator's layout.
+pub const DQ_TILE_BYTES: usize = 64 * 64 * 4;
 
 /// Tiles and register split of the main kernel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -69,9 +78,9 @@ impl Tiles {
         WARPGROUP_THREADS * (1 + CONSUMER_WGS)
     }
 
-    /// Dynamic shared memory at `head_dim`: K and V, `stages` × (Q, dO), two dSᵀ buffers,
-    /// `stages` × (LSE, D) rows in f32, the mbarriers, the CTA's work and the alignment slack
-    /// (the kernel static_asserts the same sum).
+    /// Dynamic shared memory at `head_dim`: K and V, `stages` × (Q, dO), two dSᵀ buffers, one
+    /// dQ tile per consumer warpgroup, `stages` × (LSE, D) rows in f32, the mbarriers, the
+    /// CTA's work and the alignment slack (the kernel static_asserts the same sum).
     pub fn smem_bytes(&self, head_dim: usize) -> usize {
         let kv = BLOCK_N * head_dim * 2;
         let qo = self.block_m * head_dim * 2;
@@ -81,6 +90,7 @@ impl Tiles {
         2 * kv
             + self.stages * 2 * qo
             + 2 * ds
+            + CONSUMER_WGS * DQ_TILE_BYTES
             + self.stages * stats
             + barriers
             + WORK_BYTES
@@ -450,6 +460,9 @@ pub fn plan(p: &Problem, arch: &GpuArch, target: &'static str) -> Result<Plan> {
     let stats_rows = max_q.div_ceil(tiles.block_m) * tiles.block_m;
     let mut base = base;
     base.dpsum_len = 2 * p.sequences().len() * p.heads_q() * stats_rows;
+    // The accumulator in 64 × 64 tiles over the padded rows (the kernel's reduce-adds cover
+    // whole tiles; `pre` zeroes and `convert` reads that layout when `stats_rows` > 0).
+    base.accum_len = p.sequences().len() * p.heads_q() * stats_rows * head_dim;
     let mut pre = pre;
     pre.1 .0 = u32::try_from(stats_rows.div_ceil(bwd::AUX_WARPS))
         .ok()
@@ -499,7 +512,9 @@ mod tests {
             assert_eq!(p.pre.0.kernel, BwdKernel::Pre);
             assert_eq!(p.convert.0.kernel, BwdKernel::Convert);
             assert_eq!(p.pre.0.target, "sm_90");
-            assert_eq!(p.base.accum_len, 2 * 300 * 8 * d);
+            // The accumulator in whole 64 × 64 tiles over the padded rows.
+            assert_eq!(p.base.accum_len, 2 * 8 * p.stats_rows * d);
+            assert_eq!(p.base.accum_len % (DQ_TILE_BYTES / 4), 0);
             // The padded statistics: 300 rows in whole query blocks, D and LSE·log2e for each
             // of 2 sequences × 8 heads, and the pre kernel's grid over every padded row.
             let m = s.tiles.block_m;
@@ -508,15 +523,15 @@ mod tests {
             assert_eq!(p.base.dpsum_len, 2 * 2 * 8 * p.stats_rows);
             assert_eq!(p.pre.1, ((p.stats_rows / 4) as u32, 8, 2));
         }
-        // The shared-memory sums, by hand: K, V + 2 × (Q, dO) + 2 × dSᵀ + 2 × LSE, D + 5 barriers
-        // + the work + slack.
+        // The shared-memory sums, by hand: K, V + 2 × (Q, dO) + 2 × dSᵀ + 2 × dQ tiles
+        // + 2 × LSE, D + 5 barriers + the work + slack.
         assert_eq!(
             tiles(64).smem_bytes(64),
-            2 * 16384 + 4 * 8192 + 2 * 16384 + 2 * 512 + 40 + 128 + 1024
+            2 * 16384 + 4 * 8192 + 2 * 16384 + 2 * 16384 + 2 * 512 + 40 + 128 + 1024
         );
         assert_eq!(
             tiles(128).smem_bytes(128),
-            2 * 32768 + 4 * 16384 + 2 * 16384 + 2 * 512 + 40 + 128 + 1024
+            2 * 32768 + 4 * 16384 + 2 * 16384 + 2 * 16384 + 2 * 512 + 40 + 128 + 1024
         );
     }
 

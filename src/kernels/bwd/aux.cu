@@ -7,6 +7,11 @@
 //   instead, the grid covering every padded row.
 // - fa4_bwd_convert: dQ = scale · accumulator, rounded to the storage dtype. (dK and dV are
 //   written by the main kernel itself: no atomics reach them.)
+//
+// The accumulator's layout: (acc_rows, heads_q, HEAD_DIM) row by row for the Ampere-class main
+// kernel; for the Hopper one (`stats_rows` > 0) tiles of 64 rows × 64 columns, per (batch, head,
+// 64-row group of the padded rows), each in the order its consumer warpgroup holds it in
+// registers (`dq_tile_pos`, the inverse of `../bwd_sm90/main.cu`'s `dq_pos`).
 
 constexpr int AUX_WARPS = 4;
 constexpr int ROWS_PER_CTA = AUX_WARPS;
@@ -35,6 +40,12 @@ extern "C" __global__ void __launch_bounds__(AUX_WARPS * 32) fa4_bwd_pre(const _
     // [batch][heads_q][stats_rows], every padded row written (D = 0, LSE = +inf past the end).
     const long long padded = bp.stats_rows > 0 ? (static_cast<long long>(r.batch) * p.heads_q + r.head) * bp.stats_rows + r.i : -1;
     const long long lse_half = static_cast<long long>(p.batch) * p.heads_q * bp.stats_rows;
+    // The Hopper layout's accumulator: the padded row's HEAD_DIM elements of its (batch, head)
+    // span (a 64-row group's tiles are 64 such spans, whichever rows' elements they hold).
+    if (padded >= 0 && r.i < bp.stats_rows && bp.dq_accum != nullptr) {
+        float* acc = bp.dq_accum + padded * HEAD_DIM;
+        for (int c = lane; c < HEAD_DIM; c += 32) acc[c] = 0.0f;
+    }
     if (!r.valid) {
         if (padded >= 0 && r.i < bp.stats_rows && lane == 0) {
             bp.dpsum[padded] = 0.0f;
@@ -71,10 +82,19 @@ extern "C" __global__ void __launch_bounds__(AUX_WARPS * 32) fa4_bwd_pre(const _
             bp.dpsum[arow * p.heads_q + r.head] = sum;
         }
     }
-    if (bp.dq_accum != nullptr) {
+    if (bp.dq_accum != nullptr && padded < 0) {
         float* acc = bp.dq_accum + (arow * p.heads_q + r.head) * HEAD_DIM;
         for (int c = lane; c < HEAD_DIM; c += 32) acc[c] = 0.0f;
     }
+}
+
+// Element (row r, column c) of a 64 × 64 dQ tile of the Hopper layout: the wgmma accumulator
+// holds it in warpgroup thread t = 32·(r / 16) + 4·(r % 8) + (c % 8) / 2, register
+// i = 4·(c / 8) + 2·((r % 16) / 8) + c % 2, stored at 512·(i / 4) + 4·t + i % 4.
+__device__ __forceinline__ int dq_tile_pos(int r, int c) {
+    const int t = 32 * (r / 16) + 4 * (r % 8) + (c % 8) / 2;
+    const int i = 4 * (c / 8) + 2 * ((r % 16) / 8) + c % 2;
+    return 512 * (i / 4) + 4 * t + i % 4;
 }
 
 extern "C" __global__ void __launch_bounds__(AUX_WARPS * 32) fa4_bwd_convert(const __grid_constant__ BwdParams bp) {
@@ -82,10 +102,27 @@ extern "C" __global__ void __launch_bounds__(AUX_WARPS * 32) fa4_bwd_convert(con
     if (!r.valid) return;
     const FwdParams& p = bp.f;
     const int lane = threadIdx.x % 32;
-    const long long arow = acc_row(bp, r.batch, r.s, r.i);
-    const float* acc = bp.dq_accum + (arow * p.heads_q + r.head) * HEAD_DIM;
     u16* gdQ = static_cast<u16*>(bp.dq) + r.batch * bp.dq_batch_stride + (r.s.q_start + r.i) * bp.dq_row_stride +
                r.head * bp.dq_head_stride;
+    if (bp.stats_rows > 0) {
+        // The Hopper layout: the row's 64-row group, then per 8 columns four pairs 4 apart.
+        const float* group = bp.dq_accum + ((static_cast<long long>(r.batch) * p.heads_q + r.head) * bp.stats_rows +
+                                            (r.i / 64) * 64) * HEAD_DIM;
+        for (int c = lane; c * 8 < p.head_dim; c += 32) {
+            const int col = c * 8;
+            const float* tile = group + (col / 64) * (64 * 64) + dq_tile_pos(r.i % 64, col % 64);
+            u32 x[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                const float2 v = *reinterpret_cast<const float2*>(tile + 4 * e);
+                x[e] = pack2(v.x * bp.scale, v.y * bp.scale);
+            }
+            st_global_v4(gdQ + col, x);
+        }
+        return;
+    }
+    const long long arow = acc_row(bp, r.batch, r.s, r.i);
+    const float* acc = bp.dq_accum + (arow * p.heads_q + r.head) * HEAD_DIM;
     for (int c = lane; c * 8 < p.head_dim; c += 32) {
         u32 x[4];
 #pragma unroll

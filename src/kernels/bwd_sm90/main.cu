@@ -19,14 +19,23 @@
 //   Pᵀ = exp2(capped(Sᵀ)·LOG2E − LSE_i·LOG2E)  from the forward's LSE; masked pairs set to 0
 //   dSᵀ = Pᵀ ∘ (dPᵀ − D_i) ∘ capped'           the softcap derivative; the scale comes last
 //   dV += Pᵀ·dO, dK += dSᵀ·Q                   wgmma, A = Pᵀ / dSᵀ from registers, B MN-major
-//   dQ_i += dS·K                               dSᵀ through shared memory (A MN-major), f32
-//                                              red.add into the accumulator
+//   dQ_i += dS·K                               dSᵀ through shared memory (A MN-major); the f32
+//                                              tile goes to shared memory and one bulk
+//                                              reduce-add (TMA) adds it to the accumulator
 // For dQ the consumers split the (BLOCK_M, HEAD_DIM) tile into DQ_PARTS ≤ CONSUMER_WGS parts,
 // 64-row groups × column groups of whole 64-column slabs (an MN-major operand cannot start
 // inside a swizzle atom); at step it, consumer c computes part (c + it) % CONSUMER_WGS if there
 // is one, so with one part (d64: 64 × 64) the warpgroups take turns. Each part needs every key
 // of the block, so the dSᵀ tile of both warpgroups is exchanged through shared memory (two
 // buffers, one barrier).
+//
+// The dQ accumulator (f32, zeroed by `pre`, read by `convert`) is private to the three kernels,
+// so its layout is the one the consumers write fastest: per (batch, head, 64-row group of the
+// padded rows `stats_rows`), HEAD_DIM / 64 tiles of 64 × 64, each tile in the accumulator's
+// register order (`dq_pos`): a warpgroup stores its 32 dQ registers with eight 16-byte stores per
+// thread, conflict-free, into its own buffer, and its thread 0 adds the whole 16 KB tile with one
+// `cp.reduce.async.bulk` (before: 16 `red.global.add.v2` per thread and step). The buffer is
+// reused a step later, after thread 0's read wait (`bulk_wait_read`) and the DS_READY barrier.
 //
 // Warp roles (the prelude's `Role` and `role_of(warp)`):
 //   warpgroup 0      ROLE_PRODUCER  PRODUCER_REGS  warp 0: lane 0 issues the TMA loads (K, V
@@ -42,6 +51,8 @@
 //   BAR_DS_READY    every consumer's dSᵀ is in shared memory (buffer step % 2); also orders
 //                   the reuse of a buffer two steps later after everyone's dQ of it
 //   BAR_CLEANED     K (once) or a masked step's Q is cleaned of non-finite values
+//   BAR_DQ_STORED0/1  consumer warpgroup 0's / 1's dQ tile is in its shared buffer (the
+//                   warpgroup's 128 threads): its thread 0 issues the bulk reduce-add
 //   BAR_STATS_FREE0/1  the consumers have read stage 0's / 1's row statistics (bar.arrive);
 //                   producer warp 0 syncs before refilling the stage
 //
@@ -76,11 +87,13 @@ constexpr int QO_BYTES = BLOCK_M * HEAD_DIM * 2;   // (BLOCK_M, HEAD_DIM)
 constexpr int DS_BYTES = BLOCK_N * BLOCK_M * 2;    // (BLOCK_N, BLOCK_M): dSᵀ
 constexpr int DS_BUFFERS = 2;
 constexpr int ROW_STATS = 2 * BLOCK_M;             // f32 LSE·LOG2E and D of a step's rows
+constexpr int DQ_TILE = 64;                        // the dQ tile: 64 rows × 64 columns, f32
+constexpr int DQ_BYTES = DQ_TILE * DQ_TILE * 4;    // one consumer warpgroup's dQ buffer
 constexpr int NUM_BARRIERS = 1 + 2 * STAGES;
 constexpr int WORK_BYTES = 128;                    // the CTA's `Work`, after the barriers
 constexpr int TILE_ALIGN = 1024;
-constexpr int SMEM_BYTES = 2 * KV_BYTES + STAGES * 2 * QO_BYTES + DS_BUFFERS * DS_BYTES + STAGES * ROW_STATS * 4 +
-                           8 * NUM_BARRIERS + WORK_BYTES + TILE_ALIGN;
+constexpr int SMEM_BYTES = 2 * KV_BYTES + STAGES * 2 * QO_BYTES + DS_BUFFERS * DS_BYTES + CONSUMER_WGS * DQ_BYTES +
+                           STAGES * ROW_STATS * 4 + 8 * NUM_BARRIERS + WORK_BYTES + TILE_ALIGN;
 constexpr int ST_REGS = BLOCK_M / 2;               // f32 Sᵀ (and dPᵀ) per thread: (64, BLOCK_M) per warpgroup
 constexpr int PK_REGS = BLOCK_M / 4;               // packed 16-bit pairs of Pᵀ (and dSᵀ)
 constexpr int DKV_REGS = HEAD_DIM / 2;             // f32 dK (and dV) per thread: (64, HEAD_DIM)
@@ -105,6 +118,8 @@ static_assert(KV_BYTES % TILE_ALIGN == 0 && QO_BYTES % TILE_ALIGN == 0 && DS_BYT
 static_assert(SMEM_BYTES == FA4_SMEM_BYTES, "the planner's shared-memory count must match");
 static_assert(STAGES >= 2, "the Q/dO ring needs two stages to overlap loads with compute");
 static_assert((BLOCK_M * 4) % 16 == 0, "a step's statistics are whole 16-byte bulk copies");
+static_assert(DQ_N == DQ_TILE && DQ_REGS == 32, "a dQ part is one 64 × 64 tile of the accumulator");
+static_assert(CONSUMER_WGS == 2, "one DQ_STORED barrier per consumer warpgroup: the planner names two");
 
 // Accumulator layout of wgmma m64nN (f32), as in the forward: thread t of the warpgroup (warp
 // w, lane l) holds register i at row 16w + l/4 + 8·slot(i) and column 8·(i/4) + 2·(l%4) + i%2.
@@ -117,12 +132,14 @@ struct Smem {
     u32 k, v;        // (BLOCK_N, HEAD_DIM) each
     u32 q, dout;     // STAGES × (BLOCK_M, HEAD_DIM) each
     u32 ds;          // DS_BUFFERS × (BLOCK_N, BLOCK_M): dSᵀ
+    u32 dq;          // CONSUMER_WGS × (64, 64) f32: each warpgroup's dQ tile, in `dq_pos` order
     float* stats;    // STAGES × [LSE·LOG2E (BLOCK_M), D (BLOCK_M)]
     Barriers load_kv, load_q, release_q;
     __device__ Pipeline<STAGES> pipe_q() const { return {load_q, release_q}; }
     __device__ u32 q_stage(int s) const { return q + s * QO_BYTES; }
     __device__ u32 do_stage(int s) const { return dout + s * QO_BYTES; }
     __device__ u32 ds_buf(int b) const { return ds + b * DS_BYTES; }
+    __device__ u32 dq_buf(int c) const { return dq + c * DQ_BYTES; }
     __device__ float* lse2(int s) const { return stats + s * ROW_STATS; }
     __device__ float* dsum(int s) const { return lse2(s) + BLOCK_M; }
 };
@@ -285,6 +302,18 @@ __device__ __forceinline__ constexpr u32 ds_offset(int i) {
                             (((8 * (i >> 2)) % SLAB_ELEMS) / 8) * 16);
 }
 
+// Position (in f32 elements) of accumulator register i of warpgroup thread t in a dQ tile:
+// registers 4k .. 4k + 3 of the 128 threads fill elements 512k .. 512k + 511, thread by thread.
+// The convert kernel (`../bwd/aux.cu`, `dq_tile_pos`) inverts it from (row, column).
+__device__ __forceinline__ constexpr int dq_pos(int i, int t) { return (i >> 2) * 512 + 4 * t + (i & 3); }
+
+__device__ __forceinline__ void dq_stored_sync(int c) {
+    if (c == 0)
+        named_bar_sync<BAR_DQ_STORED0, WG_THREADS>();
+    else
+        named_bar_sync<BAR_DQ_STORED1, WG_THREADS>();
+}
+
 __device__ __forceinline__ void zero(float* r, int n) {
 #pragma unroll
     for (int i = 0; i < n; ++i) r[i] = 0.0f;
@@ -366,6 +395,9 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
 #pragma unroll
         for (int j = 0; j < PK_REGS; ++j) st_shared_b32((ds_row + ds_offset(2 * j)) ^ ds_xor, rdS[j]);
         fence_proxy_async();
+        // This warpgroup's previous dQ tile has been read out of its buffer (thread 0 issued its
+        // reduce-add); the barrier tells the other threads before they store the next one.
+        if (tid == 0) bulk_wait_read<0>();
         named_bar_sync<BAR_DS_READY, CONSUMER_THREADS>();
 
         const int part = (c + it) % CONSUMER_WGS;  // this warpgroup's part of dQ, if any
@@ -382,17 +414,24 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
         wgmma_wait<0>();  // dV, dK and dQ are in: the stage's Q and dO are free
         sm.pipe_q().release(st, lane);
 
-        // dQ_i += dS·K (the scale is applied by the convert kernel).
+        // dQ_i += dS·K (the scale is applied by the convert kernel): the tile to this warpgroup's
+        // buffer in register order, then one bulk reduce-add of it into its accumulator tile
+        // (rows past the sequence land in the padded rows, which `convert` skips).
+        const u32 dq_buf = sm.dq_buf(c);
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-            const int q = r0 + 64 * rg + 16 * warp + lane / 4 + 8 * h;
-            if (q < w.s.q_len) {
-                float* acc = bp.dq_accum + (acc_row(bp, w.batch, w.s, q) * p.heads_q + head) * HEAD_DIM + cg * DQ_N;
-#pragma unroll
-                for (int i = 0; i < DQ_REGS; i += 4) red_add_v2(acc + acc_col(i, lane), rdQ[i + 2 * h], rdQ[i + 2 * h + 1]);
-            }
+        for (int k = 0; k < DQ_REGS / 4; ++k)
+            st_shared_v4f(dq_buf + 4 * dq_pos(4 * k, tid), rdQ[4 * k], rdQ[4 * k + 1], rdQ[4 * k + 2], rdQ[4 * k + 3]);
+        fence_proxy_async();
+        dq_stored_sync(c);
+        if (tid == 0) {
+            const long long row0 = (static_cast<long long>(w.batch) * p.heads_q + head) * bp.stats_rows + r0 + 64 * rg;
+            bulk_reduce_add_f32(bp.dq_accum + row0 * HEAD_DIM + cg * (DQ_TILE * DQ_TILE), dq_buf, DQ_BYTES);
+            bulk_commit();
         }
     }
+    // The last reduce-add has read its buffer before the CTA's shared memory goes (its global
+    // writes complete before the kernel does).
+    if (tid == 0) bulk_wait_read<0>();
 
     // dK = scale · Σ dSᵀ·Q and dV, rounded, rows below the keys' end (head_dim == HEAD_DIM).
 #pragma unroll
@@ -428,7 +467,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_bwd_sm90(const 
     sm.q = sm.v + KV_BYTES;
     sm.dout = sm.q + STAGES * QO_BYTES;
     sm.ds = sm.dout + STAGES * QO_BYTES;
-    const u32 stats = sm.ds + DS_BUFFERS * DS_BYTES;
+    sm.dq = sm.ds + DS_BUFFERS * DS_BYTES;
+    const u32 stats = sm.dq + CONSUMER_WGS * DQ_BYTES;
     sm.stats = reinterpret_cast<float*>(smem_raw + (stats - smem_u32(smem_raw)));
     sm.load_kv.base = stats + STAGES * ROW_STATS * 4;
     sm.load_q.base = sm.load_kv[1];

@@ -1,12 +1,21 @@
-// PTX wrappers of the Hopper backward beyond the Hopper layer (`../sm90/ptx.cuh`): the f32
-// vector reduction into the dQ accumulator and the 16-byte shared-memory access of the
-// non-finite cleaning (the 4-byte `st_shared_b32` of the dSᵀ stores is the Hopper layer's).
-// (`../bwd/ptx.cuh` holds the same reduction for the Ampere-class kernel
-// but also a `st_global_b32` that the Hopper layer defines too, so it is not included here.)
+// PTX wrappers of the Hopper backward beyond the Hopper layer (`../sm90/ptx.cuh`): the bulk
+// reduction of a dQ tile from shared memory into the f32 accumulator, and the 16-byte
+// shared-memory accesses of the non-finite cleaning and the dQ tile's stores (the 4-byte
+// `st_shared_b32` of the dSᵀ stores and the bulk-group commit and read wait are the Hopper
+// layer's). (`../bwd/ptx.cuh` holds the Ampere-class kernel's register reduction but also a
+// `st_global_b32` that the Hopper layer defines too, so it is not included here.)
 
-// dst[0] += x, dst[1] += y, no return value (sm_90: one vector reduction).
-__device__ __forceinline__ void red_add_v2(float* dst, float x, float y) {
-    asm volatile("red.global.add.v2.f32 [%0], {%1, %2};\n" ::"l"(dst), "f"(x), "f"(y) : "memory");
+// dst[0 .. bytes / 4) += src[0 .. bytes / 4) (f32, element by element, as atomic adds in
+// global memory), read from shared memory by the TMA unit in this thread's bulk async-group.
+// dst and src 16-byte aligned, bytes a multiple of 16.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
+    asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void st_shared_v4f(u32 addr, float a, float b, float c, float d) {
+    asm volatile("st.shared.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
 }
 
 __device__ __forceinline__ void ld_shared_v4(u32 (&x)[4], u32 addr) {

@@ -12,6 +12,7 @@ call. FLOPs = 2.5 × fa4's `Problem::flops` (causal halved), one count for every
 
     python3 bench/bwd_grid.py --fa4 ./bwd_bench [--shapes 128,16384,0 ...] [--calls 10] [--rounds 7]
         [--alt-env FA4_BWD_KERNEL=sm80]   (a second fa4 process with that environment, interleaved)
+        [--bin NAME=PATH ...]             (other fa4 builds' bwd_bench, interleaved: A/B of kernels)
 """
 import argparse, json, os, subprocess, sys
 
@@ -40,6 +41,8 @@ def main():
     ap.add_argument("--alt-env", default=None,
                     help="also time fa4 in a process with this KEY=VALUE in its environment (column "
                          "'fa4 alt'), e.g. FA4_BWD_KERNEL=sm80 beside FA4_BWD_KERNEL=sm90")
+    ap.add_argument("--bin", action="append", default=[],
+                    help="NAME=PATH: also time this bwd_bench (another build) in the same rounds, column NAME")
     a = ap.parse_args()
     shapes = [tuple(int(x) for x in s.split(",")) for s in a.shapes] if a.shapes else GRID
     import torch
@@ -55,6 +58,11 @@ def main():
         fa4a = subprocess.Popen([a.fa4], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                                 env=dict(os.environ, **{key: val}))
 
+    extra = {}
+    for spec in a.bin:
+        name, _, path = spec.partition("=")
+        extra[name] = subprocess.Popen([path], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+
     def ask(p, line):
         p.stdin.write(line + "\n")
         p.stdin.flush()
@@ -64,7 +72,8 @@ def main():
         return r.split()
 
     results = []
-    print(f"{'d':>4} {'seqlen':>6} {'causal':>6} | {'fa4':>7} {'fa4 det':>7} {'fa4 t':>7} {'fa4 alt':>7} {'cudnn':>7} {'fa2':>7} | TFLOP/s  (spread: IQR/median)", flush=True)
+    print(f"{'d':>4} {'seqlen':>6} {'causal':>6} | {'fa4':>7} {'fa4 det':>7} {'fa4 t':>7} {'fa4 alt':>7} {'cudnn':>7} {'fa2':>7} "
+          + "".join(f"{n:>10} " for n in extra) + "| TFLOP/s  (spread: IQR/median)", flush=True)
     for d, s, c in shapes:
         b, h = 16384 // s, 2048 // d
         libs = {}
@@ -79,6 +88,9 @@ def main():
         if fa4a is not None:
             ask(fa4a, f"shape {d} {s} {c} {b} {h} 0")
             libs["fa4 alt"] = lambda: float(ask(fa4a, f"round {a.calls}")[0])
+        for name, proc in extra.items():
+            ask(proc, f"shape {d} {s} {c} {b} {h} 0")
+            libs[name] = lambda proc=proc: float(ask(proc, f"round {a.calls}")[0])
         torch.manual_seed(0)
         mk = lambda: torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         q, k, v = mk(), mk(), mk()
@@ -112,7 +124,8 @@ def main():
         tf = {n: flops / (x["median"] * 1e-3) / 1e12 for n, x in st.items()}
         sp = {n: (x["q3"] - x["q1"]) / x["median"] for n, x in st.items()}
         cell = lambda n: f"{tf[n]:7.1f}" if n in tf else f"{'-':>7}"
-        print(f"{d:>4} {s:>6} {c:>6} | {cell('fa4')} {cell('fa4 det')} {cell('fa4 t')} {cell('fa4 alt')} {cell('cudnn')} {cell('fa2')} | "
+        print(f"{d:>4} {s:>6} {c:>6} | {cell('fa4')} {cell('fa4 det')} {cell('fa4 t')} {cell('fa4 alt')} {cell('cudnn')} {cell('fa2')} "
+              + "".join(f"{tf[n]:10.1f} " if n in tf else f"{'-':>10} " for n in extra) + "| "
               + " ".join(f"{n} {sp[n]:.1%}" for n in sp), flush=True)
         results.append({"d": d, "seqlen": s, "causal": c, "batch": b, "heads": h, "flops": flops,
                         "rounds_ms": rounds, "tflops": tf})

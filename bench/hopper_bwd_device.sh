@@ -13,7 +13,7 @@
 # `bwd_bench` (the example bwd_grid.py drives) and bwd_grid.py copied beside them, here:
 #   run carry [".device/hopperbwd"], command
 #   bash .device/hopperbwd/hopper_bwd_device.sh .device/hopperbwd
-# HB_BINS="NAME=PATH ..." adds other builds' bwd_bench to the grid's interleaved rounds (an A/B
+# HB_GRID_SECS caps the grid (default 150). HB_BINS="NAME=PATH ..." adds other builds' bwd_bench to the grid's interleaved rounds (an A/B
 # of kernel changes; paths relative to DIR); HB_ALT=0 drops the Ampere-class column.
 # Logs and a summary under $OUT. Each step runs under `timeout`, cut to what is left of
 # HB_BUDGET seconds (default 290), so a hang (a wrong mbarrier phase would hang the kernel)
@@ -113,7 +113,7 @@ cp "$bin/bwd_grid.py" "$out/bwd_grid.py" 2>/dev/null
 grid_args=()
 [ "${HB_ALT:-1}" = 0 ] || grid_args+=(--alt-env FA4_BWD_KERNEL=sm80)
 for b in ${HB_BINS:-}; do grid_args+=(--bin "${b%%=*}=$bin/${b#*=}"); done
-FA4_BWD_KERNEL=sm90 OUT=$out timeout -k 5 "$(left 150)" python3 "$bin/bwd_grid.py" --fa4 "$bin/bwd_bench" \
+FA4_BWD_KERNEL=sm90 OUT=$out timeout -k 5 "$(left "${HB_GRID_SECS:-150}")" python3 "$bin/bwd_grid.py" --fa4 "$bin/bwd_bench" \
     "${grid_args[@]}" --calls 10 --rounds 5 --shapes $shapes > "$out/grid.txt" 2>&1
 rc=$? secs=$(($(date +%s) - t0))
 case $rc in

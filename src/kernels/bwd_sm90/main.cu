@@ -251,16 +251,19 @@ __device__ __forceinline__ void clean_nonfinite(u32 base, int ctid) {
     named_bar_sync<BAR_CLEANED, CONSUMER_THREADS>();
 }
 
-// acc = A·B with A the warpgroup's 64 rows of `a` (K or V), K-major, and B the stage's tile `b`
-// (Q or dO), K-major, N = BLOCK_M: Sᵀ = K_c·Qᵀ or dPᵀ = V_c·dOᵀ, one commit group each, so that
-// Pᵀ is computed while dPᵀ is still in the tensor cores.
-__device__ __forceinline__ void issue_st(float (&acc)[ST_REGS], u32 a, u32 b, int c) {
+// Sᵀ = K_c·Qᵀ and dPᵀ = V_c·dOᵀ (one commit group): A is the warpgroup's 64 rows of K (V),
+// K-major; B is Q (dO), K-major, N = BLOCK_M.
+__device__ __forceinline__ void issue_st_dpt(float (&rS)[ST_REGS], float (&rdP)[ST_REGS], const Smem& sm, int stage,
+                                             int c) {
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
         const u32 a_off = (kk / 4) * (BLOCK_N * SLAB_ROW_BYTES) + KEYS_PER_WG * c * SLAB_ROW_BYTES +
                           (kk % 4) * KSTEP_K_MAJOR_BYTES;
         const u32 b_off = (kk / 4) * (BLOCK_M * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
-        wgmma_st(acc, smem_desc(a + a_off, 16, SBO_BYTES), smem_desc(b + b_off, 16, SBO_BYTES), kk > 0 ? 1 : 0);
+        wgmma_st(rS, smem_desc(sm.k + a_off, 16, SBO_BYTES), smem_desc(sm.q_stage(stage) + b_off, 16, SBO_BYTES),
+                 kk > 0 ? 1 : 0);
+        wgmma_st(rdP, smem_desc(sm.v + a_off, 16, SBO_BYTES), smem_desc(sm.do_stage(stage) + b_off, 16, SBO_BYTES),
+                 kk > 0 ? 1 : 0);
     }
     wgmma_commit();
 }
@@ -341,8 +344,8 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
 
         float rS[ST_REGS], rdP[ST_REGS];  // (64 keys, BLOCK_M queries) each per warpgroup
         wgmma_fence();
-        issue_st(rS, sm.k, sm.q_stage(st.stage), c);
-        issue_st(rdP, sm.v, sm.do_stage(st.stage), c);
+        issue_st_dpt(rS, rdP, sm, st.stage, c);
+        wgmma_wait<0>();
 
         // Pᵀ and dSᵀ (without the scale), packed into A fragments: k step kk takes registers
         // 8kk .. 8kk + 7 pairwise (the accumulator layout is the A layout's). In a masked step
@@ -361,51 +364,21 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             }
         }
         u32 rP[PK_REGS], rdS[PK_REGS];
-        if constexpr (HAS_SOFTCAP) {
-            // Both products first: holding the softcap derivative of every pair while dPᵀ is in
-            // flight spills at d128 (8 bytes), so Pᵀ and dSᵀ are computed pair by pair.
-            wgmma_wait<0>();
 #pragma unroll
-            for (int j = 0; j < PK_REGS; ++j) {
-                float pv[2], ds[2];
+        for (int j = 0; j < PK_REGS; ++j) {
+            float pv[2], ds[2];
 #pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int i = 2 * j + e, q = acc_col(i, lane), h = acc_slot(i);
-                    float dsdx;
-                    const float x = capped(bp, rS[i], dsdx);
-                    pv[e] = exp2_approx(x * LOG2E - lse2[q]);
-                    ds[e] = pv[e] * (rdP[i] - lse2[BLOCK_M + q]) * dsdx;
-                    if (q < q_lo[h] || q >= q_hi[h]) pv[e] = ds[e] = 0.0f;
-                }
-                rP[j] = pack2(pv[0], pv[1]);
-                rdS[j] = pack2(ds[0], ds[1]);
+            for (int e = 0; e < 2; ++e) {
+                const int i = 2 * j + e, q = acc_col(i, lane);
+                float dsdx;
+                const float x = capped(bp, rS[i], dsdx);
+                pv[e] = exp2_approx(x * LOG2E - lse2[q]);
+                ds[e] = pv[e] * (rdP[i] - lse2[BLOCK_M + q]) * dsdx;
+                const int h = acc_slot(i);
+                if (q < q_lo[h] || q >= q_hi[h]) pv[e] = ds[e] = 0.0f;
             }
-        } else {
-            // Pᵀ (masked pairs 0) while dPᵀ is still in the tensor cores, kept in f32 in Sᵀ's
-            // registers for dSᵀ.
-            wgmma_wait<1>();
-#pragma unroll
-            for (int j = 0; j < PK_REGS; ++j) {
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int i = 2 * j + e, q = acc_col(i, lane), h = acc_slot(i);
-                    const float pv = exp2_approx(rS[i] * bp.scale * LOG2E - lse2[q]);
-                    rS[i] = (q < q_lo[h] || q >= q_hi[h]) ? 0.0f : pv;
-                }
-                rP[j] = pack2(rS[2 * j], rS[2 * j + 1]);
-            }
-            wgmma_wait<0>();  // dPᵀ is in
-#pragma unroll
-            for (int j = 0; j < PK_REGS; ++j) {
-                float ds[2];
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int i = 2 * j + e, q = acc_col(i, lane), h = acc_slot(i);
-                    // Set, not multiplied, for a masked pair: its dPᵀ may be NaN.
-                    ds[e] = (q < q_lo[h] || q >= q_hi[h]) ? 0.0f : rS[i] * (rdP[i] - lse2[BLOCK_M + q]);
-                }
-                rdS[j] = pack2(ds[0], ds[1]);
-            }
+            rP[j] = pack2(pv[0], pv[1]);
+            rdS[j] = pack2(ds[0], ds[1]);
         }
         // This stage's statistics are read: the producer may refill it (STATS_FREE).
         if (it + STAGES < w.trips) stats_free_arrive(st.stage);

@@ -411,8 +411,9 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
         wgmma_fence();
         issue_dq(rdQ, sm, ds_base, rg, cg);
         wgmma_commit();
-        wgmma_wait<0>();  // dV, dK and dQ are in: the stage's Q and dO are free
+        wgmma_wait<1>();  // dV and dK are in: the stage's Q and dO are free (dQ reads dSᵀ and K)
         sm.pipe_q().release(st, lane);
+        wgmma_wait<0>();
 
         // dQ_i += dS·K (the scale is applied by the convert kernel): the tile to this warpgroup's
         // buffer in register order, then one bulk reduce-add of it into its accumulator tile

@@ -43,17 +43,13 @@ pub const TILE_ALIGN: usize = 1024;
 pub const WORK_BYTES: usize = 128;
 /// Named barriers of the kernel, in id order (id 0 is `__syncthreads`).
 /// `STATS_FREE0`/`1`: the consumers have read a stage's row statistics (producer warp 0 syncs
-/// before the stage's next bulk copies; one per stage of the 2-stage ring). `DQ_STORED0`/`1`:
-/// a consumer warpgroup's dQ tile is in its shared buffer (its thread 0 then issues the
-/// reduce-add; one per consumer warpgroup).
-pub const NAMED_BARRIERS: [&str; 7] = [
+/// before the stage's next bulk copies; one per stage of the 2-stage ring).
+pub const NAMED_BARRIERS: [&str; 5] = [
     "SYNC_ALL",
     "DS_READY",
     "CLEANED",
     "STATS_FREE0",
     "STATS_FREE1",
-    "DQ_STORED0",
-    "DQ_STORED1",
 ];
 /// A consumer warpgroup's dQ tile (64 × 64 f32): the unit of its shared buffer, of the bulk
 /// reduce-add and of the accumulator's layout.

@@ -90,11 +90,11 @@ extern "C" __global__ void __launch_bounds__(AUX_WARPS * 32) fa4_bwd_pre(const _
 
 // Element (row r, column c) of a 64 × 64 dQ tile of the Hopper layout: the wgmma accumulator
 // holds it in warpgroup thread t = 32·(r / 16) + 4·(r % 8) + (c % 8) / 2, register
-// i = 4·(c / 8) + 2·((r % 16) / 8) + c % 2, stored at 512·(i / 4) + 4·t + i % 4.
+// i = 4·(c / 8) + 2·((r % 16) / 8) + c % 2, stored at 1024·(t / 32) + 128·(i / 4) + 4·(t % 32) + i % 4.
 __device__ __forceinline__ int dq_tile_pos(int r, int c) {
     const int t = 32 * (r / 16) + 4 * (r % 8) + (c % 8) / 2;
     const int i = 4 * (c / 8) + 2 * ((r % 16) / 8) + c % 2;
-    return 512 * (i / 4) + 4 * t + i % 4;
+    return 1024 * (t / 32) + 128 * (i / 4) + 4 * (t % 32) + i % 4;
 }
 
 extern "C" __global__ void __launch_bounds__(AUX_WARPS * 32) fa4_bwd_convert(const __grid_constant__ BwdParams bp) {

@@ -32,10 +32,11 @@
 // The dQ accumulator (f32, zeroed by `pre`, read by `convert`) is private to the three kernels,
 // so its layout is the one the consumers write fastest: per (batch, head, 64-row group of the
 // padded rows `stats_rows`), HEAD_DIM / 64 tiles of 64 × 64, each tile in the accumulator's
-// register order (`dq_pos`): a warpgroup stores its 32 dQ registers with eight 16-byte stores per
-// thread, conflict-free, into its own buffer, and its thread 0 adds the whole 16 KB tile with one
-// `cp.reduce.async.bulk` (before: 16 `red.global.add.v2` per thread and step). The buffer is
-// reused a step later, after thread 0's read wait (`bulk_wait_read`) and the DS_READY barrier.
+// register order (`dq_pos`, each warp's 16 rows one contiguous 4 KB quarter): a warpgroup stores
+// its 32 dQ registers with eight 16-byte stores per thread, conflict-free, into its own buffer,
+// and lane 0 of each warp adds the warp's quarter with one `cp.reduce.async.bulk` (before: 16
+// `red.global.add.v2` per thread and step). The buffer is reused a step later, after each lane
+// 0's read wait (`bulk_wait_read`) and the DS_READY barrier.
 //
 // Warp roles (the prelude's `Role` and `role_of(warp)`):
 //   warpgroup 0      ROLE_PRODUCER  PRODUCER_REGS  warp 0: lane 0 issues the TMA loads (K, V
@@ -51,8 +52,6 @@
 //   BAR_DS_READY    every consumer's dSᵀ is in shared memory (buffer step % 2); also orders
 //                   the reuse of a buffer two steps later after everyone's dQ of it
 //   BAR_CLEANED     K (once) or a masked step's Q is cleaned of non-finite values
-//   BAR_DQ_STORED0/1  consumer warpgroup 0's / 1's dQ tile is in its shared buffer (the
-//                   warpgroup's 128 threads): its thread 0 issues the bulk reduce-add
 //   BAR_STATS_FREE0/1  the consumers have read stage 0's / 1's row statistics (bar.arrive);
 //                   producer warp 0 syncs before refilling the stage
 //
@@ -89,6 +88,7 @@ constexpr int DS_BUFFERS = 2;
 constexpr int ROW_STATS = 2 * BLOCK_M;             // f32 LSE·LOG2E and D of a step's rows
 constexpr int DQ_TILE = 64;                        // the dQ tile: 64 rows × 64 columns, f32
 constexpr int DQ_BYTES = DQ_TILE * DQ_TILE * 4;    // one consumer warpgroup's dQ buffer
+constexpr int DQ_WARP_ELEMS = 16 * DQ_TILE;        // a warp's 16 rows of it: one reduce-add
 constexpr int NUM_BARRIERS = 1 + 2 * STAGES;
 constexpr int WORK_BYTES = 128;                    // the CTA's `Work`, after the barriers
 constexpr int TILE_ALIGN = 1024;
@@ -119,7 +119,6 @@ static_assert(SMEM_BYTES == FA4_SMEM_BYTES, "the planner's shared-memory count m
 static_assert(STAGES >= 2, "the Q/dO ring needs two stages to overlap loads with compute");
 static_assert((BLOCK_M * 4) % 16 == 0, "a step's statistics are whole 16-byte bulk copies");
 static_assert(DQ_N == DQ_TILE && DQ_REGS == 32, "a dQ part is one 64 × 64 tile of the accumulator");
-static_assert(CONSUMER_WGS == 2, "one DQ_STORED barrier per consumer warpgroup: the planner names two");
 
 // Accumulator layout of wgmma m64nN (f32), as in the forward: thread t of the warpgroup (warp
 // w, lane l) holds register i at row 16w + l/4 + 8·slot(i) and column 8·(i/4) + 2·(l%4) + i%2.
@@ -303,15 +302,11 @@ __device__ __forceinline__ constexpr u32 ds_offset(int i) {
 }
 
 // Position (in f32 elements) of accumulator register i of warpgroup thread t in a dQ tile:
-// registers 4k .. 4k + 3 of the 128 threads fill elements 512k .. 512k + 511, thread by thread.
+// warp w's registers fill elements [1024w, 1024w + 1024) (its 16 rows), registers 4k .. 4k + 3
+// of its lanes elements 1024w + 128k .. + 127, lane by lane.
 // The convert kernel (`../bwd/aux.cu`, `dq_tile_pos`) inverts it from (row, column).
-__device__ __forceinline__ constexpr int dq_pos(int i, int t) { return (i >> 2) * 512 + 4 * t + (i & 3); }
-
-__device__ __forceinline__ void dq_stored_sync(int c) {
-    if (c == 0)
-        named_bar_sync<BAR_DQ_STORED0, WG_THREADS>();
-    else
-        named_bar_sync<BAR_DQ_STORED1, WG_THREADS>();
+__device__ __forceinline__ constexpr int dq_pos(int i, int t) {
+    return 1024 * (t / 32) + 128 * (i >> 2) + 4 * (t % 32) + (i & 3);
 }
 
 __device__ __forceinline__ void zero(float* r, int n) {
@@ -395,9 +390,9 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
 #pragma unroll
         for (int j = 0; j < PK_REGS; ++j) st_shared_b32((ds_row + ds_offset(2 * j)) ^ ds_xor, rdS[j]);
         fence_proxy_async();
-        // This warpgroup's previous dQ tile has been read out of its buffer (thread 0 issued its
-        // reduce-add); the barrier tells the other threads before they store the next one.
-        if (tid == 0) bulk_wait_read<0>();
+        // This warp's previous dQ rows have been read out of the buffer (its lane 0 issued their
+        // reduce-add); the barrier tells the other lanes before they store the next ones.
+        if (lane == 0) bulk_wait_read<0>();
         named_bar_sync<BAR_DS_READY, CONSUMER_THREADS>();
 
         const int part = (c + it) % CONSUMER_WGS;  // this warpgroup's part of dQ, if any
@@ -423,16 +418,17 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
         for (int k = 0; k < DQ_REGS / 4; ++k)
             st_shared_v4f(dq_buf + 4 * dq_pos(4 * k, tid), rdQ[4 * k], rdQ[4 * k + 1], rdQ[4 * k + 2], rdQ[4 * k + 3]);
         fence_proxy_async();
-        dq_stored_sync(c);
-        if (tid == 0) {
+        __syncwarp();
+        if (lane == 0) {
             const long long row0 = (static_cast<long long>(w.batch) * p.heads_q + head) * bp.stats_rows + r0 + 64 * rg;
-            bulk_reduce_add_f32(bp.dq_accum + row0 * HEAD_DIM + cg * (DQ_TILE * DQ_TILE), dq_buf, DQ_BYTES);
+            bulk_reduce_add_f32(bp.dq_accum + row0 * HEAD_DIM + cg * (DQ_TILE * DQ_TILE) + DQ_WARP_ELEMS * warp,
+                                dq_buf + 4 * DQ_WARP_ELEMS * warp, 4 * DQ_WARP_ELEMS);
             bulk_commit();
         }
     }
-    // The last reduce-add has read its buffer before the CTA's shared memory goes (its global
-    // writes complete before the kernel does).
-    if (tid == 0) bulk_wait_read<0>();
+    // The last reduce-adds have read their buffer before the CTA's shared memory goes (their
+    // global writes complete before the kernel does).
+    if (lane == 0) bulk_wait_read<0>();
 
     // dK = scale · Σ dSᵀ·Q and dV, rounded, rows below the keys' end (head_dim == HEAD_DIM).
 #pragma unroll

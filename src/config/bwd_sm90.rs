@@ -135,23 +135,25 @@ fn dq_col_groups(block_m: usize, head_dim: usize) -> usize {
         .max(1)
 }
 
-/// The tiles per head dim: 64 queries per step.
+/// The tiles per head dim.
 ///
-/// - d64: a consumer holds Sᵀ, dPᵀ (64 × 64: 32 registers each) and dK, dV (64 × 64: 32 each);
-///   dQ (64 × 64) is one part, which the consumers compute on alternate steps. (128 queries
-///   per step, dQ in two row groups, spilled 116 bytes at 240 registers with the work in
-///   registers: Sᵀ and dPᵀ take 128
-///   and the 32 query columns' LSE and D per thread the rest.)
-/// - d128: Sᵀ, dPᵀ 32 registers each, dK, dV 64 each (128 queries would need 256 for the four
-///   accumulators alone); dQ (64 × 128) splits into two column slabs, one per consumer.
+/// - d64: 128 queries per step. A consumer holds Sᵀ, dPᵀ (64 × 128: 64 registers each) and
+///   dK, dV (64 × 64: 32 each); dQ (128 × 64) is two 64-row parts, one per consumer. Measured
+///   on the H200 (docs/perf.md, twelfth session): 13–14% faster than 64 queries per step, where
+///   dQ was one part the consumers took turns on. It first spilled 16 bytes with a window (four
+///   step-invariant offsets); the dQ tile's offsets are now recomputed from the thread index
+///   each step.
+/// - d128: 64 queries per step. Sᵀ, dPᵀ 32 registers each, dK, dV 64 each (128 queries would
+///   need 256 for the four accumulators alone); dQ (64 × 128) splits into two column slabs,
+///   one per consumer.
 ///
 /// Registers: 24 for the producer, 240 for each consumer, as FlashAttention-3's backward:
 /// 128 · (24 + 2 · 240) = 64512 of the 65536. No variant spills (`tests/nvrtc_compile.rs`)
 /// once the CTA's work description lives in shared memory; 32 + 2 · 232 spilled 40 bytes in
 /// the d128 softcap consumers.
-pub fn tiles(_head_dim: usize) -> Tiles {
+pub fn tiles(head_dim: usize) -> Tiles {
     Tiles {
-        block_m: 64,
+        block_m: if head_dim == 64 { 128 } else { 64 },
         stages: 2,
         producer_regs: 24,
         consumer_regs: 240,
@@ -520,10 +522,10 @@ mod tests {
             assert_eq!(p.pre.1, ((p.stats_rows / 4) as u32, 8, 2));
         }
         // The shared-memory sums, by hand: K, V + 2 × (Q, dO) + 2 × dSᵀ + 2 × dQ tiles
-        // + 2 × LSE, D + 5 barriers + the work + slack.
+        // + 2 × LSE, D + 5 barriers + the work + slack (d64: 128 queries per step).
         assert_eq!(
             tiles(64).smem_bytes(64),
-            2 * 16384 + 4 * 8192 + 2 * 16384 + 2 * 16384 + 2 * 512 + 40 + 128 + 1024
+            2 * 16384 + 4 * 16384 + 2 * 32768 + 2 * 16384 + 2 * 1024 + 40 + 128 + 1024
         );
         assert_eq!(
             tiles(128).smem_bytes(128),

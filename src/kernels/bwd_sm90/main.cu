@@ -309,6 +309,14 @@ __device__ __forceinline__ constexpr int dq_pos(int i, int t) {
     return 1024 * (t / 32) + 128 * (i >> 2) + 4 * (t % 32) + (i & 3);
 }
 
+// threadIdx.x, read anew at each use (volatile): for values the compiler would otherwise hold in
+// a register across the step loop, or spill.
+__device__ __forceinline__ u32 thread_index() {
+    u32 t;
+    asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(t));
+    return t;
+}
+
 __device__ __forceinline__ void zero(float* r, int n) {
 #pragma unroll
     for (int i = 0; i < n; ++i) r[i] = 0.0f;
@@ -413,16 +421,20 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
         // dQ_i += dS·K (the scale is applied by the convert kernel): the tile to this warpgroup's
         // buffer in register order, then one bulk reduce-add of it into its accumulator tile
         // (rows past the sequence land in the padded rows, which `convert` skips).
+        // The thread's place in the tile from a fresh read of its index: held across the step
+        // loop, these offsets spilled at d64 with a window (BLOCK_M 128).
+        const int t_now = static_cast<int>(thread_index()) % WG_THREADS;
         const u32 dq_buf = sm.dq_buf(c);
 #pragma unroll
         for (int k = 0; k < DQ_REGS / 4; ++k)
-            st_shared_v4f(dq_buf + 4 * dq_pos(4 * k, tid), rdQ[4 * k], rdQ[4 * k + 1], rdQ[4 * k + 2], rdQ[4 * k + 3]);
+            st_shared_v4f(dq_buf + 4 * dq_pos(4 * k, t_now), rdQ[4 * k], rdQ[4 * k + 1], rdQ[4 * k + 2], rdQ[4 * k + 3]);
         fence_proxy_async();
         __syncwarp();
         if (lane == 0) {
+            const int warp_elems = DQ_WARP_ELEMS * (t_now / 32);
             const long long row0 = (static_cast<long long>(w.batch) * p.heads_q + head) * bp.stats_rows + r0 + 64 * rg;
-            bulk_reduce_add_f32(bp.dq_accum + row0 * HEAD_DIM + cg * (DQ_TILE * DQ_TILE) + DQ_WARP_ELEMS * warp,
-                                dq_buf + 4 * DQ_WARP_ELEMS * warp, 4 * DQ_WARP_ELEMS);
+            bulk_reduce_add_f32(bp.dq_accum + row0 * HEAD_DIM + cg * (DQ_TILE * DQ_TILE) + warp_elems,
+                                dq_buf + 4 * warp_elems, 4 * DQ_WARP_ELEMS);
             bulk_commit();
         }
     }

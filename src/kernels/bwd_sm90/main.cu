@@ -373,9 +373,14 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
                 const int i = 2 * j + e, q = acc_col(i, lane);
-                float dsdx;
-                const float x = capped(bp, rS[i], dsdx);
-                pv[e] = exp2_approx(x * LOG2E - lse2[q]);
+                float dsdx = 1.0f;
+                if constexpr (HAS_SOFTCAP) {
+                    const float x = capped(bp, rS[i], dsdx);
+                    pv[e] = exp2_approx(x * LOG2E - lse2[q]);
+                } else {
+                    // One FMA: the scale and LOG2E folded (a rounding apart from (raw·scale)·LOG2E).
+                    pv[e] = exp2_approx(fmaf(rS[i], bp.scale * LOG2E, -lse2[q]));
+                }
                 ds[e] = pv[e] * (rdP[i] - lse2[BLOCK_M + q]) * dsdx;
                 const int h = acc_slot(i);
                 if (q < q_lo[h] || q >= q_hi[h]) pv[e] = ds[e] = 0.0f;

@@ -13,7 +13,7 @@
 # `bwd_bench` (the example bwd_grid.py drives) and bwd_grid.py copied beside them, here:
 #   run carry [".device/hopperbwd"], command
 #   bash .device/hopperbwd/hopper_bwd_device.sh .device/hopperbwd
-# HB_GRID_SECS caps the grid (default 150). HB_BINS="NAME=PATH ..." adds other builds' bwd_bench to the grid's interleaved rounds (an A/B
+# HB_GRID=0 skips the grid; HB_GRID_SECS caps it (default 150). HB_BINS="NAME=PATH ..." adds other builds' bwd_bench to the grid's interleaved rounds (an A/B
 # of kernel changes; paths relative to DIR); HB_ALT=0 drops the Ampere-class column.
 # Logs and a summary under $OUT. Each step runs under `timeout`, cut to what is left of
 # HB_BUDGET seconds (default 290), so a hang (a wrong mbarrier phase would hang the kernel)
@@ -110,6 +110,12 @@ done
 shapes=${HB_SHAPES:-"64,4096,0 64,4096,1 64,16384,0 64,16384,1 128,4096,0 128,4096,1 128,16384,0 128,16384,1"}
 t0=$(date +%s)
 cp "$bin/bwd_grid.py" "$out/bwd_grid.py" 2>/dev/null
+if [ "${HB_GRID:-1}" = 0 ]; then
+    echo "--- summary"
+    column -t -s $'\t' "$summary" 2>/dev/null || cat "$summary"
+    ! grep -q -P '\t(FAIL|TIMEOUT)\t' "$summary"
+    exit
+fi
 grid_args=()
 [ "${HB_ALT:-1}" = 0 ] || grid_args+=(--alt-env FA4_BWD_KERNEL=sm80)
 for b in ${HB_BINS:-}; do grid_args+=(--bin "${b%%=*}=$bin/${b#*=}"); done

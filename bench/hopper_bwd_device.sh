@@ -13,8 +13,9 @@
 # `bwd_bench` (the example bwd_grid.py drives) and bwd_grid.py copied beside them, here:
 #   run carry [".device/hopperbwd"], command
 #   bash .device/hopperbwd/hopper_bwd_device.sh .device/hopperbwd
-# HB_GRID=0 skips the grid; HB_GRID_SECS caps it (default 150). HB_BINS="NAME=PATH ..." adds other builds' bwd_bench to the grid's interleaved rounds (an A/B
-# of kernel changes; paths relative to DIR); HB_ALT=0 drops the Ampere-class column.
+# HB_GRID=0 skips the grid; HB_GRID_SECS caps it (default 150). HB_BINS="NAME=PATH ..." adds
+# other builds' bwd_bench to the grid's interleaved rounds (an A/B of kernel changes; paths
+# relative to DIR); HB_ALT=0 drops the Ampere-class column.
 # Logs and a summary under $OUT. Each step runs under `timeout`, cut to what is left of
 # HB_BUDGET seconds (default 290), so a hang (a wrong mbarrier phase would hang the kernel)
 # costs its step, not the call; a hang shows as TIMEOUT in the summary.

@@ -282,7 +282,8 @@ impl Gpu {
         if self.flag != "sm90" {
             return "red.global.add.f32 (scalar reductions; the vector form needs sm_90)".into();
         }
-        let ampere = "red.global.add.v2.f32 (one vector reduction per pair of f32, sm_90 and later)";
+        let ampere =
+            "red.global.add.v2.f32 (one vector reduction per pair of f32, sm_90 and later)";
         match fa4::config::bwd_sm90::plan(p, &self.arch, self.target) {
             Ok(_) => format!(
                 "cp.reduce.async.bulk add.f32 of 64 x 64 tiles from shared memory (the Hopper \

@@ -5,8 +5,8 @@
 //!
 //! One CTA per (key block of `block_n` = 128 keys, KV head, batch entry): a producer warpgroup
 //! (TMA: K, V once, Q and dO per query block through a `stages`-deep ring) and two consumer
-//! warpgroups of 64 keys each (the M of `wgmma`), which also fetch each step's LSE and D one step
-//! ahead into two of the `stages` row-statistics buffers. Per query block of
+//! warpgroups of 64 keys each (the M of `wgmma`); each step's LSE and D rows come by bulk copy
+//! with its Q and dO, padded by `pre` to whole query blocks. Per query block of
 //! `block_m` rows each consumer holds Sᵀ and dPᵀ (64 × `block_m` f32) and its dK and dV
 //! (64 × head_dim f32) in registers; dSᵀ goes through shared memory for dQ = dS·K, which the
 //! consumers split into 64 × 64 tiles (or, with one tile, take turns on); each tile goes to the

@@ -9,6 +9,7 @@
 # launches of the fa4_bwd_* kernels after the first 8 (one call is pre, main, convert or dq).
 # Peers: a Python harness warms up, then brackets one backward with cudaProfilerStart/Stop
 # (ncu --profile-from-start off): every kernel of that backward is profiled.
+# BP_LIBS (default "sm80 sm90 fa2 cudnn") picks the libraries.
 # --cache-control all, --clock-control none, --set full. Writes under $OUT: bwd-profile.txt (one
 # line per kernel) and bwd-profile.tar.gz (details pages as text, .ncu-rep reports).
 set -uo pipefail
@@ -73,7 +74,9 @@ for r in rows[2:]:
 ' "$1" >> "$summ"
 }
 left() { local l=$((deadline - SECONDS)); [ "$l" -gt 60 ] && l=60; echo "$l"; }
+libs=" ${BP_LIBS:-sm80 sm90 fa2 cudnn} "
 for kern in sm80 sm90; do
+    [[ $libs == *" $kern "* ]] || continue
     [ "$((deadline - SECONDS))" -lt 15 ] && { echo "skipped fa4-$kern: budget spent" >> "$summ"; continue; }
     rep=$work/fa4-$kern
     printf 'shape %s %s %s %s %s\nround 2\n' "$d" "$seq" "$causal" "$b" "$h" |
@@ -87,6 +90,7 @@ for kern in sm80 sm90; do
     fi
 done
 for peer in fa2 cudnn; do
+    [[ $libs == *" $peer "* ]] || continue
     [ "$((deadline - SECONDS))" -lt 20 ] && { echo "skipped $peer: budget spent" >> "$summ"; continue; }
     rep=$work/$peer
     timeout -k 5 "$(left)" "$ncu" "${common[@]}" --profile-from-start off -f -o "$rep" \

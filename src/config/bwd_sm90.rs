@@ -42,14 +42,15 @@ pub const TILE_ALIGN: usize = 1024;
 /// needed instead of held in registers).
 pub const WORK_BYTES: usize = 128;
 /// Named barriers of the kernel, in id order (id 0 is `__syncthreads`).
-/// `STATS_FREE0`/`1`: the consumers have read a stage's row statistics (producer warp 0 syncs
-/// before the stage's next bulk copies; one per stage of the 2-stage ring).
-pub const NAMED_BARRIERS: [&str; 5] = [
+/// `STATS_FREE0`/`1`/`2`: the consumers have read a stage's row statistics (producer warp 0
+/// syncs before the stage's next bulk copies; one per stage of a ring of 2 or 3).
+pub const NAMED_BARRIERS: [&str; 6] = [
     "SYNC_ALL",
     "DS_READY",
     "CLEANED",
     "STATS_FREE0",
     "STATS_FREE1",
+    "STATS_FREE2",
 ];
 /// A consumer warpgroup's dQ tile (64 × 64 f32): the unit of its shared buffer, of the bulk
 /// reduce-add and of the accumulator's layout.
@@ -107,7 +108,7 @@ impl Tiles {
             && head_dim.is_multiple_of(64)
             && CONSUMER_WGS.is_multiple_of(self.block_m / 64)
             && (head_dim / 64).is_multiple_of(dq_col_groups(self.block_m, head_dim))
-            && self.stages >= 2
+            && (2..=3).contains(&self.stages)
             && self.producer_regs.is_multiple_of(8)
             && self.consumer_regs.is_multiple_of(8)
             && (24..=256).contains(&self.producer_regs)
@@ -145,7 +146,7 @@ fn dq_col_groups(block_m: usize, head_dim: usize) -> usize {
 ///   each step.
 /// - d128: 64 queries per step. Sᵀ, dPᵀ 32 registers each, dK, dV 64 each (128 queries would
 ///   need 256 for the four accumulators alone); dQ (64 × 128) splits into two column slabs,
-///   one per consumer.
+///   one per consumer. Three Q/dO stages (d64 has no room for a third).
 ///
 /// Registers: 24 for the producer, 240 for each consumer, as FlashAttention-3's backward:
 /// 128 · (24 + 2 · 240) = 64512 of the 65536. No variant spills (`tests/nvrtc_compile.rs`)
@@ -154,7 +155,7 @@ fn dq_col_groups(block_m: usize, head_dim: usize) -> usize {
 pub fn tiles(head_dim: usize) -> Tiles {
     Tiles {
         block_m: if head_dim == 64 { 128 } else { 64 },
-        stages: 2,
+        stages: if head_dim == 64 { 2 } else { 3 },
         producer_regs: 24,
         consumer_regs: 240,
     }
@@ -527,10 +528,12 @@ mod tests {
             tiles(64).smem_bytes(64),
             2 * 16384 + 4 * 16384 + 2 * 32768 + 2 * 16384 + 2 * 1024 + 40 + 128 + 1024
         );
+        // d128: three Q/dO stages, 328 bytes under the H100's and H200's 232,448.
         assert_eq!(
             tiles(128).smem_bytes(128),
-            2 * 32768 + 4 * 16384 + 2 * 16384 + 2 * 16384 + 2 * 512 + 40 + 128 + 1024
+            2 * 32768 + 6 * 16384 + 2 * 16384 + 2 * 16384 + 3 * 512 + 56 + 128 + 1024
         );
+        assert_eq!(tiles(128).smem_bytes(128), 232_448 - 328);
     }
 
     #[test]

@@ -52,7 +52,7 @@
 //   BAR_DS_READY    every consumer's dSᵀ is in shared memory (buffer step % 2); also orders
 //                   the reuse of a buffer two steps later after everyone's dQ of it
 //   BAR_CLEANED     K (once) or a masked step's Q is cleaned of non-finite values
-//   BAR_STATS_FREE0/1  the consumers have read stage 0's / 1's row statistics (bar.arrive);
+//   BAR_STATS_FREE0/1/2  the consumers have read stage 0's / 1's / 2's row statistics (bar.arrive);
 //                   producer warp 0 syncs before refilling the stage
 //
 // Row statistics (LSE·LOG2E and D of a step's BLOCK_M rows, f32, beside the stage's Q and dO):
@@ -180,19 +180,23 @@ __device__ __forceinline__ Work work_of(const FwdParams& p) {
 // ring's release mbarrier orders the same reads too, but compute-sanitizer's racecheck does not
 // follow mbarriers for ordinary loads.)
 constexpr int STATS_SYNC_THREADS = 32 + 128 * CONSUMER_WGS;
-static_assert(STAGES == 2, "one STATS_FREE barrier per stage: the planner names two");
+static_assert(STAGES == 2 || STAGES == 3, "one STATS_FREE barrier per stage: the planner names three");
 __device__ __forceinline__ void stats_free_sync(int stage) {
     __syncwarp();
     if (stage == 0)
         named_bar_sync<BAR_STATS_FREE0, STATS_SYNC_THREADS>();
-    else
+    else if (STAGES == 2 || stage == 1)
         named_bar_sync<BAR_STATS_FREE1, STATS_SYNC_THREADS>();
+    else
+        named_bar_sync<BAR_STATS_FREE2, STATS_SYNC_THREADS>();
 }
 __device__ __forceinline__ void stats_free_arrive(int stage) {
     if (stage == 0)
         named_bar_arrive<BAR_STATS_FREE0, STATS_SYNC_THREADS>();
-    else
+    else if (STAGES == 2 || stage == 1)
         named_bar_arrive<BAR_STATS_FREE1, STATS_SYNC_THREADS>();
+    else
+        named_bar_arrive<BAR_STATS_FREE2, STATS_SYNC_THREADS>();
 }
 
 __device__ __forceinline__ void load_tiles(const Sm90BwdParams& P, const Smem& sm, const Work& w, int lane) {

@@ -48,7 +48,7 @@
 //   load_q[s]       producer → consumers   1 (thread 0's expect_tx) + Q, dO and statistics bytes
 //   release_q[s]    consumers → producer   one per consumer warp, after the step's last wgmma
 // Named barriers (the prelude's NamedBarrier; all consumer threads, and producer warp 0 for
-// the STATS_FREE pair):
+// the STATS_FREE barriers):
 //   BAR_DS_READY    every consumer's dSᵀ is in shared memory (buffer step % 2); also orders
 //                   the reuse of a buffer two steps later after everyone's dQ of it
 //   BAR_CLEANED     K (once) or a masked step's Q is cleaned of non-finite values

@@ -20,12 +20,14 @@
 //   dSᵀ = Pᵀ ∘ (dPᵀ − D_i) ∘ capped'           the softcap derivative; the scale comes last
 //   dV += Pᵀ·dO, dK += dSᵀ·Q                   wgmma, A = Pᵀ / dSᵀ from registers, B MN-major
 //   dQ_i += dS·K                               dSᵀ through shared memory (A MN-major); the f32
-//                                              tile goes to shared memory and one bulk
-//                                              reduce-add (TMA) adds it to the accumulator
+//                                              tile goes to shared memory and each warp's
+//                                              bulk reduce-add (TMA) adds its rows to the
+//                                              accumulator
 // For dQ the consumers split the (BLOCK_M, HEAD_DIM) tile into DQ_PARTS ≤ CONSUMER_WGS parts,
 // 64-row groups × column groups of whole 64-column slabs (an MN-major operand cannot start
 // inside a swizzle atom); at step it, consumer c computes part (c + it) % CONSUMER_WGS if there
-// is one, so with one part (d64: 64 × 64) the warpgroups take turns. Each part needs every key
+// is one (d64: two 64-row parts of 128 queries; d128: two column slabs; with one part the
+// warpgroups would take turns). Each part needs every key
 // of the block, so the dSᵀ tile of both warpgroups is exchanged through shared memory (two
 // buffers, one barrier).
 //

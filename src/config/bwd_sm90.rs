@@ -10,9 +10,9 @@
 //! `block_m` rows each consumer holds Sᵀ and dPᵀ (64 × `block_m` f32) and its dK and dV
 //! (64 × head_dim f32) in registers; dSᵀ goes through shared memory for dQ = dS·K, which the
 //! consumers split into 64 × 64 tiles (or, with one tile, take turns on); each tile goes to the
-//! warpgroup's shared buffer and one bulk reduce-add (TMA) adds it to the f32 accumulator,
-//! which for this kernel is laid out in those tiles ([`Plan::base`]'s `accum_len` covers the
-//! padded rows).
+//! warpgroup's shared buffer and each warp adds its 16 rows with one bulk reduce-add (TMA) to
+//! the f32 accumulator, which for this kernel is laid out in those tiles ([`Plan::base`]'s
+//! `accum_len` covers the padded rows).
 
 use std::fmt;
 

@@ -290,10 +290,11 @@ fn backward_plan_lists_the_launches_their_tiles_and_grids() {
     let l = v["launches"].as_array().unwrap();
     let kernels: Vec<&str> = l.iter().map(|x| x["kernel"].as_str().unwrap()).collect();
     assert_eq!(kernels, ["pre", "main", "convert"]);
-    // pre/convert: 4 warps of one row each over 1024 rows and 8 query heads.
-    assert_eq!(l[0]["grid"], serde_json::json!([256, 8, 1]));
+    // pre/convert: 4 warps, 16 lanes per row at d128 (8 rows per CTA), over 1024 rows and 8
+    // query heads.
+    assert_eq!(l[0]["grid"], serde_json::json!([128, 8, 1]));
     assert_eq!(l[0]["warps"], 4);
-    assert_eq!(l[2]["grid"], serde_json::json!([256, 8, 1]));
+    assert_eq!(l[2]["grid"], serde_json::json!([128, 8, 1]));
     // main: 128 keys per CTA over 1024 keys and 2 KV heads.
     assert_eq!(
         (&l[1]["block_n"], &l[1]["block_m"], &l[1]["warps"]),

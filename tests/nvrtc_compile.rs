@@ -106,9 +106,18 @@ fn sm90_ptxas_problems(spec: &fa4::config::sm90::KernelSpec) -> Option<String> {
             let want = format!("Used {} registers", spec.tiles.launch_regs(&H200));
             if !log.contains(&want) {
                 let used: Vec<&str> = log.lines().filter(|l| l.contains("Used ")).collect();
-                bad.push(format!(
-                    "expected `{want}` in the ptxas report, which says: {}",
+                let said = if used.is_empty() {
+                    // No register line at all: show what the log holds instead.
+                    let head: String = log.chars().take(600).collect();
+                    format!(
+                        "no `Used` line; the log ({} bytes) begins: {head:?}",
+                        log.len()
+                    )
+                } else {
                     used.join(" | ")
+                };
+                bad.push(format!(
+                    "expected `{want}` in the ptxas report, which says: {said}"
                 ));
             }
             (!bad.is_empty()).then(|| format!("{spec}:\n  {}", bad.join("\n  ")))

@@ -304,7 +304,11 @@ fn role(s: &BwdSpec, det: bool) -> (&'static str, String) {
             } else {
                 "D_i = rowsum(dO∘O) in f32 from the stored O; the dQ accumulator zeroed"
             },
-            format!("{} warps, one query row each", bwd::AUX_WARPS),
+            format!(
+                "{} warps, {} lanes per query row",
+                bwd::AUX_WARPS,
+                bwd::row_lanes(s.head_dim)
+            ),
         ),
         BwdKernel::Main => (
             if det {
@@ -339,7 +343,11 @@ fn role(s: &BwdSpec, det: bool) -> (&'static str, String) {
         ),
         BwdKernel::Convert => (
             "dQ = scale · accumulator, rounded to the storage dtype",
-            format!("{} warps, one query row each", bwd::AUX_WARPS),
+            format!(
+                "{} warps, {} lanes per query row",
+                bwd::AUX_WARPS,
+                bwd::row_lanes(s.head_dim)
+            ),
         ),
     }
 }

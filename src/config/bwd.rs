@@ -25,8 +25,23 @@ use crate::problem::Problem;
 /// Head dims the kernels are compiled for; a problem's head dim (a multiple of 8) is padded to
 /// the next one (loads zero-fill the columns past it, stores skip them).
 pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
-/// Warps of the row kernels (`pre`, `convert`): one query row each.
+/// Warps of the row kernels (`pre`, `convert`).
 pub const AUX_WARPS: usize = 4;
+
+/// Lanes of a row kernel that share one query row: one 16-byte chunk (8 columns) each, so that
+/// no lane idles at head dims below 256 (`ROW_LANES` in the kernels' prelude).
+pub fn row_lanes(head_dim: usize) -> usize {
+    (head_dim / 8).clamp(1, 32)
+}
+
+/// Query rows per CTA of the row kernels (the Ampere-class layout, and the Hopper `pre`).
+pub fn aux_rows_per_cta(head_dim: usize) -> usize {
+    AUX_WARPS * 32 / row_lanes(head_dim)
+}
+
+/// Query rows per CTA of the Hopper `convert`, which reads the accumulator's 64 × 64 tiles
+/// whole: half a 64-row group (two 16-row quarters of each tile).
+pub const CONVERT_TILE_ROWS: usize = 32;
 
 /// Which of the backward's kernels.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -263,6 +278,9 @@ impl BwdSpec {
             pre = pre.int("BLOCK_M", block_m);
         }
         pre = pre.int("BLOCK_N", block_n).int("NUM_WARPS", warps);
+        if rows {
+            pre = pre.int("ROW_LANES", row_lanes(self.head_dim));
+        }
         if main {
             pre = pre.int("DSPLIT", dsplit);
         }
@@ -453,7 +471,7 @@ pub fn plan(
     };
     let mut launches = vec![(
         spec.with_kernel(BwdKernel::Pre),
-        rows_grid(max_q, AUX_WARPS)?,
+        rows_grid(max_q, aux_rows_per_cta(head_dim))?,
     )];
     launches.push((
         spec,
@@ -469,7 +487,7 @@ pub fn plan(
     } else {
         launches.push((
             spec.with_kernel(BwdKernel::Convert),
-            rows_grid(max_q, AUX_WARPS)?,
+            rows_grid(max_q, aux_rows_per_cta(head_dim))?,
         ));
     }
     let accum_len = if deterministic {

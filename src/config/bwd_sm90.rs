@@ -463,10 +463,17 @@ pub fn plan(p: &Problem, arch: &GpuArch, target: &'static str) -> Result<Plan> {
     // whole tiles; `pre` zeroes and `convert` reads that layout when `stats_rows` > 0).
     base.accum_len = p.sequences().len() * p.heads_q() * stats_rows * head_dim;
     let mut pre = pre;
-    pre.1 .0 = u32::try_from(stats_rows.div_ceil(bwd::AUX_WARPS))
-        .ok()
-        .filter(|_| stats_rows <= i32::MAX as usize)
-        .ok_or_else(|| Error::invalid("q", format!("{max_q} query rows exceed the CUDA grid")))?;
+    let rows_dim = |per: usize| {
+        u32::try_from(stats_rows.div_ceil(per))
+            .ok()
+            .filter(|_| stats_rows <= i32::MAX as usize)
+            .ok_or_else(|| Error::invalid("q", format!("{max_q} query rows exceed the CUDA grid")))
+    };
+    pre.1 .0 = rows_dim(bwd::aux_rows_per_cta(head_dim))?;
+    // `convert` reads the tiles whole, half a 64-row group per CTA (stats_rows is a multiple
+    // of BLOCK_M, itself a multiple of 64).
+    let mut convert = convert;
+    convert.1 .0 = rows_dim(bwd::CONVERT_TILE_ROWS)?;
     Ok(Plan {
         base,
         pre,
@@ -520,7 +527,10 @@ mod tests {
             assert_eq!(p.stats_rows, 300usize.div_ceil(m) * m);
             assert!(p.stats_rows >= 300 && p.stats_rows < 300 + m);
             assert_eq!(p.base.dpsum_len, 2 * 2 * 8 * p.stats_rows);
-            assert_eq!(p.pre.1, ((p.stats_rows / 4) as u32, 8, 2));
+            // pre: 128 threads, d / 8 lanes per row (d64: 16 rows per CTA, d128: 8);
+            // convert: 32 rows per CTA, whatever the head dim.
+            assert_eq!(p.pre.1, ((p.stats_rows * d / 8 / 128) as u32, 8, 2));
+            assert_eq!(p.convert.1, ((p.stats_rows / 32) as u32, 8, 2));
         }
         // The shared-memory sums, by hand: K, V + 2 × (Q, dO) + 2 × dSᵀ + 2 × dQ tiles
         // + 2 × LSE, D + 5 barriers + the work + slack (d64: 128 queries per step).

@@ -310,7 +310,7 @@ __device__ __forceinline__ constexpr u32 ds_offset(int i) {
 // Position (in f32 elements) of accumulator register i of warpgroup thread t in a dQ tile:
 // warp w's registers fill elements [1024w, 1024w + 1024) (its 16 rows), registers 4k .. 4k + 3
 // of its lanes elements 1024w + 128k .. + 127, lane by lane.
-// The convert kernel (`../bwd/aux.cu`, `dq_tile_pos`) inverts it from (row, column).
+// The Hopper `convert` (`../bwd/aux.cu`, `convert_tiles`) reads the tiles back in this order.
 __device__ __forceinline__ constexpr int dq_pos(int i, int t) {
     return 1024 * (t / 32) + 128 * (i >> 2) + 4 * (t % 32) + (i & 3);
 }

@@ -38,9 +38,10 @@ pub const BLOCK_N: usize = KEYS_PER_CONSUMER * CONSUMER_WGS;
 pub const LAUNCH_REGS: u32 = 168;
 /// Alignment of every shared-memory tile (the 128-byte swizzle repeats every 1024 bytes).
 pub const TILE_ALIGN: usize = 1024;
-/// Shared memory the kernel keeps its CTA's work description in (block, trip bounds; read where
-/// needed instead of held in registers).
-pub const WORK_BYTES: usize = 128;
+/// Shared memory the kernel keeps its tiles' work descriptions in (block, trip bounds; read
+/// where needed instead of held in registers): two slots of 128 bytes, the tile the consumers
+/// work on and the next.
+pub const WORK_BYTES: usize = 2 * 128;
 /// Named barriers of the kernel, in id order (id 0 is `__syncthreads`).
 /// `STATS_FREE0`/`1`/`2`: the consumers have read a stage's row statistics (producer warp 0
 /// syncs before the stage's next bulk copies; one per stage of a ring of 2 or 3).
@@ -83,7 +84,7 @@ impl Tiles {
         let qo = self.block_m * head_dim * 2;
         let ds = BLOCK_N * self.block_m * 2;
         let stats = 2 * self.block_m * 4;
-        let barriers = 8 * (1 + 2 * self.stages);
+        let barriers = 8 * (6 + 2 * self.stages);
         2 * kv
             + self.stages * 2 * qo
             + 2 * ds
@@ -361,7 +362,10 @@ pub struct Plan {
     pub convert: (BwdSpec, (u32, u32, u32)),
     /// The main kernel.
     pub spec: Spec,
-    /// Its grid: (key blocks, KV heads, batch).
+    /// Its tiles: key blocks × KV heads × batch entries.
+    pub tiles: usize,
+    /// Its grid: persistent CTAs, (min(tiles, SMs), 1, 1); each takes further tiles from a
+    /// counter after the statistics in the D workspace.
     pub grid: (u32, u32, u32),
     /// Rows per (batch entry, head) of the padded row statistics the `pre` kernel writes for
     /// the main kernel (`BwdParams::stats_rows`): the query rows rounded up to whole query
@@ -442,23 +446,21 @@ pub fn plan(p: &Problem, arch: &GpuArch, target: &'static str) -> Result<Plan> {
         ));
     }
     let max_k = p.sequences().iter().map(|s| s.k_len).max().unwrap_or(0);
-    let dim = |name: &str, x: usize| {
-        u32::try_from(x)
-            .ok()
-            .filter(|&v| v <= 65_535 || name == "key blocks")
-            .ok_or_else(|| Error::invalid("q", format!("{x} {name} exceed the CUDA grid")))
-    };
-    let grid = (
-        dim("key blocks", max_k.div_ceil(BLOCK_N))?,
-        dim("heads", p.heads_kv())?,
-        dim("sequences", p.sequences().len())?,
-    );
+    // The kernel numbers the tiles in int32.
+    let n_tiles = max_k
+        .div_ceil(BLOCK_N)
+        .checked_mul(p.heads_kv())
+        .and_then(|t| t.checked_mul(p.sequences().len()))
+        .filter(|&t| t <= i32::MAX as usize)
+        .ok_or_else(|| Error::invalid("q", "more than 2^31 key blocks × KV heads × sequences"))?;
+    let grid = (n_tiles.min(arch.sm_count as usize) as u32, 1, 1);
     // The padded statistics: the pre kernel covers every padded row (past a sequence's end it
     // writes D = 0 and LSE·log2e = +inf, so those rows' P is 0).
     let max_q = p.sequences().iter().map(|s| s.q_len).max().unwrap_or(0);
     let stats_rows = max_q.div_ceil(tiles.block_m) * tiles.block_m;
     let mut base = base;
-    base.dpsum_len = 2 * p.sequences().len() * p.heads_q() * stats_rows;
+    // D and LSE·log2e, then the main kernel's tile counter (4 floats: 16-byte alignment kept).
+    base.dpsum_len = 2 * p.sequences().len() * p.heads_q() * stats_rows + 4;
     // The accumulator in 64 × 64 tiles over the padded rows (the kernel's reduce-adds cover
     // whole tiles; `pre` zeroes and `convert` reads that layout when `stats_rows` > 0).
     base.accum_len = p.sequences().len() * p.heads_q() * stats_rows * head_dim;
@@ -479,6 +481,7 @@ pub fn plan(p: &Problem, arch: &GpuArch, target: &'static str) -> Result<Plan> {
         pre,
         convert,
         spec,
+        tiles: n_tiles,
         grid,
         stats_rows,
     })
@@ -508,8 +511,8 @@ mod tests {
             assert!(s.tiles.registers() <= 65_536, "{s}");
             assert_eq!(s.target, "sm_90a");
             assert!(s.window && !s.softcap);
-            // 333 keys in blocks of 128, 2 KV heads, 2 sequences.
-            assert_eq!(p.grid, (3, 2, 2));
+            // 333 keys in blocks of 128, 2 KV heads, 2 sequences: 12 tiles, fewer than SMs.
+            assert_eq!((p.tiles, p.grid), (12, (12, 1, 1)));
             assert_eq!(s.dq_n() % 64, 0);
             let prelude = s.prelude();
             assert!(prelude.contains(&format!("#define FA4_SMEM_BYTES {}", s.smem_bytes())));
@@ -526,24 +529,24 @@ mod tests {
             let m = s.tiles.block_m;
             assert_eq!(p.stats_rows, 300usize.div_ceil(m) * m);
             assert!(p.stats_rows >= 300 && p.stats_rows < 300 + m);
-            assert_eq!(p.base.dpsum_len, 2 * 2 * 8 * p.stats_rows);
+            assert_eq!(p.base.dpsum_len, 2 * 2 * 8 * p.stats_rows + 4);
             // pre: 128 threads, d / 8 lanes per row (d64: 16 rows per CTA, d128: 8);
             // convert: 32 rows per CTA, whatever the head dim.
             assert_eq!(p.pre.1, ((p.stats_rows * d / 8 / 128) as u32, 8, 2));
             assert_eq!(p.convert.1, ((p.stats_rows / 32) as u32, 8, 2));
         }
         // The shared-memory sums, by hand: K, V + 2 × (Q, dO) + 2 × dSᵀ + 2 × dQ tiles
-        // + 2 × LSE, D + 5 barriers + the work + slack (d64: 128 queries per step).
+        // + 2 × LSE, D + 10 barriers + two work slots + slack (d64: 128 queries per step).
         assert_eq!(
             tiles(64).smem_bytes(64),
-            2 * 16384 + 4 * 16384 + 2 * 32768 + 2 * 16384 + 2 * 1024 + 40 + 128 + 1024
+            2 * 16384 + 4 * 16384 + 2 * 32768 + 2 * 16384 + 2 * 1024 + 80 + 256 + 1024
         );
-        // d128: three Q/dO stages, 328 bytes under the H100's and H200's 232,448.
+        // d128: three Q/dO stages, 160 bytes under the H100's and H200's 232,448.
         assert_eq!(
             tiles(128).smem_bytes(128),
-            2 * 32768 + 6 * 16384 + 2 * 16384 + 2 * 16384 + 3 * 512 + 56 + 128 + 1024
+            2 * 32768 + 6 * 16384 + 2 * 16384 + 2 * 16384 + 3 * 512 + 96 + 256 + 1024
         );
-        assert_eq!(tiles(128).smem_bytes(128), 232_448 - 328);
+        assert_eq!(tiles(128).smem_bytes(128), 232_448 - 160);
     }
 
     #[test]

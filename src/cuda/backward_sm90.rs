@@ -127,6 +127,25 @@ impl KernelSource for Spec {
     }
 }
 
+/// The environment variable that caps the Hopper backward's persistent CTAs (tests: several
+/// tiles per CTA on problems small enough for compute-sanitizer).
+pub const CTAS_ENV: &str = "FA4_BWD_SM90_CTAS";
+
+/// [`CTAS_ENV`]: a positive CTA count, or `None` when unset.
+fn ctas_from_env() -> Result<Option<u32>> {
+    match std::env::var(CTAS_ENV) {
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Ok(v) => match v.parse::<u32>() {
+            Ok(n) if n > 0 => Ok(Some(n)),
+            _ => Err(Error::invalid(
+                CTAS_ENV,
+                format!("expected a positive CTA count, got `{v}`"),
+            )),
+        },
+        Err(e) => Err(Error::invalid(CTAS_ENV, e.to_string())),
+    }
+}
+
 /// The main kernel of a Hopper plan.
 struct MainLaunch<'a>(&'a Plan);
 
@@ -138,10 +157,12 @@ struct MainLaunch<'a>(&'a Plan);
 // sequence's rows are zero-filled by the hardware, not performed). The kernel writes dK, dV
 // only at rows below the sequence's keys (columns below head_dim = HEAD_DIM) through the
 // checked gradient layouts, and reduces into the dQ accumulator at rows below the sequence's
-// queries, which the plan's workspace length covers. The grid is (key blocks, KV heads,
-// batch), block and shared memory are the planner's (static_asserted by the kernel), and the
-// register split fits the launch allocation (`Tiles::check`), so `setmaxnreg` cannot wait
-// forever.
+// queries, which the plan's workspace length covers. The grid is persistent CTAs, each
+// walking tiles (key block, KV head, batch entry) below the kernel's own count of them, taken
+// from the counter after the statistics in the D workspace (inside `dpsum_len`, zeroed by
+// `pre` on the same stream before this launch); block and shared memory are the planner's
+// (static_asserted by the kernel), and the register split fits the launch allocation
+// (`Tiles::check`), so `setmaxnreg` cannot wait forever.
 unsafe impl Launchable for MainLaunch<'_> {
     fn launch(&self) -> Launch<'_> {
         Launch::new(&self.0.spec, self.0.grid, self.0.spec.threads())
@@ -200,6 +221,13 @@ impl CudaBackend {
         if plan.grid.0 == 0 || plan.grid.1 == 0 || plan.grid.2 == 0 {
             return Ok(());
         }
+        // A test knob: fewer persistent CTAs than planned, so that small problems (what the
+        // sanitizers can afford) still walk several tiles per CTA.
+        let mut plan = std::borrow::Cow::Borrowed(plan);
+        if let Some(ctas) = ctas_from_env()? {
+            plan.to_mut().grid.0 = plan.grid.0.min(ctas);
+        }
+        let plan = plan.as_ref();
         let (bf16, rows_m) = (plan.spec.bf16, plan.spec.tiles.block_m);
         let f = &params.f;
         let args = Sm90BwdParams {

@@ -55,6 +55,10 @@ extern "C" __global__ void __launch_bounds__(AUX_THREADS) fa4_bwd_pre(const __gr
     // The Hopper layout's accumulator: the padded row's HEAD_DIM elements of its (batch, head)
     // span (a 64-row group's tiles are 64 such spans, whichever rows' elements they hold).
     if (hopper && r.i < bp.stats_rows && bp.dq_accum != nullptr) zero_span(bp.dq_accum + padded * HEAD_DIM, r.sub);
+    // The Hopper main kernel's tile counter, after the statistics (its persistent CTAs take
+    // tiles from it).
+    if (hopper && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)
+        *reinterpret_cast<unsigned*>(bp.dpsum + 2 * lse_half) = 0u;
     // Every lane takes part in the row's shuffles below (rows past the end sum nothing).
     float sum = 0.0f;
     if (r.valid) {

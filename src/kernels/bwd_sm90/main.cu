@@ -9,11 +9,17 @@
 // `../sm90/ptx.cuh`, `../sm90/pipeline.cuh`, `../bwd/params.cuh`, this family's `params.cuh`,
 // `ptx.cuh`, the generated wgmma wrappers (`wgmma_st`, `wgmma_dkv`, `wgmma_dq`), this file.
 //
-// Work: one CTA per (key block of BLOCK_N keys, KV head, batch entry); fixed-length batches only
-// (the planner sends varlen problems to the Ampere-class kernel). K and V of the block are
-// loaded once; the CTA then walks the query heads of its KV head (GQA: dK, dV sum in registers)
-// and, per head, the query blocks the mask lets see its keys (`query_blocks`, as the Ampere-class
-// kernel). Consumer warpgroup c owns keys [64c, 64c + 64) of the block (the M of wgmma). Per
+// Work: a tile is (key block of BLOCK_N keys, KV head, batch entry); fixed-length batches only
+// (the planner sends varlen problems to the Ampere-class kernel). The CTAs are persistent (at
+// most one per SM): CTA b starts with tile b, and the producer takes each further tile from a
+// counter in global memory (`pre` zeroes it) with one atomicAdd, so the tiles go out in the order
+// a grid of one CTA per tile would start them (key blocks fastest: the CTAs at work at once share
+// their heads' Q and dO in L2) and a CTA that finishes early takes the next. The producer hands a
+// tile to the consumers through one of two Work slots in shared memory, and loads its K and V as
+// soon as the consumers are done with the last tile's (`kv_free`), while they write that tile's
+// dK and dV; the Q/dO ring runs on across tiles. Per tile, K and V are loaded once; the CTA then
+// walks the query heads of its KV head (GQA: dK, dV sum in registers) and, per head, the query
+// blocks the mask lets see its keys (`query_blocks`, as the Ampere-class kernel). Consumer warpgroup c owns keys [64c, 64c + 64) of the block (the M of wgmma). Per
 // query block of BLOCK_M rows (i: query, j: key):
 //   Sᵀ = K_c·Qᵀ, dPᵀ = V_c·dOᵀ                 wgmma, both operands in shared memory, N = BLOCK_M
 //   Pᵀ = exp2(capped(Sᵀ)·LOG2E − LSE_i·LOG2E)  from the forward's LSE; masked pairs set to 0
@@ -46,7 +52,12 @@
 //                                                  step), the warp takes the STATS_FREE syncs
 //   warpgroup 1 + c  ROLE_CONSUMER  CONSUMER_REGS  keys [64c, 64c + 64): everything above
 // Barriers (mbarriers; phase bits flip on every completion):
-//   load_kv         producer → consumers   1 (expect_tx) + K and V bytes; one phase per CTA
+//   load_kv         producer → consumers   1 (expect_tx) + K and V bytes; a phase per tile
+//                                          that has steps
+//   kv_free         consumers → producer   one per consumer warp, after the tile's last
+//                                          product reading K or V
+//   work_full[w]    producer → consumers   1, after writing Work slot w (a tile, or the end)
+//   work_empty[w]   consumers → producer   one per consumer warp, after their last read of it
 //   load_q[s]       producer → consumers   1 (thread 0's expect_tx) + Q, dO and statistics bytes
 //   release_q[s]    consumers → producer   one per consumer warp, after the step's last wgmma
 // Named barriers (the prelude's NamedBarrier; all consumer threads, and producer warp 0 for
@@ -91,8 +102,9 @@ constexpr int ROW_STATS = 2 * BLOCK_M;             // f32 LSE·LOG2E and D of a 
 constexpr int DQ_TILE = 64;                        // the dQ tile: 64 rows × 64 columns, f32
 constexpr int DQ_BYTES = DQ_TILE * DQ_TILE * 4;    // one consumer warpgroup's dQ buffer
 constexpr int DQ_WARP_ELEMS = 16 * DQ_TILE;        // a warp's 16 rows of it: one reduce-add
-constexpr int NUM_BARRIERS = 1 + 2 * STAGES;
-constexpr int WORK_BYTES = 128;                    // the CTA's `Work`, after the barriers
+constexpr int NUM_BARRIERS = 2 + 2 * STAGES + 4;  // load_kv, kv_free, the ring, work_full/empty[2]
+constexpr int WORK_SLOT = 128;                     // a tile's `Work`
+constexpr int WORK_BYTES = 2 * WORK_SLOT;          // two slots, after the barriers
 constexpr int TILE_ALIGN = 1024;
 constexpr int SMEM_BYTES = 2 * KV_BYTES + STAGES * 2 * QO_BYTES + DS_BUFFERS * DS_BYTES + CONSUMER_WGS * DQ_BYTES +
                            STAGES * ROW_STATS * 4 + 8 * NUM_BARRIERS + WORK_BYTES + TILE_ALIGN;
@@ -135,7 +147,7 @@ struct Smem {
     u32 ds;          // DS_BUFFERS × (BLOCK_N, BLOCK_M): dSᵀ
     u32 dq;          // CONSUMER_WGS × (64, 64) f32: each warpgroup's dQ tile, in `dq_pos` order
     float* stats;    // STAGES × [LSE·LOG2E (BLOCK_M), D (BLOCK_M)]
-    Barriers load_kv, load_q, release_q;
+    Barriers load_kv, kv_free, load_q, release_q, work_full, work_empty;
     __device__ Pipeline<STAGES> pipe_q() const { return {load_q, release_q}; }
     __device__ u32 q_stage(int s) const { return q + s * QO_BYTES; }
     __device__ u32 do_stage(int s) const { return dout + s * QO_BYTES; }
@@ -155,13 +167,25 @@ struct Work {
     __device__ __forceinline__ int m_block(int it) const { return qb.m_begin + it % per_head; }
 };
 
-static_assert(sizeof(Work) <= WORK_BYTES, "the planner reserves WORK_BYTES for the CTA's work");
+static_assert(sizeof(Work) <= WORK_SLOT, "the planner reserves WORK_SLOT bytes per tile's work");
 
-__device__ __forceinline__ Work work_of(const FwdParams& p) {
+// The tiles: key blocks fastest, then KV heads, then batch entries.
+__device__ __forceinline__ int num_tiles(const FwdParams& p) {
+    return ((p.seqlen_k + BLOCK_N - 1) / BLOCK_N) * (p.heads_q / p.group) * p.batch;
+}
+
+// Tile t's work; t < 0 is the end of the CTA's walk (n0 = −1).
+__device__ __forceinline__ Work work_of(const FwdParams& p, int t) {
     Work w;
-    w.n0 = blockIdx.x * BLOCK_N;
-    w.kv_head = blockIdx.y;
-    w.batch = blockIdx.z;
+    if (t < 0) {
+        w.n0 = -1;
+        w.trips = 0;
+        return w;
+    }
+    const int blocks = (p.seqlen_k + BLOCK_N - 1) / BLOCK_N, heads_kv = p.heads_q / p.group;
+    w.n0 = (t % blocks) * BLOCK_N;
+    w.kv_head = (t / blocks) % heads_kv;
+    w.batch = t / (blocks * heads_kv);
     w.s = sequence(p, w.batch, false);
     w.valid_n = max(0, min(BLOCK_N, w.s.k_len - w.n0));
     // A key block no query sees (or past the keys) has no trip: its dK, dV are written as zeros.
@@ -201,32 +225,69 @@ __device__ __forceinline__ void stats_free_arrive(int stage) {
         named_bar_arrive<BAR_STATS_FREE2, STATS_SYNC_THREADS>();
 }
 
-__device__ __forceinline__ void load_tiles(const Sm90BwdParams& P, const Smem& sm, const Work& w, int lane) {
+// The tile counter: after the dQ accumulator's statistics (`pre` zeroes it).
+__device__ __forceinline__ unsigned* tile_counter(const BwdParams& bp) {
+    return reinterpret_cast<unsigned*>(bp.dpsum + 2LL * bp.f.batch * bp.f.heads_q * bp.stats_rows);
+}
+
+// The producer warp: per tile, the Work slot, K and V (once the consumers are done with the
+// last tile's), then Q, dO and the row statistics of every step into the ring; lane 0 issues.
+__device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm, Work* slots, int lane) {
+    const BwdParams& bp = P.b;
     if (lane == 0) {
         prefetch_tensormap(&P.tq);
         prefetch_tensormap(&P.tk);
         prefetch_tensormap(&P.tv);
         prefetch_tensormap(&P.tdo);
-        mbar_expect_tx(sm.load_kv[0], 2 * KV_BYTES);
-        tma_load_5d(sm.k, &P.tk, sm.load_kv[0], 0, w.n0, 0, w.kv_head, w.batch);
-        tma_load_5d(sm.v, &P.tv, sm.load_kv[0], 0, w.n0, 0, w.kv_head, w.batch);
     }
-    const BwdParams& bp = P.b;
     // The padded statistics of (batch, head): D at `dsum`, LSE·LOG2E half a workspace later.
     const long long half = static_cast<long long>(bp.f.batch) * bp.f.heads_q * bp.stats_rows;
-    for (int it = 0; it < w.trips; ++it) {
-        const QState st = QState::at(it);
-        const int head = w.head(bp.f, it), r0 = w.m_block(it) * BLOCK_M;
-        sm.pipe_q().acquire(st);
-        if (it >= STAGES) stats_free_sync(st.stage);
-        if (lane != 0) continue;
-        sm.pipe_q().expect(st, 2 * QO_BYTES + ROW_STATS * 4);
-        tma_load_5d(sm.q_stage(st.stage), &P.tq, sm.load_q[st.stage], 0, r0, 0, head, w.batch);
-        tma_load_5d(sm.do_stage(st.stage), &P.tdo, sm.load_q[st.stage], 0, r0, 0, head, w.batch);
-        const float* dsum = bp.dpsum + (static_cast<long long>(w.batch) * bp.f.heads_q + head) * bp.stats_rows + r0;
-        bulk_copy_g2s(smem_u32(sm.lse2(st.stage)), dsum + half, BLOCK_M * 4, sm.load_q[st.stage]);
-        bulk_copy_g2s(smem_u32(sm.dsum(st.stage)), dsum, BLOCK_M * 4, sm.load_q[st.stage]);
+    const int total = num_tiles(bp.f);
+    int tile = blockIdx.x;
+    int g = 0;       // steps issued: the ring position
+    int loaded = 0;  // tiles whose K and V were loaded: the load_kv / kv_free phase
+    for (int k = 0;; ++k) {
+        const int slot = k & 1;
+        const u32 phase = (k >> 1) & 1;
+        // The next tile's number, fetched early (its latency hides behind this tile's loads).
+        int next = 0;
+        if (lane == 0 && tile < total) next = static_cast<int>(atomicAdd(tile_counter(bp), 1u)) + gridDim.x;
+        next = __shfl_sync(0xffffffffu, next, 0);
+        mbar_wait(sm.work_empty[slot], phase ^ 1);  // the consumers are done with tile k − 2
+        if (lane == 0) {
+            slots[slot] = work_of(bp.f, tile < total ? tile : -1);
+            mbar_arrive(sm.work_full[slot]);
+        }
+        __syncwarp();
+        if (tile >= total) break;
+        const Work& w = slots[slot];
+        if (w.trips > 0) {
+            if (loaded > 0) mbar_wait(sm.kv_free[0], (loaded - 1) & 1);
+            ++loaded;
+            if (lane == 0) {
+                mbar_expect_tx(sm.load_kv[0], 2 * KV_BYTES);
+                tma_load_5d(sm.k, &P.tk, sm.load_kv[0], 0, w.n0, 0, w.kv_head, w.batch);
+                tma_load_5d(sm.v, &P.tv, sm.load_kv[0], 0, w.n0, 0, w.kv_head, w.batch);
+            }
+        }
+        for (int it = 0; it < w.trips; ++it, ++g) {
+            const QState st = QState::at(g);
+            const int head = w.head(bp.f, it), r0 = w.m_block(it) * BLOCK_M;
+            sm.pipe_q().acquire(st);
+            if (g >= STAGES) stats_free_sync(st.stage);
+            if (lane != 0) continue;
+            sm.pipe_q().expect(st, 2 * QO_BYTES + ROW_STATS * 4);
+            tma_load_5d(sm.q_stage(st.stage), &P.tq, sm.load_q[st.stage], 0, r0, 0, head, w.batch);
+            tma_load_5d(sm.do_stage(st.stage), &P.tdo, sm.load_q[st.stage], 0, r0, 0, head, w.batch);
+            const float* dsum = bp.dpsum + (static_cast<long long>(w.batch) * bp.f.heads_q + head) * bp.stats_rows + r0;
+            bulk_copy_g2s(smem_u32(sm.lse2(st.stage)), dsum + half, BLOCK_M * 4, sm.load_q[st.stage]);
+            bulk_copy_g2s(smem_u32(sm.dsum(st.stage)), dsum, BLOCK_M * 4, sm.load_q[st.stage]);
+        }
+        tile = next;
     }
+    // The consumers arrive on STATS_FREE after every step; the last STAGES steps' arrivals have
+    // no refill to wait for them: take them here, so that every barrier generation completes.
+    for (int j = g > STAGES ? g - STAGES : 0; j < g; ++j) stats_free_sync(QState::at(j).stage);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -328,24 +389,33 @@ __device__ __forceinline__ void zero(float* r, int n) {
     for (int i = 0; i < n; ++i) r[i] = 0.0f;
 }
 
-__device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm, const Work& w, int c) {
+__device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm, const Work* slots, int c) {
     const BwdParams& bp = P.b;
     const FwdParams& p = bp.f;
     const int ctid = threadIdx.x - WG_THREADS;  // 0 .. CONSUMER_THREADS
     const int tid = ctid % WG_THREADS, warp = tid / 32, lane = tid % 32;
     const int key_row = KEYS_PER_WG * c + 16 * warp + lane / 4;  // this thread's keys: key_row + 8·slot
 
+    int g = 0;       // steps consumed: the ring position
+    int loaded = 0;  // tiles with steps so far: the load_kv phase
+    for (int k = 0;; ++k) {
+    const int slot = k & 1;
+    mbar_wait(sm.work_full[slot], (k >> 1) & 1);
+    const Work& w = slots[slot];
+    if (w.n0 < 0) break;
+
     float rdK[DKV_REGS], rdV[DKV_REGS];  // (64, HEAD_DIM) each per warpgroup
     zero(rdK, DKV_REGS);
     zero(rdV, DKV_REGS);
 
     if (w.trips > 0) {
-        mbar_wait(sm.load_kv[0], 0);
+        mbar_wait(sm.load_kv[0], loaded & 1);
+        ++loaded;
         clean_nonfinite<KV_BYTES>(sm.k, ctid);  // K only: V never meets a zeroed dS
     }
     const bool keys_partial = w.valid_n < BLOCK_N;
-    for (int it = 0; it < w.trips; ++it) {
-        const QState st = QState::at(it);
+    for (int it = 0; it < w.trips; ++it, ++g) {
+        const QState st = QState::at(g);
         const int head = w.head(p, it), m = w.m_block(it), r0 = m * BLOCK_M;
         const bool masked = keys_partial || w.qb.masked(m);
         sm.pipe_q().wait(st);
@@ -395,7 +465,7 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             rdS[j] = pack2(ds[0], ds[1]);
         }
         // This stage's statistics are read: the producer may refill it (STATS_FREE).
-        if (it + STAGES < w.trips) stats_free_arrive(st.stage);
+        stats_free_arrive(st.stage);
 
         // dV += Pᵀ·dO, dK += dSᵀ·Q, in flight while dSᵀ goes to shared memory.
         wgmma_fence();
@@ -404,7 +474,7 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
         wgmma_commit();
 
         // dSᵀ to buffer it % 2: register pair j is (key_row + 8·slot, queries acc_col(2j) + 0, 1).
-        const u32 ds_base = sm.ds_buf(it % DS_BUFFERS);
+        const u32 ds_base = sm.ds_buf(g % DS_BUFFERS);
         const u32 ds_row = ds_base + key_row * SLAB_ROW_BYTES + (lane % 4) * 4, ds_xor = (lane / 4) * 16;
 #pragma unroll
         for (int j = 0; j < PK_REGS; ++j) st_shared_b32((ds_row + ds_offset(2 * j)) ^ ds_xor, rdS[j]);
@@ -414,7 +484,7 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
         if (lane == 0) bulk_wait_read<0>();
         named_bar_sync<BAR_DS_READY, CONSUMER_THREADS>();
 
-        const int part = (c + it) % CONSUMER_WGS;  // this warpgroup's part of dQ, if any
+        const int part = (c + g) % CONSUMER_WGS;  // this warpgroup's part of dQ, if any
         if (part >= DQ_PARTS) {
             wgmma_wait<0>();  // dV and dK are in: the stage's Q and dO are free
             sm.pipe_q().release(st, lane);
@@ -449,9 +519,12 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             bulk_commit();
         }
     }
-    // The last reduce-adds have read their buffer before the CTA's shared memory goes (their
-    // global writes complete before the kernel does).
-    if (lane == 0) bulk_wait_read<0>();
+    // The tile's last products have read K and V (every step ends in wgmma_wait<0>): the
+    // producer may load the next tile's while this one's dK and dV go out.
+    if (w.trips > 0) {
+        __syncwarp();
+        if (lane == 0) mbar_arrive(sm.kv_free[0]);
+    }
 
     // dK = scale · Σ dSᵀ·Q and dV, rounded, rows below the keys' end (head_dim == HEAD_DIM).
 #pragma unroll
@@ -470,6 +543,13 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             st_global_b32(gdV + col, pack2(rdV[i + 2 * h], rdV[i + 2 * h + 1]));
         }
     }
+    // The slot's work is read: the producer may write tile k + 2 into it.
+    __syncwarp();
+    if (lane == 0) mbar_arrive(sm.work_empty[slot]);
+    }
+    // The last reduce-adds have read their buffer before the CTA's shared memory goes (their
+    // global writes complete before the kernel does).
+    if (lane == 0) bulk_wait_read<0>();
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -477,8 +557,7 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_bwd_sm90(const __grid_constant__ Sm90BwdParams P) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    // Past this sequence's keys (the grid spans the longest): nothing to write.
-    if (static_cast<int>(blockIdx.x) * BLOCK_N >= P.b.f.seqlen_k) return;
+    if (static_cast<int>(blockIdx.x) >= num_tiles(P.b.f)) return;  // more CTAs than tiles
 
     Smem sm;
     const u32 base = (smem_u32(smem_raw) + TILE_ALIGN - 1) & ~static_cast<u32>(TILE_ALIGN - 1);
@@ -491,20 +570,28 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_bwd_sm90(const 
     const u32 stats = sm.dq + CONSUMER_WGS * DQ_BYTES;
     sm.stats = reinterpret_cast<float*>(smem_raw + (stats - smem_u32(smem_raw)));
     sm.load_kv.base = stats + STAGES * ROW_STATS * 4;
-    sm.load_q.base = sm.load_kv[1];
+    sm.kv_free.base = sm.load_kv[1];
+    sm.load_q.base = sm.kv_free[1];
     sm.release_q.base = sm.load_q[STAGES];
-    // The CTA's work, in shared memory after the barriers: its fields are read where needed
-    // (the loops' barrier waits are memory clobbers, so the reads are not hoisted), which keeps
-    // about a dozen registers free in the producer and the consumers (held in registers, the
-    // producer spilled at 24 registers and the consumers at 232 with a softcap).
-    Work& s_work = *reinterpret_cast<Work*>(smem_raw + (sm.release_q[STAGES] - smem_u32(smem_raw)));
+    sm.work_full.base = sm.release_q[STAGES];
+    sm.work_empty.base = sm.work_full[2];
+    // The tiles' work, in two slots after the barriers: its fields are read where needed (the
+    // loops' barrier waits are memory clobbers, so the reads are not hoisted), which keeps about
+    // a dozen registers free in the producer and the consumers (held in registers, the producer
+    // spilled at 24 registers and the consumers at 232 with a softcap).
+    Work* slots = reinterpret_cast<Work*>(smem_raw + (sm.work_empty[2] - smem_u32(smem_raw)));
+    static_assert(WORK_SLOT % alignof(Work) == 0, "each slot holds a Work");
 
     if (threadIdx.x == 0) {
-        s_work = work_of(P.b.f);
         mbar_init(sm.load_kv[0], 1);
+        mbar_init(sm.kv_free[0], 4 * CONSUMER_WGS);         // one per consumer warp
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(sm.load_q[s], 1);                     // thread 0's expect_tx
             mbar_init(sm.release_q[s], 4 * CONSUMER_WGS);   // one per consumer warp
+        }
+        for (int w = 0; w < 2; ++w) {
+            mbar_init(sm.work_full[w], 1);                  // the producer's lane 0
+            mbar_init(sm.work_empty[w], 4 * CONSUMER_WGS);  // one per consumer warp
         }
         fence_mbarrier_init();
     }
@@ -514,11 +601,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_bwd_sm90(const 
     switch (role_of(warp)) {
     case ROLE_PRODUCER:
         setmaxnreg_dec<PRODUCER_REGS>();
-        if (s_work.trips > 0 && warp == 0) load_tiles(P, sm, s_work, threadIdx.x % 32);
+        if (warp == 0) producer(P, sm, slots, threadIdx.x % 32);
         break;
     case ROLE_CONSUMER:
         setmaxnreg_inc<CONSUMER_REGS>();
-        consumer(P, sm, s_work, wg - FIRST_CONSUMER_WARP / 4);
+        consumer(P, sm, slots, wg - FIRST_CONSUMER_WARP / 4);
         break;
     }
 }

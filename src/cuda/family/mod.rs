@@ -213,16 +213,10 @@ impl CudaBackend {
         // come between them on the stream.
         let _order = self.exact_order();
         self.launch(plan, &args)?;
-        // On Hopper and later the fixup is a programmatic dependent launch: its CTAs may start
-        // once every forward CTA has started (the forward kernels signal that on entry), and
-        // wait in `griddepcontrol.wait` for the forward to complete, so that the launch gap is
-        // hidden behind the forward's last wave.
-        let fixup = ExactFixup::new(module, &common, self.info().sm_count);
-        if self.info().compute_capability.major >= 9 {
-            self.launch_dependent(&fixup, &common)
-        } else {
-            self.launch(&fixup, &common)
-        }
+        self.launch(
+            &ExactFixup::new(module, &common, self.info().sm_count),
+            &common,
+        )
     }
 
     /// Launches a plan's kernel with its one argument: the one launch site of every fa4
@@ -253,63 +247,6 @@ impl CudaBackend {
         // guard is held by the caller past this launch.
         unsafe { launch.launch(cfg) }
             .map_err(|e| Error::cuda(format!("launch {}", l.kernel), e))?;
-        Ok(())
-    }
-
-    /// [`CudaBackend::launch`] as a programmatic dependent launch (compute capability 9.0 on):
-    /// the kernel may start before the previous kernel on the stream has completed, and must
-    /// wait for it (`griddepcontrol.wait`) before it touches that kernel's results. Used for
-    /// the exact fixup only, whose kernel waits on entry. cudarc's launch builder takes no
-    /// launch attributes, hence the driver's `cuLaunchKernelEx`.
-    fn launch_dependent<L: Launchable + ?Sized, A: DeviceRepr>(
-        &self,
-        plan: &L,
-        args: &A,
-    ) -> Result<()> {
-        use cudarc::driver::sys;
-        let l = plan.launch();
-        let func = self.kernel_entry(l.kernel, l.entry)?;
-        let stream = &self.dev.stream;
-        stream
-            .context()
-            .bind_to_thread()
-            .map_err(|e| Error::cuda("cuCtxSetCurrent", e))?;
-        // SAFETY: a zeroed attribute value is a valid union (all its variants are plain data);
-        // only the field the id names is read.
-        let mut value: sys::CUlaunchAttributeValue = unsafe { std::mem::zeroed() };
-        value.programmaticStreamSerializationAllowed = 1;
-        let mut attr = sys::CUlaunchAttribute {
-            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: Default::default(),
-            value,
-        };
-        let config = sys::CUlaunchConfig {
-            gridDimX: l.grid.0,
-            gridDimY: l.grid.1,
-            gridDimZ: l.grid.2,
-            blockDimX: l.threads as u32,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: l.smem_bytes as u32,
-            hStream: stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        let mut params = [args as *const A as *mut std::ffi::c_void];
-        // SAFETY: as for `launch`: the grid, block and shared memory are the plan's, `args` is
-        // the kernel's one `#[repr(C)]` argument, built from a validated problem and checked
-        // buffers whose guards the caller holds. `params` points at `args`, which outlives the
-        // call (the driver copies the argument at launch); `config` and `attr` live across it.
-        unsafe {
-            sys::cuLaunchKernelEx(
-                &config,
-                func.cu_function(),
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        }
-        .result()
-        .map_err(|e| Error::cuda(format!("launch {}", l.kernel), e))?;
         Ok(())
     }
 }

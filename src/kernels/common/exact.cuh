@@ -167,24 +167,6 @@ __device__ __forceinline__ void exact_row(const FwdParams& p, const Seq s, int b
     }
 }
 
-// The fixup is launched as a programmatic dependent launch on Hopper and later
-// (`cuda::family`'s `launch_dependent`): the forward kernels call this on entry, so that once
-// every forward CTA has started, the fixup's CTAs may be scheduled behind the last wave instead
-// of after the forward has drained; the fixup waits for the forward to complete (and its
-// stores, the flag among them, to be visible) before it reads anything. A no-op below sm_90
-// and when the fixup is launched the ordinary way.
-__device__ __forceinline__ void allow_exact_fixup_launch() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-#endif
-}
-
-__device__ __forceinline__ void wait_for_forward() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-#endif
-}
-
 // Threads per CTA of the fixup kernel (`cuda::family::ExactFixup` launches it with this many).
 constexpr int EXACT_THREADS = 256;
 
@@ -194,7 +176,6 @@ constexpr int EXACT_THREADS = 256;
 // rows that are NaN by the definition come out NaN again. The last CTA to finish clears the flag
 // (every CTA read it as set before any could clear it: the count only completes after all have).
 extern "C" __global__ void __launch_bounds__(EXACT_THREADS) fa4_exact_fixup(const FwdParams p) {
-    wait_for_forward();
     if (*static_cast<volatile unsigned*>(&fa4_exact_flag[0]) == 0u) return;
     const bool varlen = p.cu_seqlens_q != nullptr;
     const int lane = threadIdx.x % 32;

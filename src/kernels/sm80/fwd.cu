@@ -111,7 +111,6 @@ __device__ __forceinline__ void load_tile(u32 s_tile, const u16* g, long long ro
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, MIN_BLOCKS_PER_SM) fa4_fwd_sm80(const __grid_constant__ FwdParams p) {
     extern __shared__ __align__(128) unsigned char smem[];
-    allow_exact_fixup_launch();
     const int tid = threadIdx.x;
     const int warp = tid / 32, lane = tid % 32;
     const int g = lane / 4, t = lane % 4;

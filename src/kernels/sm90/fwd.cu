@@ -626,7 +626,6 @@ __device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, in
 
 extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_fwd_sm90(const __grid_constant__ Sm90Params P) {
     extern __shared__ __align__(1024) unsigned char smem_raw[];
-    allow_exact_fixup_launch();
 
     Smem sm;
     sm.q = (smem_u32(smem_raw) + TILE_ALIGN - 1) & ~static_cast<u32>(TILE_ALIGN - 1);

@@ -127,8 +127,9 @@ impl KernelSource for Spec {
     }
 }
 
-/// The environment variable that caps the Hopper backward's persistent CTAs (tests: several
-/// tiles per CTA on problems small enough for compute-sanitizer).
+/// The environment variable that sets the Hopper backward's CTA count, at most one per tile
+/// (tests: several tiles per CTA on problems small enough for compute-sanitizer; measurements:
+/// one tile per CTA against the persistent grid).
 pub const CTAS_ENV: &str = "FA4_BWD_SM90_CTAS";
 
 /// [`CTAS_ENV`]: a positive CTA count, or `None` when unset.
@@ -221,11 +222,12 @@ impl CudaBackend {
         if plan.grid.0 == 0 || plan.grid.1 == 0 || plan.grid.2 == 0 {
             return Ok(());
         }
-        // A test knob: fewer persistent CTAs than planned, so that small problems (what the
-        // sanitizers can afford) still walk several tiles per CTA.
+        // A test and measurement knob: the number of CTAs, at most one per tile (few: small
+        // problems, what the sanitizers can afford, still walk several tiles per CTA; one per
+        // tile: each CTA takes one tile, as a grid that is not persistent).
         let mut plan = std::borrow::Cow::Borrowed(plan);
         if let Some(ctas) = ctas_from_env()? {
-            plan.to_mut().grid.0 = plan.grid.0.min(ctas);
+            plan.to_mut().grid.0 = u32::try_from(plan.tiles).unwrap_or(u32::MAX).min(ctas);
         }
         let plan = plan.as_ref();
         let (bf16, rows_m) = (plan.spec.bf16, plan.spec.tiles.block_m);

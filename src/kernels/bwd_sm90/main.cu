@@ -249,10 +249,10 @@ __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm,
     for (int k = 0;; ++k) {
         const int slot = k & 1;
         const u32 phase = (k >> 1) & 1;
-        // The next tile's number, fetched early (its latency hides behind this tile's loads).
+        // The next tile's number, fetched early: lane 0 holds it, and its latency hides behind
+        // this tile's loads (the warp reads it at the end of the iteration).
         int next = 0;
         if (lane == 0 && tile < total) next = static_cast<int>(atomicAdd(tile_counter(bp), 1u)) + gridDim.x;
-        next = __shfl_sync(0xffffffffu, next, 0);
         mbar_wait(sm.work_empty[slot], phase ^ 1);  // the consumers are done with tile k − 2
         if (lane == 0) {
             slots[slot] = work_of(bp.f, tile < total ? tile : -1);
@@ -283,7 +283,7 @@ __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm,
             bulk_copy_g2s(smem_u32(sm.lse2(st.stage)), dsum + half, BLOCK_M * 4, sm.load_q[st.stage]);
             bulk_copy_g2s(smem_u32(sm.dsum(st.stage)), dsum, BLOCK_M * 4, sm.load_q[st.stage]);
         }
-        tile = next;
+        tile = __shfl_sync(0xffffffffu, next, 0);
     }
     // The consumers arrive on STATS_FREE after every step; the last STAGES steps' arrivals have
     // no refill to wait for them: take them here, so that every barrier generation completes.
@@ -399,153 +399,153 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
     int g = 0;       // steps consumed: the ring position
     int loaded = 0;  // tiles with steps so far: the load_kv phase
     for (int k = 0;; ++k) {
-    const int slot = k & 1;
-    mbar_wait(sm.work_full[slot], (k >> 1) & 1);
-    const Work& w = slots[slot];
-    if (w.n0 < 0) break;
+        const int slot = k & 1;
+        mbar_wait(sm.work_full[slot], (k >> 1) & 1);
+        const Work& w = slots[slot];
+        if (w.n0 < 0) break;
 
-    float rdK[DKV_REGS], rdV[DKV_REGS];  // (64, HEAD_DIM) each per warpgroup
-    zero(rdK, DKV_REGS);
-    zero(rdV, DKV_REGS);
+        float rdK[DKV_REGS], rdV[DKV_REGS];  // (64, HEAD_DIM) each per warpgroup
+        zero(rdK, DKV_REGS);
+        zero(rdV, DKV_REGS);
 
-    if (w.trips > 0) {
-        mbar_wait(sm.load_kv[0], loaded & 1);
-        ++loaded;
-        clean_nonfinite<KV_BYTES>(sm.k, ctid);  // K only: V never meets a zeroed dS
-    }
-    const bool keys_partial = w.valid_n < BLOCK_N;
-    for (int it = 0; it < w.trips; ++it, ++g) {
-        const QState st = QState::at(g);
-        const int head = w.head(p, it), m = w.m_block(it), r0 = m * BLOCK_M;
-        const bool masked = keys_partial || w.qb.masked(m);
-        sm.pipe_q().wait(st);
-        if (masked) clean_nonfinite<QO_BYTES>(sm.q_stage(st.stage), ctid);
-
-        float rS[ST_REGS], rdP[ST_REGS];  // (64 keys, BLOCK_M queries) each per warpgroup
-        wgmma_fence();
-        issue_st_dpt(rS, rdP, sm, st.stage, c);
-        wgmma_wait<0>();
-
-        // Pᵀ and dSᵀ (without the scale), packed into A fragments: k step kk takes registers
-        // 8kk .. 8kk + 7 pairwise (the accumulator layout is the A layout's). In a masked step
-        // query q of the block is allowed for this thread's key of slot h iff q is in
-        // [q_lo[h], q_hi[h]): the queries that see the key (`query_lo`, `query_hi`), which is
-        // `allowed` read from the key side; a key past the sequence's end sees none.
-        const float* lse2 = sm.lse2(st.stage);  // and D at lse2 + BLOCK_M (one base register)
-        int q_lo[2] = {0, 0}, q_hi[2] = {BLOCK_M, BLOCK_M};
-        if (masked) {
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int j = w.n0 + key_row + 8 * h;
-                const bool key_ok = key_row + 8 * h < w.valid_n;
-                q_lo[h] = key_ok ? query_lo(p, w.s, j) - r0 : 0;
-                q_hi[h] = key_ok ? query_hi(p, w.s, j) - r0 : 0;
-            }
+        if (w.trips > 0) {
+            mbar_wait(sm.load_kv[0], loaded & 1);
+            ++loaded;
+            clean_nonfinite<KV_BYTES>(sm.k, ctid);  // K only: V never meets a zeroed dS
         }
-        u32 rP[PK_REGS], rdS[PK_REGS];
+        const bool keys_partial = w.valid_n < BLOCK_N;
+        for (int it = 0; it < w.trips; ++it, ++g) {
+            const QState st = QState::at(g);
+            const int head = w.head(p, it), m = w.m_block(it), r0 = m * BLOCK_M;
+            const bool masked = keys_partial || w.qb.masked(m);
+            sm.pipe_q().wait(st);
+            if (masked) clean_nonfinite<QO_BYTES>(sm.q_stage(st.stage), ctid);
+
+            float rS[ST_REGS], rdP[ST_REGS];  // (64 keys, BLOCK_M queries) each per warpgroup
+            wgmma_fence();
+            issue_st_dpt(rS, rdP, sm, st.stage, c);
+            wgmma_wait<0>();
+
+            // Pᵀ and dSᵀ (without the scale), packed into A fragments: k step kk takes registers
+            // 8kk .. 8kk + 7 pairwise (the accumulator layout is the A layout's). In a masked step
+            // query q of the block is allowed for this thread's key of slot h iff q is in
+            // [q_lo[h], q_hi[h]): the queries that see the key (`query_lo`, `query_hi`), which is
+            // `allowed` read from the key side; a key past the sequence's end sees none.
+            const float* lse2 = sm.lse2(st.stage);  // and D at lse2 + BLOCK_M (one base register)
+            int q_lo[2] = {0, 0}, q_hi[2] = {BLOCK_M, BLOCK_M};
+            if (masked) {
 #pragma unroll
-        for (int j = 0; j < PK_REGS; ++j) {
-            float pv[2], ds[2];
-#pragma unroll
-            for (int e = 0; e < 2; ++e) {
-                const int i = 2 * j + e, q = acc_col(i, lane);
-                float dsdx = 1.0f;
-                if constexpr (HAS_SOFTCAP) {
-                    const float x = capped(bp, rS[i], dsdx);
-                    pv[e] = exp2_approx(x * LOG2E - lse2[q]);
-                } else {
-                    // One FMA: the scale and LOG2E folded (a rounding apart from (raw·scale)·LOG2E).
-                    pv[e] = exp2_approx(fmaf(rS[i], bp.scale * LOG2E, -lse2[q]));
+                for (int h = 0; h < 2; ++h) {
+                    const int j = w.n0 + key_row + 8 * h;
+                    const bool key_ok = key_row + 8 * h < w.valid_n;
+                    q_lo[h] = key_ok ? query_lo(p, w.s, j) - r0 : 0;
+                    q_hi[h] = key_ok ? query_hi(p, w.s, j) - r0 : 0;
                 }
-                ds[e] = pv[e] * (rdP[i] - lse2[BLOCK_M + q]) * dsdx;
-                const int h = acc_slot(i);
-                if (q < q_lo[h] || q >= q_hi[h]) pv[e] = ds[e] = 0.0f;
             }
-            rP[j] = pack2(pv[0], pv[1]);
-            rdS[j] = pack2(ds[0], ds[1]);
-        }
-        // This stage's statistics are read: the producer may refill it (STATS_FREE).
-        stats_free_arrive(st.stage);
-
-        // dV += Pᵀ·dO, dK += dSᵀ·Q, in flight while dSᵀ goes to shared memory.
-        wgmma_fence();
-        issue_dkv(rdV, rP, sm.do_stage(st.stage));
-        issue_dkv(rdK, rdS, sm.q_stage(st.stage));
-        wgmma_commit();
-
-        // dSᵀ to buffer it % 2: register pair j is (key_row + 8·slot, queries acc_col(2j) + 0, 1).
-        const u32 ds_base = sm.ds_buf(g % DS_BUFFERS);
-        const u32 ds_row = ds_base + key_row * SLAB_ROW_BYTES + (lane % 4) * 4, ds_xor = (lane / 4) * 16;
+            u32 rP[PK_REGS], rdS[PK_REGS];
 #pragma unroll
-        for (int j = 0; j < PK_REGS; ++j) st_shared_b32((ds_row + ds_offset(2 * j)) ^ ds_xor, rdS[j]);
-        fence_proxy_async();
-        // This warp's previous dQ rows have been read out of the buffer (its lane 0 issued their
-        // reduce-add); the barrier tells the other lanes before they store the next ones.
-        if (lane == 0) bulk_wait_read<0>();
-        named_bar_sync<BAR_DS_READY, CONSUMER_THREADS>();
+            for (int j = 0; j < PK_REGS; ++j) {
+                float pv[2], ds[2];
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    const int i = 2 * j + e, q = acc_col(i, lane);
+                    float dsdx = 1.0f;
+                    if constexpr (HAS_SOFTCAP) {
+                        const float x = capped(bp, rS[i], dsdx);
+                        pv[e] = exp2_approx(x * LOG2E - lse2[q]);
+                    } else {
+                        // One FMA: the scale and LOG2E folded (a rounding apart from (raw·scale)·LOG2E).
+                        pv[e] = exp2_approx(fmaf(rS[i], bp.scale * LOG2E, -lse2[q]));
+                    }
+                    ds[e] = pv[e] * (rdP[i] - lse2[BLOCK_M + q]) * dsdx;
+                    const int h = acc_slot(i);
+                    if (q < q_lo[h] || q >= q_hi[h]) pv[e] = ds[e] = 0.0f;
+                }
+                rP[j] = pack2(pv[0], pv[1]);
+                rdS[j] = pack2(ds[0], ds[1]);
+            }
+            // This stage's statistics are read: the producer may refill it (STATS_FREE).
+            stats_free_arrive(st.stage);
 
-        const int part = (c + g) % CONSUMER_WGS;  // this warpgroup's part of dQ, if any
-        if (part >= DQ_PARTS) {
-            wgmma_wait<0>();  // dV and dK are in: the stage's Q and dO are free
+            // dV += Pᵀ·dO, dK += dSᵀ·Q, in flight while dSᵀ goes to shared memory.
+            wgmma_fence();
+            issue_dkv(rdV, rP, sm.do_stage(st.stage));
+            issue_dkv(rdK, rdS, sm.q_stage(st.stage));
+            wgmma_commit();
+
+            // dSᵀ to buffer it % 2: register pair j is (key_row + 8·slot, queries acc_col(2j) + 0, 1).
+            const u32 ds_base = sm.ds_buf(g % DS_BUFFERS);
+            const u32 ds_row = ds_base + key_row * SLAB_ROW_BYTES + (lane % 4) * 4, ds_xor = (lane / 4) * 16;
+#pragma unroll
+            for (int j = 0; j < PK_REGS; ++j) st_shared_b32((ds_row + ds_offset(2 * j)) ^ ds_xor, rdS[j]);
+            fence_proxy_async();
+            // This warp's previous dQ rows have been read out of the buffer (its lane 0 issued their
+            // reduce-add); the barrier tells the other lanes before they store the next ones.
+            if (lane == 0) bulk_wait_read<0>();
+            named_bar_sync<BAR_DS_READY, CONSUMER_THREADS>();
+
+            const int part = (c + g) % CONSUMER_WGS;  // this warpgroup's part of dQ, if any
+            if (part >= DQ_PARTS) {
+                wgmma_wait<0>();  // dV and dK are in: the stage's Q and dO are free
+                sm.pipe_q().release(st, lane);
+                continue;
+            }
+            const int rg = part % DQ_ROW_GROUPS, cg = part / DQ_ROW_GROUPS;
+            float rdQ[DQ_REGS];  // (64, DQ_N) per warpgroup
+            wgmma_fence();
+            issue_dq(rdQ, sm, ds_base, rg, cg);
+            wgmma_commit();
+            wgmma_wait<1>();  // dV and dK are in: the stage's Q and dO are free (dQ reads dSᵀ and K)
             sm.pipe_q().release(st, lane);
-            continue;
-        }
-        const int rg = part % DQ_ROW_GROUPS, cg = part / DQ_ROW_GROUPS;
-        float rdQ[DQ_REGS];  // (64, DQ_N) per warpgroup
-        wgmma_fence();
-        issue_dq(rdQ, sm, ds_base, rg, cg);
-        wgmma_commit();
-        wgmma_wait<1>();  // dV and dK are in: the stage's Q and dO are free (dQ reads dSᵀ and K)
-        sm.pipe_q().release(st, lane);
-        wgmma_wait<0>();
+            wgmma_wait<0>();
 
-        // dQ_i += dS·K (the scale is applied by the convert kernel): the tile to this warpgroup's
-        // buffer in register order, then one bulk reduce-add of it into its accumulator tile
-        // (rows past the sequence land in the padded rows, which `convert` skips).
-        // The thread's place in the tile from a fresh read of its index: held across the step
-        // loop, these offsets spilled at d64 with a window (BLOCK_M 128).
-        const int t_now = static_cast<int>(thread_index()) % WG_THREADS;
-        const u32 dq_buf = sm.dq_buf(c);
+            // dQ_i += dS·K (the scale is applied by the convert kernel): the tile to this warpgroup's
+            // buffer in register order, then one bulk reduce-add of it into its accumulator tile
+            // (rows past the sequence land in the padded rows, which `convert` skips).
+            // The thread's place in the tile from a fresh read of its index: held across the step
+            // loop, these offsets spilled at d64 with a window (BLOCK_M 128).
+            const int t_now = static_cast<int>(thread_index()) % WG_THREADS;
+            const u32 dq_buf = sm.dq_buf(c);
 #pragma unroll
-        for (int k = 0; k < DQ_REGS / 4; ++k)
-            st_shared_v4f(dq_buf + 4 * dq_pos(4 * k, t_now), rdQ[4 * k], rdQ[4 * k + 1], rdQ[4 * k + 2], rdQ[4 * k + 3]);
-        fence_proxy_async();
-        __syncwarp();
-        if (lane == 0) {
-            const int warp_elems = DQ_WARP_ELEMS * (t_now / 32);
-            const long long row0 = (static_cast<long long>(w.batch) * p.heads_q + head) * bp.stats_rows + r0 + 64 * rg;
-            bulk_reduce_add_f32(bp.dq_accum + row0 * HEAD_DIM + cg * (DQ_TILE * DQ_TILE) + warp_elems,
-                                dq_buf + 4 * warp_elems, 4 * DQ_WARP_ELEMS);
-            bulk_commit();
+            for (int k = 0; k < DQ_REGS / 4; ++k)
+                st_shared_v4f(dq_buf + 4 * dq_pos(4 * k, t_now), rdQ[4 * k], rdQ[4 * k + 1], rdQ[4 * k + 2], rdQ[4 * k + 3]);
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) {
+                const int warp_elems = DQ_WARP_ELEMS * (t_now / 32);
+                const long long row0 = (static_cast<long long>(w.batch) * p.heads_q + head) * bp.stats_rows + r0 + 64 * rg;
+                bulk_reduce_add_f32(bp.dq_accum + row0 * HEAD_DIM + cg * (DQ_TILE * DQ_TILE) + warp_elems,
+                                    dq_buf + 4 * warp_elems, 4 * DQ_WARP_ELEMS);
+                bulk_commit();
+            }
         }
-    }
-    // The tile's last products have read K and V (every step ends in wgmma_wait<0>): the
-    // producer may load the next tile's while this one's dK and dV go out.
-    if (w.trips > 0) {
-        __syncwarp();
-        if (lane == 0) mbar_arrive(sm.kv_free[0]);
-    }
+        // The tile's last products have read K and V (every step ends in wgmma_wait<0>): the
+        // producer may load the next tile's while this one's dK and dV go out.
+        if (w.trips > 0) {
+            __syncwarp();
+            if (lane == 0) mbar_arrive(sm.kv_free[0]);
+        }
 
-    // dK = scale · Σ dSᵀ·Q and dV, rounded, rows below the keys' end (head_dim == HEAD_DIM).
+        // dK = scale · Σ dSᵀ·Q and dV, rounded, rows below the keys' end (head_dim == HEAD_DIM).
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int j = key_row + 8 * h;
-        if (j >= w.valid_n) continue;
-        const long long row = w.s.k_start + w.n0 + j;
-        u16* gdK = static_cast<u16*>(bp.dk) + w.batch * bp.dk_batch_stride + row * bp.dk_row_stride +
-                   w.kv_head * bp.dk_head_stride;
-        u16* gdV = static_cast<u16*>(bp.dv) + w.batch * bp.dv_batch_stride + row * bp.dv_row_stride +
-                   w.kv_head * bp.dv_head_stride;
+        for (int h = 0; h < 2; ++h) {
+            const int j = key_row + 8 * h;
+            if (j >= w.valid_n) continue;
+            const long long row = w.s.k_start + w.n0 + j;
+            u16* gdK = static_cast<u16*>(bp.dk) + w.batch * bp.dk_batch_stride + row * bp.dk_row_stride +
+                       w.kv_head * bp.dk_head_stride;
+            u16* gdV = static_cast<u16*>(bp.dv) + w.batch * bp.dv_batch_stride + row * bp.dv_row_stride +
+                       w.kv_head * bp.dv_head_stride;
 #pragma unroll
-        for (int i = 0; i < DKV_REGS; i += 4) {
-            const int col = acc_col(i, lane);
-            st_global_b32(gdK + col, pack2(rdK[i + 2 * h] * bp.scale, rdK[i + 2 * h + 1] * bp.scale));
-            st_global_b32(gdV + col, pack2(rdV[i + 2 * h], rdV[i + 2 * h + 1]));
+            for (int i = 0; i < DKV_REGS; i += 4) {
+                const int col = acc_col(i, lane);
+                st_global_b32(gdK + col, pack2(rdK[i + 2 * h] * bp.scale, rdK[i + 2 * h + 1] * bp.scale));
+                st_global_b32(gdV + col, pack2(rdV[i + 2 * h], rdV[i + 2 * h + 1]));
+            }
         }
-    }
-    // The slot's work is read: the producer may write tile k + 2 into it.
-    __syncwarp();
-    if (lane == 0) mbar_arrive(sm.work_empty[slot]);
+        // The slot's work is read: the producer may write tile k + 2 into it.
+        __syncwarp();
+        if (lane == 0) mbar_arrive(sm.work_empty[slot]);
     }
     // The last reduce-adds have read their buffer before the CTA's shared memory goes (their
     // global writes complete before the kernel does).

@@ -240,9 +240,8 @@ __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm,
         prefetch_tensormap(&P.tv);
         prefetch_tensormap(&P.tdo);
     }
-    // The padded statistics of (batch, head): D at `dsum`, LSE·LOG2E half a workspace later.
-    const long long half = static_cast<long long>(bp.f.batch) * bp.f.heads_q * bp.stats_rows;
-    const int total = num_tiles(bp.f);
+    // The tile count and the statistics' half (below) are recomputed where used: the producer
+    // has 24 registers, and held across the loops they spilled at d64.
     int tile = blockIdx.x;
     int g = 0;       // steps issued: the ring position
     int loaded = 0;  // tiles whose K and V were loaded: the load_kv / kv_free phase
@@ -251,11 +250,11 @@ __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm,
         const u32 phase = (k >> 1) & 1;
         mbar_wait(sm.work_empty[slot], phase ^ 1);  // the consumers are done with tile k − 2
         if (lane == 0) {
-            slots[slot] = work_of(bp.f, tile < total ? tile : -1);
+            slots[slot] = work_of(bp.f, tile < num_tiles(bp.f) ? tile : -1);
             mbar_arrive(sm.work_full[slot]);
         }
         __syncwarp();
-        if (tile >= total) break;
+        if (tile >= num_tiles(bp.f)) break;
         const Work& w = slots[slot];
         if (w.trips > 0) {
             if (loaded > 0) mbar_wait(sm.kv_free[0], (loaded - 1) & 1);
@@ -275,6 +274,8 @@ __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm,
             sm.pipe_q().expect(st, 2 * QO_BYTES + ROW_STATS * 4);
             tma_load_5d(sm.q_stage(st.stage), &P.tq, sm.load_q[st.stage], 0, r0, 0, head, w.batch);
             tma_load_5d(sm.do_stage(st.stage), &P.tdo, sm.load_q[st.stage], 0, r0, 0, head, w.batch);
+            // The padded statistics of (batch, head): D at `dsum`, LSE·LOG2E half a workspace later.
+            const long long half = static_cast<long long>(bp.f.batch) * bp.f.heads_q * bp.stats_rows;
             const float* dsum = bp.dpsum + (static_cast<long long>(w.batch) * bp.f.heads_q + head) * bp.stats_rows + r0;
             bulk_copy_g2s(smem_u32(sm.lse2(st.stage)), dsum + half, BLOCK_M * 4, sm.load_q[st.stage]);
             bulk_copy_g2s(smem_u32(sm.dsum(st.stage)), dsum, BLOCK_M * 4, sm.load_q[st.stage]);

@@ -390,6 +390,8 @@ fn backward_plan_report_explains_the_choices() {
         "Ampere-class",
         "the Hopper backward (kernels/bwd_sm90",
         "replaces launch 2 below",
+        "persistent CTAs (at most one per SM)",
+        "launch 3 reads those tiles whole",
         "fa4_bwd_pre",
         "rowsum(dO∘O)",
         "fa4_bwd_main",

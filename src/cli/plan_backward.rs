@@ -248,18 +248,20 @@ impl Gpu {
             None => match fa4::config::bwd_sm90::plan(p, &self.arch, self.target) {
                 Ok(h) => format!(
                     "the Hopper backward (kernels/bwd_sm90: a TMA producer warpgroup, two consumer \
-                     warpgroups, wgmma) replaces launch 2 below with {}: grid {}x{}x{}, {} \
-                     threads, {} B shared memory; launches 1 and 3 are as listed, except that \
-                     launch 1 covers {} rows per sequence (whole query blocks; grid {}x{}x{}) \
-                     and writes D and LSE·log2e padded to them ({} B in place of the D \
-                     workspace below), which the Hopper kernel bulk-copies per step, and zeroes a \
-                     dQ accumulator of {} B laid out in 64 x 64 tiles over those rows, which it \
-                     adds to tile by tile from shared memory (cp.reduce.async.bulk); \
-                     FA4_BWD_KERNEL=sm80 runs the Ampere-class main kernel instead",
+                     warpgroups, wgmma) replaces launch 2 below with {}: {} persistent CTAs \
+                     (at most one per SM) taking {} tiles (128 keys, KV head, sequence) from a \
+                     counter, {} threads, {} B shared memory; launches 1 and 3 are as listed, \
+                     except that launch 1 covers {} rows per sequence (whole query blocks; grid \
+                     {}x{}x{}) and writes D and LSE·log2e padded to them ({} B in place of the D \
+                     workspace below, the tile counter included), which the Hopper kernel \
+                     bulk-copies per step, and zeroes a dQ accumulator of {} B laid out in 64 x \
+                     64 tiles over those rows, which it adds to tile by tile from shared memory \
+                     (cp.reduce.async.bulk), and launch 3 reads those tiles whole, 32 rows per \
+                     CTA (grid {}x{}x{}); FA4_BWD_KERNEL=sm80 runs the Ampere-class main kernel \
+                     instead",
                     h.spec,
                     h.grid.0,
-                    h.grid.1,
-                    h.grid.2,
+                    h.tiles,
                     h.spec.threads(),
                     h.spec.smem_bytes(),
                     h.stats_rows,
@@ -267,7 +269,10 @@ impl Gpu {
                     h.pre.1 .1,
                     h.pre.1 .2,
                     h.base.dpsum_len * 4,
-                    h.base.accum_len * 4
+                    h.base.accum_len * 4,
+                    h.convert.1 .0,
+                    h.convert.1 .1,
+                    h.convert.1 .2
                 ),
                 Err(e) => {
                     format!("{ampere} run: the Hopper backward does not cover this problem ({e})")

@@ -50,22 +50,32 @@ fn every_sm80_variant_compiles_for_every_target() {
     );
 }
 
-/// A variant's cubin and NVRTC log with ptxas's report (`-v`). On the H200's NVRTC (CUDA 13.0,
-/// /usr/local/cuda) a compile that succeeds can come back with an empty log when another thread
-/// of the process compiles the same variant at the same moment (two tests here share one: the
-/// tenth, twelfth and thirteenth sessions' device runs each lost its report once; alone it
-/// passed). Such a compile is repeated, up to twice, so that every check reads a real report.
-fn ptxas_report<S: fa4::cuda::compile::KernelSource + ?Sized>(
-    spec: &S,
-) -> fa4::Result<(Vec<u8>, String)> {
-    let mut r = compile_with_log(spec, &["--ptxas-options=-v"]);
-    for _ in 0..2 {
-        match &r {
-            Ok((_, log)) if log.is_empty() => r = compile_with_log(spec, &["--ptxas-options=-v"]),
-            _ => break,
-        }
+/// NVRTC (12.9 on) keeps what it compiles in the CUDA compute cache (`~/.nv/ComputeCache`, where
+/// a driver is installed), and a compile served from that cache comes back without ptxas's
+/// report, which these tests read: on the H200 a second run of this file failed with an empty
+/// log for every variant the first run had compiled (and `bench/device_final.sh`, whose earlier
+/// steps compile the same kernels, failed here in the tenth, twelfth and thirteenth sessions).
+/// So a test that reads the report runs its body in a child process of this binary with
+/// `CUDA_CACHE_DISABLE=1`, unless it is that child. True when the child ran it (and passed):
+/// the caller returns.
+fn ran_without_compute_cache(test: &str) -> bool {
+    if std::env::var("CUDA_CACHE_DISABLE").is_ok_and(|v| v == "1") {
+        return false;
     }
-    r
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let out = std::process::Command::new(exe)
+        .args(["--exact", test, "--test-threads", "1"])
+        .env("CUDA_CACHE_DISABLE", "1")
+        .output()
+        .expect("the test binary runs as a child");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{test}, run without the compute cache:\n{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::io::stderr().write_all(&out.stderr);
+    true
 }
 
 /// The Hopper kernel's variants compile for sm_90a without spilling and without ptxas
@@ -73,6 +83,11 @@ fn ptxas_report<S: fa4::cuda::compile::KernelSource + ?Sized>(
 /// are touched inside a wgmma group or when registers run short).
 #[test]
 fn every_sm90_variant_compiles_without_spills_or_wgmma_serialization() {
+    if ran_without_compute_cache(
+        "every_sm90_variant_compiles_without_spills_or_wgmma_serialization",
+    ) {
+        return;
+    }
     let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
     if let Err(e) = nvrtc_version() {
         if required {
@@ -105,7 +120,7 @@ fn every_sm90_variant_compiles_without_spills_or_wgmma_serialization() {
 /// What is wrong with a Hopper variant's compile: an NVRTC error, spills, a ptxas warning (the
 /// wgmma serialisation C7515/C7520 among them), or fewer registers than the launch bounds give.
 fn sm90_ptxas_problems(spec: &fa4::config::sm90::KernelSpec) -> Option<String> {
-    match ptxas_report(spec) {
+    match compile_with_log(spec, &["--ptxas-options=-v"]) {
         Err(e) => Some(e.to_string()),
         Ok((_, log)) => {
             let mut bad: Vec<String> = log
@@ -149,6 +164,11 @@ fn sm90_ptxas_problems(spec: &fa4::config::sm90::KernelSpec) -> Option<String> {
 /// one (plain store, the cross-tile walk skipping empty tiles): no spills, no serialisation.
 #[test]
 fn issue14_switched_sm90_variants_compile_without_spills_or_wgmma_serialization() {
+    if ran_without_compute_cache(
+        "issue14_switched_sm90_variants_compile_without_spills_or_wgmma_serialization",
+    ) {
+        return;
+    }
     let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
     if let Err(e) = nvrtc_version() {
         if required {
@@ -202,6 +222,9 @@ fn issue14_switched_sm90_variants_compile_without_spills_or_wgmma_serialization(
 /// alone (the kernel `static_assert`s that its layout adds up to it).
 #[test]
 fn every_sm100_variant_compiles_for_sm100a() {
+    if ran_without_compute_cache("every_sm100_variant_compiles_for_sm100a") {
+        return;
+    }
     use fa4::config::sm100_kernel::{all_specs, parse_ptxas};
     let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
     if let Err(e) = nvrtc_version() {
@@ -215,45 +238,50 @@ fn every_sm100_variant_compiles_for_sm100a() {
     assert_eq!(specs.len(), 5 * 8);
     let failures: Vec<String> = specs
         .par_iter()
-        .filter_map(|spec| match ptxas_report(spec) {
-            Err(e) => Some(e.to_string()),
-            Ok((cubin, log)) => {
-                let mut bad = Vec::new();
-                match parse_ptxas(&log) {
-                    Some((regs, static_smem)) => {
-                        if static_smem != 0 {
-                            bad.push(format!("{static_smem} bytes of static shared memory"));
+        .filter_map(
+            |spec| match compile_with_log(spec, &["--ptxas-options=-v"]) {
+                Err(e) => Some(e.to_string()),
+                Ok((cubin, log)) => {
+                    let mut bad = Vec::new();
+                    match parse_ptxas(&log) {
+                        Some((regs, static_smem)) => {
+                            if static_smem != 0 {
+                                bad.push(format!("{static_smem} bytes of static shared memory"));
+                            }
+                            if regs == 0 || regs > 128 {
+                                bad.push(format!(
+                                    "{regs} registers at launch (512 threads: ≤ 128)"
+                                ));
+                            }
                         }
-                        if regs == 0 || regs > 128 {
-                            bad.push(format!("{regs} registers at launch (512 threads: ≤ 128)"));
-                        }
-                    }
-                    // CI's NVRTC (13.0.88, FA4_REQUIRE_NVRTC=1) writes the report; the
-                    // H200 image's NVRTC writes none for sm_100a (seventh session), and
-                    // there only the compile itself is checked.
-                    None if required => bad.push(format!("no ptxas report in the log:\n{log}")),
-                    None => {
-                        let _ = writeln!(
-                            std::io::stderr(),
-                            "{spec}: this NVRTC wrote no ptxas report; registers and static \
+                        // CI's NVRTC (13.0.88, FA4_REQUIRE_NVRTC=1) writes the report; the
+                        // H200 image's NVRTC writes none for sm_100a (seventh session), and
+                        // there only the compile itself is checked.
+                        None if required => bad.push(format!("no ptxas report in the log:\n{log}")),
+                        None => {
+                            let _ = writeln!(
+                                std::io::stderr(),
+                                "{spec}: this NVRTC wrote no ptxas report; registers and static \
                                  shared memory not checked"
-                        );
+                            );
+                        }
                     }
+                    if log.lines().any(|l| {
+                        l.contains("spill")
+                            && !l.contains(" 0 bytes spill stores, 0 bytes spill loads")
+                    }) {
+                        bad.push(format!("spills:\n{log}"));
+                    }
+                    if cubin.len() < 1000 {
+                        bad.push(format!("cubin of only {} bytes", cubin.len()));
+                    }
+                    if spec.smem_bytes() as u64 != spec.cfg.smem_used() {
+                        bad.push("launch shared memory differs from smem_used".into());
+                    }
+                    (!bad.is_empty()).then(|| format!("{spec}: {}", bad.join("; ")))
                 }
-                if log.lines().any(|l| {
-                    l.contains("spill") && !l.contains(" 0 bytes spill stores, 0 bytes spill loads")
-                }) {
-                    bad.push(format!("spills:\n{log}"));
-                }
-                if cubin.len() < 1000 {
-                    bad.push(format!("cubin of only {} bytes", cubin.len()));
-                }
-                if spec.smem_bytes() as u64 != spec.cfg.smem_used() {
-                    bad.push("launch shared memory differs from smem_used".into());
-                }
-                (!bad.is_empty()).then(|| format!("{spec}: {}", bad.join("; ")))
-            }
-        })
+            },
+        )
         .collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
@@ -265,6 +293,11 @@ fn every_sm100_variant_compiles_for_sm100a() {
 /// and d256 with softcap 12 bytes (L1-resident stack traffic, once per key block).
 #[test]
 fn every_decode_variant_compiles_for_every_target_with_little_spilling() {
+    if ran_without_compute_cache(
+        "every_decode_variant_compiles_for_every_target_with_little_spilling",
+    ) {
+        return;
+    }
     use fa4::config::decode_gpu::{all_specs, AppendSpec, CombineSpec, HEAD_DIMS};
     let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
     if let Err(e) = nvrtc_version() {
@@ -300,29 +333,31 @@ fn every_decode_variant_compiles_for_every_target_with_little_spilling() {
     let split: Vec<_> = split.into_iter().chain(fused).collect();
     let mut failures: Vec<String> = split
         .par_iter()
-        .filter_map(|spec| match ptxas_report(spec) {
-            Err(e) => Some(e.to_string()),
-            Ok((_, log)) => {
-                // "N bytes spill stores": at most SPILL_LIMIT, and none for one MMA tile
-                // of d64/d128.
-                let limit = if spec.m_tiles == 1 && spec.head_dim <= 128 {
-                    0
-                } else {
-                    SPILL_LIMIT
-                };
-                let bad: Vec<&str> = log
-                    .lines()
-                    .filter(|l| {
-                        l.split(" bytes spill stores")
-                            .next()
-                            .and_then(|x| x.rsplit(' ').next())
-                            .and_then(|n| n.parse::<usize>().ok())
-                            .is_some_and(|n| n > limit)
-                    })
-                    .collect();
-                (!bad.is_empty()).then(|| format!("{spec}: {}", bad.join("; ")))
-            }
-        })
+        .filter_map(
+            |spec| match compile_with_log(spec, &["--ptxas-options=-v"]) {
+                Err(e) => Some(e.to_string()),
+                Ok((_, log)) => {
+                    // "N bytes spill stores": at most SPILL_LIMIT, and none for one MMA tile
+                    // of d64/d128.
+                    let limit = if spec.m_tiles == 1 && spec.head_dim <= 128 {
+                        0
+                    } else {
+                        SPILL_LIMIT
+                    };
+                    let bad: Vec<&str> = log
+                        .lines()
+                        .filter(|l| {
+                            l.split(" bytes spill stores")
+                                .next()
+                                .and_then(|x| x.rsplit(' ').next())
+                                .and_then(|n| n.parse::<usize>().ok())
+                                .is_some_and(|n| n > limit)
+                        })
+                        .collect();
+                    (!bad.is_empty()).then(|| format!("{spec}: {}", bad.join("; ")))
+                }
+            },
+        )
         .collect();
     for target in targets {
         for bf16 in [false, true] {
@@ -349,6 +384,9 @@ fn every_decode_variant_compiles_for_every_target_with_little_spilling() {
 /// and dQ kernels must not spill (their accumulators are sized by the planner to fit).
 #[test]
 fn backward_variants_compile_without_spills() {
+    if ran_without_compute_cache("backward_variants_compile_without_spills") {
+        return;
+    }
     use fa4::config::bwd::{self, BwdKernel, BwdSpec};
     let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
     if let Err(e) = nvrtc_version() {
@@ -379,7 +417,7 @@ fn backward_variants_compile_without_spills() {
     ];
     let failures: Vec<String> = specs
         .par_iter()
-        .filter_map(|s| match ptxas_report(s) {
+        .filter_map(|s| match compile_with_log(s, &["--ptxas-options=-v"]) {
             Err(e) => Some(e.to_string()),
             Ok((_, log)) => {
                 eprintln!("{s}:\n{log}");
@@ -402,6 +440,11 @@ fn backward_variants_compile_without_spills() {
 /// kernel with nvcc).
 #[test]
 fn hopper_backward_variants_compile_without_spills_or_wgmma_serialization() {
+    if ran_without_compute_cache(
+        "hopper_backward_variants_compile_without_spills_or_wgmma_serialization",
+    ) {
+        return;
+    }
     use fa4::config::bwd_sm90::{self, Spec, LAUNCH_REGS};
     use fa4::cuda::compile::source;
     let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
@@ -456,7 +499,7 @@ fn hopper_backward_variants_compile_without_spills_or_wgmma_serialization() {
     }
     let failures: Vec<String> = specs
         .par_iter()
-        .filter_map(|s| match ptxas_report(s) {
+        .filter_map(|s| match compile_with_log(s, &["--ptxas-options=-v"]) {
             Err(e) => Some(e.to_string()),
             Ok((_, log)) => {
                 eprintln!("{s}:\n{log}");

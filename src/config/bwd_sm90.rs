@@ -535,6 +535,14 @@ mod tests {
             assert_eq!(p.pre.1, ((p.stats_rows * d / 8 / 128) as u32, 8, 2));
             assert_eq!(p.convert.1, ((p.stats_rows / 32) as u32, 8, 2));
         }
+        // More tiles than SMs: one persistent CTA per SM of the part (16 sequences of 1024
+        // keys, 4 KV heads: 8 × 4 × 16 tiles), the counter after the statistics.
+        let q = Layout::new("q", &[16, 1024, 8, 128], None).unwrap();
+        let k = Layout::new("k", &[16, 1024, 4, 128], None).unwrap();
+        let big = Problem::new(DType::Bf16, &q, &k, &k, &q, None, None, &Options::new()).unwrap();
+        let p = plan(&big, &arch::H100, "sm_90").unwrap();
+        assert_eq!((p.tiles, p.grid), (512, (arch::H100.sm_count, 1, 1)));
+        assert_eq!(p.base.dpsum_len, 2 * 16 * 8 * 1024 + 4);
         // The shared-memory sums, by hand: K, V + 2 × (Q, dO) + 2 × dSᵀ + 2 × dQ tiles
         // + 2 × LSE, D + 10 barriers + two work slots + slack (d64: 128 queries per step).
         assert_eq!(

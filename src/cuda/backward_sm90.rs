@@ -190,14 +190,20 @@ impl CudaBackend {
     pub fn plan_backward_sm90(&self, p: &Problem, deterministic: bool) -> Result<Option<Plan>> {
         let choice = BwdChoice::from_env()?.unwrap_or(BwdChoice::of(self.choice));
         let info = self.info();
+        // The persistent grid is one CTA per SM of this device (an H100 PCIe has 114 where the
+        // architecture's table, the SXM part, says 132).
+        let arch = crate::arch::GpuArch {
+            sm_count: info.sm_count,
+            ..info.arch
+        };
         match choice {
             BwdChoice::Sm80 => Ok(None),
-            BwdChoice::Auto => match bwd_sm90::uncovered(p, &info.arch, deterministic) {
+            BwdChoice::Auto => match bwd_sm90::uncovered(p, &arch, deterministic) {
                 Some(_) => Ok(None),
-                None => bwd_sm90::plan(p, &info.arch, info.target).map(Some),
+                None => bwd_sm90::plan(p, &arch, info.target).map(Some),
             },
             BwdChoice::Sm90 => {
-                if let Some((arg, why)) = bwd_sm90::uncovered(p, &info.arch, deterministic) {
+                if let Some((arg, why)) = bwd_sm90::uncovered(p, &arch, deterministic) {
                     return Err(Error::invalid(
                         arg,
                         format!(
@@ -205,7 +211,7 @@ impl CudaBackend {
                         ),
                     ));
                 }
-                bwd_sm90::plan(p, &info.arch, info.target).map(Some)
+                bwd_sm90::plan(p, &arch, info.target).map(Some)
             }
         }
     }

@@ -19,8 +19,9 @@
 // soon as the consumers are done with the last tile's (`kv_free`), while they write that tile's
 // dK and dV; the Q/dO ring runs on across tiles. Per tile, K and V are loaded once; the CTA then
 // walks the query heads of its KV head (GQA: dK, dV sum in registers) and, per head, the query
-// blocks the mask lets see its keys (`query_blocks`, as the Ampere-class kernel). Consumer warpgroup c owns keys [64c, 64c + 64) of the block (the M of wgmma). Per
-// query block of BLOCK_M rows (i: query, j: key):
+// blocks the mask lets see its keys (`query_blocks`, as the Ampere-class kernel). Consumer
+// warpgroup c owns keys [64c, 64c + 64) of the block (the M of wgmma). Per query block of
+// BLOCK_M rows (i: query, j: key):
 //   Sᵀ = K_c·Qᵀ, dPᵀ = V_c·dOᵀ                 wgmma, both operands in shared memory, N = BLOCK_M
 //   Pᵀ = exp2(capped(Sᵀ)·LOG2E − LSE_i·LOG2E)  from the forward's LSE; masked pairs set to 0
 //   dSᵀ = Pᵀ ∘ (dPᵀ − D_i) ∘ capped'           the softcap derivative; the scale comes last
@@ -225,7 +226,7 @@ __device__ __forceinline__ void stats_free_arrive(int stage) {
         named_bar_arrive<BAR_STATS_FREE2, STATS_SYNC_THREADS>();
 }
 
-// The tile counter: after the dQ accumulator's statistics (`pre` zeroes it).
+// The tile counter: in the D workspace, after the row statistics (`pre` zeroes it).
 __device__ __forceinline__ unsigned* tile_counter(const BwdParams& bp) {
     return reinterpret_cast<unsigned*>(bp.dpsum + 2LL * bp.f.batch * bp.f.heads_q * bp.stats_rows);
 }

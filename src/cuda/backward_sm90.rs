@@ -147,6 +147,16 @@ fn ctas_from_env() -> Result<Option<u32>> {
     }
 }
 
+/// `plan` with [`CTAS_ENV`]'s CTA count where it is set, at most one per tile (few: small
+/// problems, what the sanitizers can afford, still walk several tiles per CTA; one per tile:
+/// each CTA takes one tile, as a grid that is not persistent).
+fn with_ctas_from_env(mut plan: Plan) -> Result<Plan> {
+    if let Some(ctas) = ctas_from_env()? {
+        plan.grid.0 = u32::try_from(plan.tiles).unwrap_or(u32::MAX).min(ctas);
+    }
+    Ok(plan)
+}
+
 /// The main kernel of a Hopper plan.
 struct MainLaunch<'a>(&'a Plan);
 
@@ -196,11 +206,11 @@ impl CudaBackend {
             sm_count: info.sm_count,
             ..info.arch
         };
-        match choice {
-            BwdChoice::Sm80 => Ok(None),
+        let plan = match choice {
+            BwdChoice::Sm80 => return Ok(None),
             BwdChoice::Auto => match bwd_sm90::uncovered(p, &arch, deterministic) {
-                Some(_) => Ok(None),
-                None => bwd_sm90::plan(p, &arch, info.target).map(Some),
+                Some(_) => return Ok(None),
+                None => bwd_sm90::plan(p, &arch, info.target)?,
             },
             BwdChoice::Sm90 => {
                 if let Some((arg, why)) = bwd_sm90::uncovered(p, &arch, deterministic) {
@@ -211,9 +221,10 @@ impl CudaBackend {
                         ),
                     ));
                 }
-                bwd_sm90::plan(p, &arch, info.target).map(Some)
+                bwd_sm90::plan(p, &arch, info.target)?
             }
-        }
+        };
+        Ok(Some(with_ctas_from_env(plan)?))
     }
 
     /// Launches the Hopper main kernel of `plan` with the backward's params and the layouts of
@@ -228,14 +239,6 @@ impl CudaBackend {
         if plan.grid.0 == 0 || plan.grid.1 == 0 || plan.grid.2 == 0 {
             return Ok(());
         }
-        // A test and measurement knob: the number of CTAs, at most one per tile (few: small
-        // problems, what the sanitizers can afford, still walk several tiles per CTA; one per
-        // tile: each CTA takes one tile, as a grid that is not persistent).
-        let mut plan = std::borrow::Cow::Borrowed(plan);
-        if let Some(ctas) = ctas_from_env()? {
-            plan.to_mut().grid.0 = u32::try_from(plan.tiles).unwrap_or(u32::MAX).min(ctas);
-        }
-        let plan = plan.as_ref();
         let (bf16, rows_m) = (plan.spec.bf16, plan.spec.tiles.block_m);
         let f = &params.f;
         let args = Sm90BwdParams {

@@ -325,15 +325,16 @@ __device__ __forceinline__ void clean_nonfinite(u32 base, int ctid) {
 // K-major; B is Q (dO), K-major, N = BLOCK_M.
 __device__ __forceinline__ void issue_st_dpt(float (&rS)[ST_REGS], float (&rdP)[ST_REGS], const Smem& sm, int stage,
                                              int c) {
+    const u32 wg_off = KEYS_PER_WG * c * SLAB_ROW_BYTES;
+    const u64 k_desc = smem_desc(sm.k + wg_off, 16, SBO_BYTES), v_desc = smem_desc(sm.v + wg_off, 16, SBO_BYTES);
+    const u64 q_desc = smem_desc(sm.q_stage(stage), 16, SBO_BYTES);
+    const u64 do_desc = smem_desc(sm.do_stage(stage), 16, SBO_BYTES);
 #pragma unroll
     for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
-        const u32 a_off = (kk / 4) * (BLOCK_N * SLAB_ROW_BYTES) + KEYS_PER_WG * c * SLAB_ROW_BYTES +
-                          (kk % 4) * KSTEP_K_MAJOR_BYTES;
+        const u32 a_off = (kk / 4) * (BLOCK_N * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
         const u32 b_off = (kk / 4) * (BLOCK_M * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
-        wgmma_st(rS, smem_desc(sm.k + a_off, 16, SBO_BYTES), smem_desc(sm.q_stage(stage) + b_off, 16, SBO_BYTES),
-                 kk > 0 ? 1 : 0);
-        wgmma_st(rdP, smem_desc(sm.v + a_off, 16, SBO_BYTES), smem_desc(sm.do_stage(stage) + b_off, 16, SBO_BYTES),
-                 kk > 0 ? 1 : 0);
+        wgmma_st(rS, desc_plus(k_desc, a_off), desc_plus(q_desc, b_off), kk > 0 ? 1 : 0);
+        wgmma_st(rdP, desc_plus(v_desc, a_off), desc_plus(do_desc, b_off), kk > 0 ? 1 : 0);
     }
     wgmma_commit();
 }
@@ -341,22 +342,22 @@ __device__ __forceinline__ void issue_st_dpt(float (&rS)[ST_REGS], float (&rdP)[
 // acc += A·B for A = a (64 keys, BLOCK_M queries) from registers and B = the (BLOCK_M, HEAD_DIM)
 // tile at `b_base`, MN-major (its slabs BLOCK_M rows apart): dV += Pᵀ·dO and dK += dSᵀ·Q.
 __device__ __forceinline__ void issue_dkv(float (&acc)[DKV_REGS], const u32 (&a)[PK_REGS], u32 b_base) {
+    const u64 b_desc = smem_desc(b_base, BLOCK_M * SLAB_ROW_BYTES, SBO_BYTES);
 #pragma unroll
     for (int kk = 0; kk < BLOCK_M / 16; ++kk)
-        wgmma_dkv(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3],
-                  smem_desc(b_base + kk * KSTEP_ROWS_BYTES, BLOCK_M * SLAB_ROW_BYTES, SBO_BYTES));
+        wgmma_dkv(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], desc_plus(b_desc, kk * KSTEP_ROWS_BYTES));
 }
 
 // dQ (64 queries of row group `rg`, DQ_N columns of column group `cg`) = dS·K over the block's
 // keys: A = dSᵀ slab rg, MN-major (queries contiguous); B = K's slabs from cg·DQ_N, MN-major.
 __device__ __forceinline__ void issue_dq(float (&acc)[DQ_REGS], const Smem& sm, u32 ds_base, int rg, int cg) {
+    const u64 a_desc = smem_desc(ds_base + rg * (BLOCK_N * SLAB_ROW_BYTES), BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES);
+    const u64 b_desc =
+        smem_desc(sm.k + (cg * DQ_N / SLAB_ELEMS) * (BLOCK_N * SLAB_ROW_BYTES), BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES);
 #pragma unroll
-    for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        const u32 a = ds_base + rg * (BLOCK_N * SLAB_ROW_BYTES) + kk * KSTEP_ROWS_BYTES;
-        const u32 b = sm.k + (cg * DQ_N / SLAB_ELEMS) * (BLOCK_N * SLAB_ROW_BYTES) + kk * KSTEP_ROWS_BYTES;
-        wgmma_dq(acc, smem_desc(a, BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES), smem_desc(b, BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES),
+    for (int kk = 0; kk < BLOCK_N / 16; ++kk)
+        wgmma_dq(acc, desc_plus(a_desc, kk * KSTEP_ROWS_BYTES), desc_plus(b_desc, kk * KSTEP_ROWS_BYTES),
                  kk > 0 ? 1 : 0);
-    }
 }
 
 // The 128-byte swizzle of a tile of 64-column slabs, `rows` rows tall: element (row, col)
@@ -391,6 +392,40 @@ __device__ __forceinline__ u32 thread_index() {
 __device__ __forceinline__ void zero(float* r, int n) {
 #pragma unroll
     for (int i = 0; i < n; ++i) r[i] = 0.0f;
+}
+
+// Pᵀ and dSᵀ (without the scale) of a step from its Sᵀ and dPᵀ, packed into A fragments: k step
+// kk takes registers 8kk .. 8kk + 7 pairwise (the accumulator layout is the A layout's). `lse2`
+// holds the step's LSE·LOG2E rows, then its D rows. MASKED: query q of the block is allowed for
+// the thread's key of slot h iff q is in [q_lo[h], q_hi[h]); others get P = dS = 0 (set, not
+// multiplied). An unmasked step skips that test (its instance has none).
+template <bool MASKED>
+__device__ __forceinline__ void p_and_ds(u32 (&rP)[PK_REGS], u32 (&rdS)[PK_REGS], const float (&rS)[ST_REGS],
+                                         const float (&rdP)[ST_REGS], const float* lse2, const int (&q_lo)[2],
+                                         const int (&q_hi)[2], const BwdParams& bp, int lane) {
+#pragma unroll
+    for (int j = 0; j < PK_REGS; ++j) {
+        float pv[2], ds[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+            const int i = 2 * j + e, q = acc_col(i, lane);
+            float dsdx = 1.0f;
+            if constexpr (HAS_SOFTCAP) {
+                const float x = capped(bp, rS[i], dsdx);
+                pv[e] = exp2_approx(x * LOG2E - lse2[q]);
+            } else {
+                // One FMA: the scale and LOG2E folded (a rounding apart from (raw·scale)·LOG2E).
+                pv[e] = exp2_approx(fmaf(rS[i], bp.scale * LOG2E, -lse2[q]));
+            }
+            ds[e] = pv[e] * (rdP[i] - lse2[BLOCK_M + q]) * dsdx;
+            if constexpr (MASKED) {
+                const int h = acc_slot(i);
+                if (q < q_lo[h] || q >= q_hi[h]) pv[e] = ds[e] = 0.0f;
+            }
+        }
+        rP[j] = pack2(pv[0], pv[1]);
+        rdS[j] = pack2(ds[0], ds[1]);
+    }
 }
 
 __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm, const Work* slots, int c) {
@@ -430,11 +465,10 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             issue_st_dpt(rS, rdP, sm, st.stage, c);
             wgmma_wait<0>();
 
-            // Pᵀ and dSᵀ (without the scale), packed into A fragments: k step kk takes registers
-            // 8kk .. 8kk + 7 pairwise (the accumulator layout is the A layout's). In a masked step
-            // query q of the block is allowed for this thread's key of slot h iff q is in
-            // [q_lo[h], q_hi[h]): the queries that see the key (`query_lo`, `query_hi`), which is
-            // `allowed` read from the key side; a key past the sequence's end sees none.
+            // Pᵀ and dSᵀ. In a masked step query q of the block is allowed for this thread's key of
+            // slot h iff q is in [q_lo[h], q_hi[h]): the queries that see the key (`query_lo`,
+            // `query_hi`), which is `allowed` read from the key side; a key past the sequence's
+            // end sees none.
             const float* lse2 = sm.lse2(st.stage);  // and D at lse2 + BLOCK_M (one base register)
             int q_lo[2] = {0, 0}, q_hi[2] = {BLOCK_M, BLOCK_M};
             if (masked) {
@@ -447,27 +481,15 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
                 }
             }
             u32 rP[PK_REGS], rdS[PK_REGS];
-#pragma unroll
-            for (int j = 0; j < PK_REGS; ++j) {
-                float pv[2], ds[2];
-#pragma unroll
-                for (int e = 0; e < 2; ++e) {
-                    const int i = 2 * j + e, q = acc_col(i, lane);
-                    float dsdx = 1.0f;
-                    if constexpr (HAS_SOFTCAP) {
-                        const float x = capped(bp, rS[i], dsdx);
-                        pv[e] = exp2_approx(x * LOG2E - lse2[q]);
-                    } else {
-                        // One FMA: the scale and LOG2E folded (a rounding apart from (raw·scale)·LOG2E).
-                        pv[e] = exp2_approx(fmaf(rS[i], bp.scale * LOG2E, -lse2[q]));
-                    }
-                    ds[e] = pv[e] * (rdP[i] - lse2[BLOCK_M + q]) * dsdx;
-                    const int h = acc_slot(i);
-                    if (q < q_lo[h] || q >= q_hi[h]) pv[e] = ds[e] = 0.0f;
-                }
-                rP[j] = pack2(pv[0], pv[1]);
-                rdS[j] = pack2(ds[0], ds[1]);
-            }
+            // Two instances: an unmasked step (most of them) runs no bounds test per element. The
+            // flag passes through an empty volatile asm so that the compiler cannot hoist the test
+            // out of the step loop (duplicating the loop; the d64 copy spilled 120 bytes).
+            int masked_now = masked;
+            asm volatile("" : "+r"(masked_now));
+            if (masked_now)
+                p_and_ds<true>(rP, rdS, rS, rdP, lse2, q_lo, q_hi, bp, lane);
+            else
+                p_and_ds<false>(rP, rdS, rS, rdP, lse2, q_lo, q_hi, bp, lane);
             // This stage's statistics are read: the producer may refill it (STATS_FREE).
             stats_free_arrive(st.stage);
 

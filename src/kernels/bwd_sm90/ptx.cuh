@@ -29,3 +29,9 @@ __device__ __forceinline__ void st_shared_v4(u32 addr, const u32 (&x)[4]) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3])
                  : "memory");
 }
+
+// The descriptor of a tile `bytes` (a multiple of 16) past the one `desc` describes: its start
+// address field is (address >> 4) in bits 0–13, and shared addresses stay below 2^18, so the sum
+// never carries out of that field. One add per wgmma where a fresh `smem_desc` masks, shifts and
+// merges each time.
+__device__ __forceinline__ u64 desc_plus(u64 desc, u32 bytes) { return desc + (bytes >> 4); }

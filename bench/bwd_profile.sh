@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Nsight Compute profiles of one backward call on one shape (bf16, d128, 4k tokens per sequence,
 # batch 4, 16 heads, non-causal unless BP_SHAPE says otherwise): fa4's Ampere-class kernels
-# (FA4_BWD_KERNEL=sm80), fa4's Hopper kernels (sm90), and PyTorch SDPA's backward with
-# FlashAttention-2 and with cuDNN, to say where the gap between them is (tensor-pipe use, shared
-# memory traffic and bank conflicts, registers, occupancy, stall reasons).
+# (FA4_BWD_KERNEL=sm80), fa4's Hopper kernels (sm90), PyTorch SDPA's backward with
+# FlashAttention-2 and with cuDNN, and FlashAttention-4 (CuTe DSL; `flash_attn.cute` must import:
+# bench/device_session.sh says how its wheels travel), to say where the gap between them is
+# (tensor-pipe use, shared memory traffic and bank conflicts, registers, occupancy, stalls).
 #   bench/bwd_profile.sh DIR      DIR holds bwd_bench (examples/bwd_bench.rs)
 # fa4: `bwd_bench` sets the shape up (warm-up calls), then one round of 2 calls; ncu profiles 4
 # launches of the fa4_bwd_* kernels after the first 8 (one call is pre, main, convert or dq).
 # Peers: a Python harness warms up, then brackets one backward with cudaProfilerStart/Stop
 # (ncu --profile-from-start off): every kernel of that backward is profiled.
-# BP_LIBS (default "sm80 sm90 fa2 cudnn") picks the libraries.
+# BP_LIBS (default "sm80 sm90 fa2 cudnn") picks the libraries; "fa4cute" adds FlashAttention-4.
 # --cache-control all, --clock-control none, --set full. Writes under $OUT: bwd-profile.txt (one
 # line per kernel) and bwd-profile.tar.gz (details pages as text, .ncu-rep reports).
 set -uo pipefail
@@ -26,11 +27,20 @@ cat > "$work/peer.py" <<'EOF'
 import sys, torch, torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 d, s, causal, b, h = map(int, sys.argv[2:7])
-backend = {"fa2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[sys.argv[1]]
-q, k, v = (torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-do = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
-with sdpa_kernel([backend]):
-    o = F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+if sys.argv[1] == "fa4cute":  # FlashAttention-4 (CuTe DSL): (batch, seqlen, heads, d)
+    from flash_attn.cute.interface import flash_attn_func
+    shape, ctx = (b, s, h, d), None
+    fwd = lambda q, k, v: flash_attn_func(q, k, v, causal=bool(causal))
+else:
+    backend = {"fa2": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[sys.argv[1]]
+    shape, ctx = (b, h, s, d), backend
+    fwd = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
+q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+do = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
+import contextlib
+with (sdpa_kernel([ctx]) if ctx is not None else contextlib.nullcontext()):
+    o = fwd(q, k, v)
+    o = o[0] if isinstance(o, tuple) else o
     for _ in range(3):
         torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
     torch.cuda.synchronize()
@@ -89,7 +99,7 @@ for kern in sm80 sm90; do
         echo "fa4-$kern: no report ($(tail -1 "$rep.log"))" >> "$summ"
     fi
 done
-for peer in fa2 cudnn; do
+for peer in fa2 cudnn fa4cute; do
     [[ $libs == *" $peer "* ]] || continue
     [ "$((deadline - SECONDS))" -lt 20 ] && { echo "skipped $peer: budget spent" >> "$summ"; continue; }
     rep=$work/$peer

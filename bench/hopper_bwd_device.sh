@@ -7,7 +7,7 @@
 #      problems with FA4_BWD_KERNEL=sm90 (d64 causal GQA, d128 window softcap, and three where
 #      CTAs walk more trips than the ring has stages: d64 causal and non-causal, d128 causal GQA);
 #   3. bench/bwd_grid.py on the d64/d128 shapes, fa4 with FA4_BWD_KERNEL=sm90 (column `fa4`)
-#      and =sm80 (column `fa4 alt`), cuDNN and FlashAttention-2 interleaved (bf16, 16k tokens,
+#      and =sm80 (column `alt`), cuDNN and FlashAttention-2 interleaved (bf16, 16k tokens,
 #      hidden 2048).
 # Binaries come from bench/device_build.sh DIR (every test binary and the CLI, packed) plus
 # `bwd_bench` (the example bwd_grid.py drives) and bwd_grid.py copied beside them, here:
@@ -15,7 +15,8 @@
 #   bash .device/hopperbwd/hopper_bwd_device.sh .device/hopperbwd
 # HB_GRID=0 skips the grid; HB_GRID_SECS caps it (default 150). HB_BINS="NAME=PATH ..." adds
 # other builds' bwd_bench to the grid's interleaved rounds (an A/B of kernel changes; paths
-# relative to DIR); HB_ALT=0 drops the Ampere-class column.
+# relative to DIR); HB_ALT=0 drops the Ampere-class column. HB_SAN_CTAS=N runs the sanitized
+# problems with N persistent CTAs (FA4_BWD_SM90_CTAS), so that each walks several tiles.
 # Logs and a summary under $OUT. Each step runs under `timeout`, cut to what is left of
 # HB_BUDGET seconds (default 290), so a hang (a wrong mbarrier phase would hang the kernel)
 # costs its step, not the call; a hang shows as TIMEOUT in the summary.
@@ -96,7 +97,7 @@ for case in \
         [ -n "$cs" ] || { note "sanitize $name $tool" FAIL 0 "compute-sanitizer not found"; continue; }
         extra=()
         [ "$tool" = racecheck ] && extra=(--racecheck-report hazard)  # every hazard, not a summary
-        FA4_BWD_KERNEL=sm90 timeout -k 5 "$(left 40)" "$cs" --tool "$tool" "${extra[@]}" --error-exitcode 3 "$F" $args > "$log" 2>&1
+        env FA4_BWD_KERNEL=sm90 ${HB_SAN_CTAS:+FA4_BWD_SM90_CTAS=$HB_SAN_CTAS} timeout -k 5 "$(left 40)" "$cs" --tool "$tool" "${extra[@]}" --error-exitcode 3 "$F" $args > "$log" 2>&1
         rc=$? secs=$(($(date +%s) - t0))
         summ=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)
         case $rc in

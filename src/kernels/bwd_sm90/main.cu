@@ -360,23 +360,17 @@ __device__ __forceinline__ void issue_dq(float (&acc)[DQ_REGS], const Smem& sm, 
                  kk > 0 ? 1 : 0);
 }
 
-// The 128-byte swizzle of a tile of 64-column slabs: element (row, col) (16-bit) sits at slab
-// col / 64, row `row`, 16-byte chunk (col % 64) / 8 XOR row % 8.
-//
-// dSᵀ goes out by `stmatrix` (8 × 8 blocks of 16-bit pairs, whose register layout is the
-// accumulator's: lane l holds row l / 4, columns 2·(l % 4) + 0, 1). Packed register j of a
-// thread is block (n8 tile j / 2, key half j % 2), so stmatrix m (4 registers from 4m) stores
-// tiles 2m, 2m + 1, halves 0, 1; lane l gives the address of row l % 8 of its block l / 8, i.e.
-// key row 8·((l / 8) % 2) + l % 8 of the warp's 16 and tile 2m + l / 16. Its chunk is
-// ((2m + l / 16) % 8) ^ (l % 8) = (2m % 8) ^ (l / 16) ^ (l % 8) (2m is even), so the lane's part
-// is added once (`ds_lane`) and the constant (2m % 8)·16 XOR-ed per store: the other terms have
-// bits 4–6 clear, so adding and XOR-ing commute there.
-__device__ __forceinline__ u32 ds_lane(u32 ds_base, int c, int warp, int lane) {
-    const int row = KEYS_PER_WG * c + 16 * warp + 8 * ((lane / 8) % 2) + lane % 8;
-    return ds_base + static_cast<u32>(row * SLAB_ROW_BYTES + (((lane / 16) ^ (lane % 8)) * 16));
-}
-__device__ __forceinline__ constexpr u32 ds_block(int m) {
-    return static_cast<u32>(((2 * m * 8) / SLAB_ELEMS) * BLOCK_N * SLAB_ROW_BYTES);
+// The 128-byte swizzle of a tile of 64-column slabs, `rows` rows tall: element (row, col)
+// (16-bit) sits at slab col / 64, row `row`, 16-byte chunk (col % 64) / 8 XOR row % 8. For the
+// dSᵀ stores of accumulator register i of a thread, row % 8 is lane / 4 (key_row is 8-aligned
+// but for it) and the rest is a constant of i, so the address is
+// (tile + ds_row_base + ds_offset(i)) ^ ((lane / 4) · 16): the chunk bits 4–6 of everything but
+// the constant's chunk are 0, so adding the chunk and then XOR-ing equals XOR-ing the chunk.
+// Computed per store (an add and a xor) so that nothing is held across the step loop.
+__device__ __forceinline__ constexpr u32 ds_offset(int i) {
+    // acc_col(i, lane) = 8·(i/4) + 2·(lane % 4) + i % 2 (the lane part is in ds_row_base).
+    return static_cast<u32>(((8 * (i >> 2)) / SLAB_ELEMS) * BLOCK_N * SLAB_ROW_BYTES + acc_slot(i) * 8 * SLAB_ROW_BYTES +
+                            (((8 * (i >> 2)) % SLAB_ELEMS) / 8) * 16);
 }
 
 // Position (in f32 elements) of accumulator register i of warpgroup thread t in a dQ tile:
@@ -412,24 +406,18 @@ __device__ __forceinline__ void p_and_ds(u32 (&rP)[PK_REGS], u32 (&rdS)[PK_REGS]
 #pragma unroll
     for (int j = 0; j < PK_REGS; ++j) {
         float pv[2], ds[2];
-        // Queries acc_col(2j) and acc_col(2j) + 1: one 8-byte load each of their LSE and D (from
-        // the thread's base, so that the column is an immediate offset).
-        const float* row = lse2 + 2 * (lane % 4);
-        const float2 l2 = *reinterpret_cast<const float2*>(row + 8 * (j >> 1));
-        const float2 d2 = *reinterpret_cast<const float2*>(row + BLOCK_M + 8 * (j >> 1));
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
             const int i = 2 * j + e, q = acc_col(i, lane);
-            const float lse_q = e == 0 ? l2.x : l2.y, d_q = e == 0 ? d2.x : d2.y;
             float dsdx = 1.0f;
             if constexpr (HAS_SOFTCAP) {
                 const float x = capped(bp, rS[i], dsdx);
-                pv[e] = exp2_approx(x * LOG2E - lse_q);
+                pv[e] = exp2_approx(x * LOG2E - lse2[q]);
             } else {
                 // One FMA: the scale and LOG2E folded (a rounding apart from (raw·scale)·LOG2E).
-                pv[e] = exp2_approx(fmaf(rS[i], bp.scale * LOG2E, -lse_q));
+                pv[e] = exp2_approx(fmaf(rS[i], bp.scale * LOG2E, -lse2[q]));
             }
-            ds[e] = pv[e] * (rdP[i] - d_q) * dsdx;
+            ds[e] = pv[e] * (rdP[i] - lse2[BLOCK_M + q]) * dsdx;
             if constexpr (MASKED) {
                 const int h = acc_slot(i);
                 if (q < q_lo[h] || q >= q_hi[h]) pv[e] = ds[e] = 0.0f;
@@ -440,10 +428,7 @@ __device__ __forceinline__ void p_and_ds(u32 (&rP)[PK_REGS], u32 (&rdS)[PK_REGS]
     }
 }
 
-__device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm, const Work* slots, int c_in) {
-    // The warpgroup index from lane 0: the compiler then knows it is the same across the warp
-    // and keeps what derives from it (the wgmma descriptors) in uniform registers.
-    const int c = __shfl_sync(0xffffffffu, c_in, 0);
+__device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm, const Work* slots, int c) {
     const BwdParams& bp = P.b;
     const FwdParams& p = bp.f;
     const int ctid = threadIdx.x - WG_THREADS;  // 0 .. CONSUMER_THREADS
@@ -514,13 +499,11 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             issue_dkv(rdK, rdS, sm.q_stage(st.stage));
             wgmma_commit();
 
-            // dSᵀ to buffer it % 2, four 8 × 8 blocks per stmatrix (`ds_lane`).
+            // dSᵀ to buffer it % 2: register pair j is (key_row + 8·slot, queries acc_col(2j) + 0, 1).
             const u32 ds_base = sm.ds_buf(g % DS_BUFFERS);
-            const u32 ds_at = ds_lane(ds_base, c, warp, lane);
+            const u32 ds_row = ds_base + key_row * SLAB_ROW_BYTES + (lane % 4) * 4, ds_xor = (lane / 4) * 16;
 #pragma unroll
-            for (int m = 0; m < PK_REGS / 4; ++m)
-                stmatrix_x4((ds_at + ds_block(m)) ^ static_cast<u32>(((2 * m) % 8) * 16), rdS[4 * m], rdS[4 * m + 1],
-                            rdS[4 * m + 2], rdS[4 * m + 3]);
+            for (int j = 0; j < PK_REGS; ++j) st_shared_b32((ds_row + ds_offset(2 * j)) ^ ds_xor, rdS[j]);
             fence_proxy_async();
             // This warp's previous dQ rows have been read out of the buffer (its lane 0 issued their
             // reduce-add); the barrier tells the other lanes before they store the next ones.

@@ -1,10 +1,9 @@
 // PTX wrappers of the Hopper backward beyond the Hopper layer (`../sm90/ptx.cuh`): the bulk
-// reduction of a dQ tile from shared memory into the f32 accumulator, the 16-byte
-// shared-memory accesses of the non-finite cleaning and the dQ tile's stores, the `stmatrix`
-// of the dSᵀ stores and the descriptor offset of the wgmma operands (the bulk-group commit and
-// read wait are the Hopper layer's). (`../bwd/ptx.cuh` holds the Ampere-class kernel's register
-// reduction but also a `st_global_b32` that the Hopper layer defines too, so it is not
-// included here.)
+// reduction of a dQ tile from shared memory into the f32 accumulator, and the 16-byte
+// shared-memory accesses of the non-finite cleaning and the dQ tile's stores (the 4-byte
+// `st_shared_b32` of the dSᵀ stores and the bulk-group commit and read wait are the Hopper
+// layer's). (`../bwd/ptx.cuh` holds the Ampere-class kernel's register reduction but also a
+// `st_global_b32` that the Hopper layer defines too, so it is not included here.)
 
 // dst[0 .. bytes / 4) += src[0 .. bytes / 4) (f32, element by element, as atomic adds in
 // global memory), read from shared memory by the TMA unit in this thread's bulk async-group.
@@ -36,12 +35,3 @@ __device__ __forceinline__ void st_shared_v4(u32 addr, const u32 (&x)[4]) {
 // never carries out of that field. One add per wgmma where a fresh `smem_desc` masks, shifts and
 // merges each time.
 __device__ __forceinline__ u64 desc_plus(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
-
-// Four 8 × 8 blocks of 16-bit values to shared memory: register k of lane l is row l / 4,
-// columns 2·(l % 4) + 0, 1 of block k; lanes 8k .. 8k + 7 give the 16-byte row addresses of
-// block k.
-__device__ __forceinline__ void stmatrix_x4(u32 addr, u32 r0, u32 r1, u32 r2, u32 r3) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r0), "r"(r1),
-                 "r"(r2), "r"(r3)
-                 : "memory");
-}

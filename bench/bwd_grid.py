@@ -181,7 +181,7 @@ def main():
         # Round r starts at library r (mod their count): each takes each place in the order
         # equally often, so that what a library's predecessor leaves behind (a hot GPU, lower
         # clocks) falls on all of them alike. On the H200 the place alone moved a figure by up to
-        # 8% (fourteenth session, docs/perf.md).
+        # 11% (fourteenth session, docs/perf.md).
         for r in range(a.rounds):
             for n in round_order(list(libs), r):
                 rounds[n].append(libs[n]())

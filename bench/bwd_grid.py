@@ -20,7 +20,7 @@ bench/device_session.sh for carrying its wheels to the device): its `flash_attn_
 (batch, seqlen, heads, d) copies of the same inputs, backward through autograd as for SDPA.
 `--no-fa4cute` leaves it out.
 """
-import argparse, json, os, subprocess, sys
+import argparse, functools, json, os, subprocess, sys
 
 GRID = [(d, s, c) for d in (64, 128, 256) for s in (1024, 4096, 16384) for c in (0, 1)]
 
@@ -33,6 +33,25 @@ def stats(xs):
         hi = min(lo + 1, len(xs) - 1)
         return xs[lo] + (xs[hi] - xs[lo]) * (i - lo)
     return {"median": at(0.5), "q1": at(0.25), "q3": at(0.75), "min": xs[0], "max": xs[-1]}
+
+
+def timed_round(torch, call, calls):
+    """A peer's round: `call` warmed up (3 untimed calls), then a function timing one CUDA event
+    pair around `calls` back-to-back calls, in ms per call."""
+    for _ in range(3):
+        call()
+    torch.cuda.synchronize()
+
+    def rnd():
+        st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        st.record()
+        for _ in range(calls):
+            call()
+        en.record()
+        torch.cuda.synchronize()
+        return st.elapsed_time(en) / calls
+    return rnd
 
 
 def round_order(names, r):
@@ -50,6 +69,19 @@ def parse_bins(specs):
             raise ValueError(f"--bin {spec!r}: expected NAME=PATH")
         out.append((name, path))
     return out
+
+
+def parse_env(spec):
+    """An --alt-env value (space-separated KEY=VALUE pairs) as a dict; a ValueError naming it."""
+    env = {}
+    for kv in spec.split():
+        key, eq, val = kv.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--alt-env {spec!r}: expected KEY=VALUE pairs, got {kv!r}")
+        env[key] = val
+    if not env:
+        raise ValueError(f"--alt-env {spec!r}: expected KEY=VALUE pairs")
+    return env
 
 
 def main():
@@ -71,6 +103,7 @@ def main():
     a = ap.parse_args()
     try:
         bins = parse_bins(a.bin)
+        alt_envs = [parse_env(spec) for spec in a.alt_env]
     except ValueError as ex:
         ap.error(str(ex))
     for name, path in bins:
@@ -91,11 +124,8 @@ def main():
     fa4t = subprocess.Popen([a.fa4], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
                             env=dict(os.environ, FA4_BWD_TILES=a.tiles)) if a.tiles else None
     extra = {}
-    for i, spec in enumerate(a.alt_env):
-        env = dict(os.environ)
-        for kv in spec.split():
-            key, _, val = kv.partition("=")
-            env[key] = val
+    for i, (spec, alt) in enumerate(zip(a.alt_env, alt_envs)):
+        env = dict(os.environ, **alt)
         name = "alt" if len(a.alt_env) == 1 else f"alt{i + 1}"
         print(f"column {name}: {a.fa4} with {spec}", flush=True)
         extra[name] = subprocess.Popen([a.fa4], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
@@ -136,21 +166,8 @@ def main():
             try:
                 with sdpa_kernel([backend]):
                     o = F.scaled_dot_product_attention(q, k, v, is_causal=bool(c))
-                def call(o=o):
-                    torch.autograd.grad(o, (q, k, v), do, retain_graph=True)
-                for _ in range(3):
-                    call()
-                torch.cuda.synchronize()
-                def rnd(call=call):
-                    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    torch.cuda.synchronize()
-                    st.record()
-                    for _ in range(a.calls):
-                        call()
-                    en.record()
-                    torch.cuda.synchronize()
-                    return st.elapsed_time(en) / a.calls
-                libs[name] = rnd
+                libs[name] = timed_round(torch, functools.partial(torch.autograd.grad, o, (q, k, v), do,
+                                                                  retain_graph=True), a.calls)
             except Exception as ex:
                 print(f"{name} d{d} s{s} c{c}: {type(ex).__name__}: {ex}", flush=True)
         if fa4cute is not None:
@@ -160,21 +177,8 @@ def main():
                 doc = do.transpose(1, 2).contiguous()
                 r = fa4cute(qc, kc, vc, causal=bool(c))
                 oc = r[0] if isinstance(r, tuple) else r
-                def callc(oc=oc, qc=qc, kc=kc, vc=vc, doc=doc):
-                    torch.autograd.grad(oc, (qc, kc, vc), doc, retain_graph=True)
-                for _ in range(3):
-                    callc()
-                torch.cuda.synchronize()
-                def rndc(callc=callc):
-                    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    torch.cuda.synchronize()
-                    st.record()
-                    for _ in range(a.calls):
-                        callc()
-                    en.record()
-                    torch.cuda.synchronize()
-                    return st.elapsed_time(en) / a.calls
-                libs["fa4cute"] = rndc
+                libs["fa4cute"] = timed_round(torch, functools.partial(torch.autograd.grad, oc, (qc, kc, vc), doc,
+                                                                       retain_graph=True), a.calls)
             except Exception as ex:
                 print(f"fa4cute d{d} s{s} c{c}: {type(ex).__name__}: {ex}", flush=True)
         rounds = {n: [] for n in libs}

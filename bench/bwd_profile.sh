@@ -24,7 +24,7 @@ work=$(mktemp -d /tmp/fa4-bprof.XXXXXX)
 deadline=$((SECONDS + ${BP_BUDGET:-170}))
 read -r d seq causal b h <<< "${BP_SHAPE:-128 4096 0 4 16}"
 cat > "$work/peer.py" <<'EOF'
-import sys, torch, torch.nn.functional as F
+import contextlib, sys, torch, torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 d, s, causal, b, h = map(int, sys.argv[2:7])
 if sys.argv[1] == "fa4cute":  # FlashAttention-4 (CuTe DSL): (batch, seqlen, heads, d)
@@ -37,7 +37,6 @@ else:
     fwd = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=bool(causal))
 q, k, v = (torch.randn(*shape, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 do = torch.randn(*shape, device="cuda", dtype=torch.bfloat16)
-import contextlib
 with (sdpa_kernel([ctx]) if ctx is not None else contextlib.nullcontext()):
     o = fwd(q, k, v)
     o = o[0] if isinstance(o, tuple) else o

@@ -22,6 +22,35 @@ class RoundOrder(unittest.TestCase):
         self.assertEqual(bwd_grid.round_order(names, 5), orders[1])
 
 
+class FakeTorch:
+    """Just what timed_round touches: events whose elapsed time is fixed at 12 ms."""
+    class cuda:
+        syncs = 0
+
+        @staticmethod
+        def synchronize():
+            FakeTorch.cuda.syncs += 1
+
+        class Event:
+            def __init__(self, enable_timing):
+                assert enable_timing
+
+            def record(self):
+                pass
+
+            def elapsed_time(self, other):
+                return 12.0
+
+
+class TimedRound(unittest.TestCase):
+    def test_warms_up_then_times_calls_back_to_back(self):
+        calls = []
+        rnd = bwd_grid.timed_round(FakeTorch, lambda: calls.append(1), 4)
+        self.assertEqual(len(calls), 3)  # warm-up only, before any round
+        self.assertEqual(rnd(), 3.0)     # 12 ms over 4 calls
+        self.assertEqual(len(calls), 7)
+
+
 class Bins(unittest.TestCase):
     def test_name_and_path(self):
         self.assertEqual(bwd_grid.parse_bins(["old=/x/bwd_bench", "b=c=d"]), [("old", "/x/bwd_bench"), ("b", "c=d")])
@@ -31,6 +60,13 @@ class Bins(unittest.TestCase):
             with self.assertRaises(ValueError) as e:
                 bwd_grid.parse_bins([bad])
             self.assertIn(repr(bad), str(e.exception))
+
+    def test_alt_env_pairs(self):
+        self.assertEqual(bwd_grid.parse_env("A=1 B=x=y C="), {"A": "1", "B": "x=y", "C": ""})
+        for bad in ["FA4_BWD_KERNEL", "=sm80", "", "A=1 B"]:
+            with self.assertRaises(ValueError) as e:
+                bwd_grid.parse_env(bad)
+            self.assertIn("--alt-env", str(e.exception))
 
     def test_the_command_line_exits_2_naming_the_flag(self):
         err = io.StringIO()

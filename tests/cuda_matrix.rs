@@ -822,10 +822,10 @@ fn cuda_non_finite_keys_reach_only_their_rows() {
 }
 
 /// A +inf score gives LSE +inf (not NaN), in its first key block or a later one, however many
-/// blocks follow. Known limit of both kernels (docs/perf.md, seventh session): rows that see
-/// few keys get NaN from the fast path (0 · inf in a lane's partial sum when the correction
-/// after a +inf max is exp2(+inf)); the epilogue sees the sum is not finite, stores the row as
-/// NaN and the fixup kernel recomputes it (`kernels/common/exact.cuh`).
+/// blocks follow. Known limit of both kernels (docs/perf.md, 2026-12-01, commit 8538b9a): rows
+/// that see few keys get NaN from the fast path (0 · inf in a lane's partial sum when the
+/// correction after a +inf max is exp2(+inf)); the epilogue sees the sum is not finite, stores
+/// the row as NaN and the fixup kernel recomputes it (`kernels/common/exact.cuh`).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_infinite_score_then_more_blocks_gives_infinite_lse() {
@@ -964,9 +964,9 @@ fn non_finite_v_window_case<T: fa4::Element>(cuda: &CudaBackend, dtype: DType) -
 /// 1e12 (scores ~1e12), and a scale of 1e10 (exponents ~1e11), with and without a causal mask.
 /// The old exponent form `exp2(s·c − RN(m·c))` lost the row max's own exponent there (P = inf or
 /// 0: NaN rows, or O = 0 and LSE = −inf). Three exact forms inside the key loop cost 3–13% on
-/// ordinary inputs (docs/perf.md, sixth and seventh sessions); now the loop is unchanged and
-/// the epilogue flags rows whose |max · scale · log2 e| reaches 2^14 and the fixup kernel
-/// recomputes them (`kernels/common/exact.cuh`).
+/// ordinary inputs (docs/perf.md, H200, 2026-12-01; reverted, the last two in f148c4f and
+/// 8538b9a); now the loop is unchanged and the epilogue flags rows whose |max · scale · log2 e|
+/// reaches 2^14 and the fixup kernel recomputes them (`kernels/common/exact.cuh`).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn cuda_huge_finite_scores_give_finite_answers() {

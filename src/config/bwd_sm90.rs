@@ -141,10 +141,10 @@ fn dq_col_groups(block_m: usize, head_dim: usize) -> usize {
 ///
 /// - d64: 128 queries per step. A consumer holds Sᵀ, dPᵀ (64 × 128: 64 registers each) and
 ///   dK, dV (64 × 64: 32 each); dQ (128 × 64) is two 64-row parts, one per consumer. Measured
-///   on the H200 (docs/perf.md, twelfth session): 13–14% faster than 64 queries per step, where
-///   dQ was one part the consumers took turns on. It first spilled 16 bytes with a window (four
-///   step-invariant offsets); the dQ tile's offsets are now recomputed from the thread index
-///   each step.
+///   on the H200 on 2026-12-02 (commit dad4d20, docs/perf.md): 13–14% faster than 64 queries
+///   per step, where dQ was one part the consumers took turns on. It first spilled 16 bytes
+///   with a window (four step-invariant offsets); the dQ tile's offsets are now recomputed
+///   from the thread index each step.
 /// - d128: 64 queries per step. Sᵀ, dPᵀ 32 registers each, dK, dV 64 each (128 queries would
 ///   need 256 for the four accumulators alone); dQ (64 × 128) splits into two column slabs,
 ///   one per consumer. Three Q/dO stages (d64 has no room for a third).

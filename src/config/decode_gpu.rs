@@ -306,16 +306,16 @@ fn plan_variant_fixed(
 pub const AUTO_MIN_HEAD_GROUPS: usize = 4;
 
 /// Pages of at least this many keys keep the split kernel under `auto` whatever the batch: on
-/// the H200 (tenth session, after the split kernel's gather lost its division) `best` matched or
-/// beat `heads+bulk+best` at pages of 64 (−2 to +5%) and 256 (−2 to +7%), while the all-heads
-/// kernel still led at pages of 16 (5–11%) and 1 (2×).
+/// the H200 (2026-12-02, build 3b9b949, after the split kernel's gather lost its division)
+/// `best` matched or beat `heads+bulk+best` at pages of 64 (−2 to +5%) and 256 (−2 to +7%),
+/// while the all-heads kernel still led at pages of 16 (5–11%) and 1 (2×).
 pub const AUTO_HEADS_MAX_PAGE: usize = 32;
 
 /// Pages of fewer keys than this take the all-heads kernel under `auto` even below
 /// [`AUTO_MIN_HEAD_GROUPS`]: a key row of one head is then a short scattered read for the split
-/// kernel, where the all-heads kernel reads the row of all the group's heads at once (H200, tenth
-/// session, pages of 1 key, one sequence of 32k keys: `heads+bulk+best` 58 µs, `best` 83 µs; only
-/// page size 1 was measured below 16).
+/// kernel, where the all-heads kernel reads the row of all the group's heads at once (H200,
+/// 2026-12-02, build 3b9b949, pages of 1 key, one sequence of 32k keys: `heads+bulk+best` 58 µs,
+/// `best` 83 µs; only page size 1 was measured below 16).
 pub const AUTO_HEADS_SMALL_PAGE: usize = 16;
 
 /// `auto`: on sm_90 and later, for a problem of one row tile per (sequence, KV head) (decode and
@@ -506,7 +506,7 @@ pub fn all_specs(target: &'static str, max_smem: usize) -> Vec<SplitKvSpec> {
     out
 }
 
-// ---- Variants (measured on the H200: docs/perf.md, eighth to tenth sessions) ----
+// ---- Variants (measured on the H200 on 2026-12-01 and 2026-12-02: docs/perf.md) ----
 
 /// The environment variable that picks a [`DecodeVariant`] at run time (read by
 /// `CudaBackend::plan_paged` and `CudaBackend::paged_tables`).
@@ -542,8 +542,9 @@ pub const MAX_HEADS_PER_CTA: usize = 8;
 ///   of waves (its rule, shared with the CPU, is unchanged).
 /// - `fuse` (with either kernel): with more than one split, the last split CTA of each row tile
 ///   to finish merges the splits (an arrival counter per row tile in the workspace), instead
-///   of a second launch of the combine kernel. Measured on the H200 (tenth session): a tie
-///   with the split kernel, 4–12% slower with the all-heads kernel, so `auto` does not take it.
+///   of a second launch of the combine kernel. Measured on the H200 (2026-12-02, build
+///   3b9b949): a tie with the split kernel, 4–12% slower with the all-heads kernel, so `auto`
+///   does not take it.
 ///
 /// Tokens join with `+`: `heads+bulk+best`, `best+fuse`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -358,9 +358,9 @@ pub(crate) const fn t(
 /// `docs/perf.md`): 128-key blocks beat 64 (d64 483 vs 369, d128 629 vs 576 TFLOP/s), 80 beat 64
 /// at d256 (+2 to +10% on every shape of the grid), and 176 beat 128 at d128 from 4k keys on
 /// (+2 to +6%) but not at 1k (−2%, causal −13%: a 1k sequence is 5.8 blocks of 176, and the
-/// diagonal blocks waste more); with the TMA-store epilogue (ninth session) 128-key blocks lead
-/// at 4k again (+3% non-causal, +6% causal over 176 with the plain store), so 176 is taken from
-/// 8k keys; two stages beat three; the intra-warpgroup overlap gains 2–7% at
+/// diagonal blocks waste more); with the TMA-store epilogue (2026-12-01, commit 657bd8e)
+/// 128-key blocks lead at 4k again (+3% non-causal, +6% causal over 176 with the plain store),
+/// so 176 is taken from 8k keys; two stages beat three; the intra-warpgroup overlap gains 2–7% at
 /// d128 and d256 and loses at d64; ping-pong is within ±3%, conditional rescaling and the
 /// polynomial exponentials lose 2–5% at d128/d256 and 8–28% at d64 (the softmax is off the
 /// critical path once it overlaps), so those are off.
@@ -429,8 +429,8 @@ pub fn tiles_for(
     let mut t = taken().find(|t| pad(t) <= least + seqlen_q / 20)?;
     t.persistent = seqlen_q.div_ceil(t.block_m()) <= PERSISTENT_MAX_M_BLOCKS;
     // The TMA-store epilogue (the planner turns it off for varlen batches): measured on an
-    // H200 against the plain store (docs/perf.md, ninth session), +8 to +15% at 1k tokens,
-    // +3 to +8% at 4k, +1 to +5% at d256 16k, and a tie at d64/d128 16k (within 1%).
+    // H200 against the plain store (docs/perf.md, 2026-12-01, commit 657bd8e), +8 to +15% at
+    // 1k tokens, +3 to +8% at 4k, +1 to +5% at d256 16k, and a tie at d64/d128 16k (within 1%).
     t.tma_store = true;
     Some(t)
 }

@@ -25,7 +25,8 @@
 // set every NaN row is recomputed and the last CTA clears the flag for the next launch. Keeping
 // the exact path out of the forward kernel leaves its key loop as it was: inlined there, its mere
 // presence grew the Ampere-class loop by 91 instructions with spills and cost 3–5% (docs/perf.md,
-// tenth session). What this form costs is in docs/perf.md (eleventh session).
+// H200, 2026-12-02, build b9ba3a8 of branch nonfinite10). What this form costs is in
+// docs/perf.md (the exact fixup kernel, 2026-12-02, commit e525b67).
 
 // The module's flag: [0] some forward row needs the exact path, [1] fixup CTAs done (reset by the
 // last). Zero when the module is loaded.

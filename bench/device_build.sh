@@ -1,18 +1,26 @@
 #!/usr/bin/env bash
-# Builds what bench/device_final.sh runs on the GPU machine, here (no GPU needed): every release
-# test binary of the fa4 package and the fa4 CLI, stripped, packed into one xz archive (about
-# 30 binaries of 1–3 MB each and the 6 MB CLI would pass a device call's 64 MiB carry limit
-# unpacked; packed they take about a quarter), with the device script beside it.
-#   bench/device_build.sh [DEST]        DEST defaults to .device/final (git-ignored)
-# Then, on the device: `run` with carry [".device/final"] and the command
-#   export LD_LIBRARY_PATH=/usr/local/cuda/lib64:$LD_LIBRARY_PATH; bash .device/final/device_final.sh .device/final
+# Builds what the GPU machine runs, here (no GPU needed): every release test binary of the fa4
+# package, the fa4 CLI and the examples (decode_bench, bwd_bench: the Rust sides of
+# bench/profile.sh's bwd and decode modes and of bench/sweep.py --backward), stripped, packed
+# into one xz archive (about 30 binaries of 1–3 MB each and the 6 MB CLI would pass a device
+# call's 64 MiB carry limit unpacked; packed they take about a quarter), and where asked the
+# decode kernel cache for an H200.
+#   bench/device_build.sh [DEST]        DEST defaults to target/device (git-ignored)
+# Then, on the device: `run` with carry ["target/device"] and e.g.
+#   bash bench/device_check.sh target/device            (bench/README.md has the others)
 # FA4_BUILD_PACKAGES (default `fa4`) names the cargo packages whose tests are built, e.g.
-# `fa4 fa4-candle`. Prints the archive's size and what it holds; exits non-zero if a build
-# fails or the folder passes 60 MiB.
+# `fa4 fa4-candle`. FA4_PRECOMPILE=1 also fills DEST/cache.tar.xz with `decode_bench
+# --precompile` (every split, combine, append and all-heads decode kernel for sm_90a, ~540
+# kernels, 6–11 min on two cores; FA4_PRECOMPILE=VARIANT,… only the decode grid's kernels under
+# those variants, a minute or two), so that a device call spends no time in NVRTC; it needs
+# NVRTC here (LD_LIBRARY_PATH, e.g. the pip wheel's nvidia/cu13/lib). device_check.sh unpacks
+# it into FA4_CACHE_DIR (an NVRTC of another version on the device misses it and compiles).
+# Prints the folder's size and what it holds; exits non-zero if a build fails or the folder
+# passes 60 MiB.
 set -euo pipefail
 root=$(git rev-parse --show-toplevel)
 cd "$root"
-dest=${1:-.device/final}
+dest=${1:-target/device}
 packages=${FA4_BUILD_PACKAGES:-fa4}
 pkg_args=()
 for p in $packages; do pkg_args+=(-p "$p"); done
@@ -26,7 +34,7 @@ mkdir -p "$stage/bins"
 cargo test --release "${pkg_args[@]}" --no-run --message-format=json-render-diagnostics \
     > "$stage/cargo.json"
 python3 - "$stage/cargo.json" "$stage/bins" <<'EOF'
-import json, shutil, subprocess, sys
+import json, os, subprocess, sys
 msgs, out = sys.argv[1], sys.argv[2]
 names = {}
 for line in open(msgs):
@@ -41,6 +49,10 @@ for line in open(msgs):
     if not m.get("profile", {}).get("test"):
         if t["name"] == "fa4" and t["kind"] == ["bin"]:
             subprocess.run(["strip", "-o", f"{out}/fa4", exe], check=True)
+        elif t["kind"] == ["example"] and t["name"] in ("decode_bench", "bwd_bench"):
+            # `cargo test` builds the examples too; kept apart from the test binaries.
+            os.makedirs(f"{out}/examples", exist_ok=True)
+            subprocess.run(["strip", "-o", f"{out}/examples/{t['name']}", exe], check=True)
         continue
     pkg = m["package_id"].split("#")[-1].split("@")[0].split("/")[-1]
     kind = t["kind"][0]
@@ -55,6 +67,9 @@ for line in open(msgs):
 print(f"{len(names)} test binaries: {' '.join(sorted(names))}")
 EOF
 [ -x "$stage/bins/fa4" ] || { echo "device_build: cargo built no fa4 CLI" >&2; exit 1; }
+for e in decode_bench bwd_bench; do
+    [ -x "$stage/bins/examples/$e" ] || { echo "device_build: cargo built no $e example" >&2; exit 1; }
+done
 # Where the binaries were built: tests find the fa4 CLI and the crate's files through paths
 # compiled into them (CARGO_BIN_EXE_fa4, CARGO_MANIFEST_DIR), which the device script recreates.
 printf 'BUILD_ROOT=%s\nBUILD_COMMIT=%s\n' "$root" "$(git rev-parse --short HEAD)$(git diff --quiet HEAD || echo +dirty)" \
@@ -62,8 +77,18 @@ printf 'BUILD_ROOT=%s\nBUILD_COMMIT=%s\n' "$root" "$(git rev-parse --short HEAD)
 mkdir -p "$dest"
 rm -f "$dest/bins.tar.xz"
 tar -C "$stage/bins" -cf - . | xz -T0 -6 > "$dest/bins.tar.xz"
-cp bench/device_final.sh "$dest/device_final.sh"
-chmod +x "$dest/device_final.sh"
+rm -f "$dest/cache.tar.xz"
+if [ -n "${FA4_PRECOMPILE:-}" ]; then
+    cache=$stage/cache
+    mkdir -p "$cache"
+    only=()
+    [ "$FA4_PRECOMPILE" != 1 ] && only=("$FA4_PRECOMPILE")
+    FA4_CACHE_DIR="$cache" FA4_REQUIRE_NVRTC=1 "$stage/bins/examples/decode_bench" --precompile "${only[@]}" \
+        > "$stage/precompile.log"
+    # Packed: the full cache's cubins (about 60 MiB) pass the carry limit, xz makes them ~4 MiB.
+    tar -C "$cache" -cf - . | xz -T0 -6 > "$dest/cache.tar.xz"
+    echo "kernel cache: $(ls "$cache" | wc -l) kernels"
+fi
 size=$(du -sb "$dest" | cut -f1)
 echo "$dest: $((size / 1024 / 1024)) MiB ($(tar -tJf "$dest/bins.tar.xz" | grep -vc '/$') files), built from $(sed -n 's/BUILD_COMMIT=//p' "$stage/bins/build.env")"
 [ "$size" -le $((60 * 1024 * 1024)) ] || { echo "device_build: $dest passes 60 MiB: the carry limit is 64 MiB in all" >&2; exit 1; }

@@ -15,7 +15,7 @@ the kernel's elapsed cycles. A metric a report lacks prints as "-".
 """
 import argparse, csv, json, os, re, sys
 
-TOKENS, HIDDEN = 16384, 2048  # the FlashAttention grid (bench/grid.py, `fa4 bench` defaults)
+TOKENS, HIDDEN = 16384, 2048  # the FlashAttention grid (bench/peers.py, `fa4 bench` defaults)
 SHAPE = re.compile(r"-d(\d+)-s(\d+)-c([01])$")
 
 # Each quantity: the metric names that give it, best first (names differ between ncu versions

@@ -1,5 +1,6 @@
-//! The GPU backward timed the fair way, driven line by line on stdin by `bench/bwd_grid.py`
-//! (which interleaves its rounds with the peers'):
+//! The GPU backward timed the fair way, driven line by line on stdin by `bench/sweep.py
+//! --backward` (one process per build or environment, rounds interleaved: fa4 against fa4) and
+//! by `bench/profile.sh bwd` (under Nsight Compute); fa4 beside its peers is `bench/peers.py bwd`:
 //!
 //! - `shape D SEQLEN CAUSAL BATCH HEADS [DETERMINISTIC]`: bf16 inputs drawn at random, the
 //!   forward on the GPU for O and LSE, a random dO, warm-up calls; answers `ready FLOPS`

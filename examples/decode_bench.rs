@@ -10,9 +10,10 @@
 //! - `decode_bench --serve`: one round per stdin line `PAGE SQ BATCH KEYS SPLITS FILL [VARIANT]`
 //!   (SPLITS 0 = the planner's; FILL `random`, or `zeros` for caches and queries of zeros;
 //!   VARIANT a `FA4_DECODE_VARIANT` value, default `auto`), answered with one line `SPLITS
-//!   US_PER_CALL`. `bench/decode_peers.py` drives it so that fa4's rounds alternate with
-//!   cuDNN's round by round; the last case's buffers stay allocated between requests (a
-//!   variant switch keeps them).
+//!   US_PER_CALL`; the last case's buffers stay allocated between requests (a variant switch
+//!   keeps them). `bench/profile.sh decode` drives it under Nsight Compute. fa4 beside its
+//!   peers is `bench/peers.py decode`, in one process: timed from a second process beside
+//!   PyTorch, the peers' rounds took in host time this process's did not (bench/README.md).
 //! - `decode_bench --precompile [VARIANT,…]`: fills the kernel cache for an H200, no GPU
 //!   needed: every split-kernel variant, and the all-heads variants that the decode grid and
 //!   tests/cuda_decode.rs plan; with a variant list, only the grid's kernels under those.
@@ -245,12 +246,12 @@ fn serve(cuda: &CudaBackend, block: &CudaSlice<bf16>) -> Result<(), Box<dyn std:
 }
 
 /// `--precompile`: fills the kernel cache ($FA4_CACHE_DIR) for an H200 without a GPU, so that a
-/// device run spends no time in NVRTC: first the kernels the grid's cases run under each
-/// variant `bench/decode_device.sh` times, then every split-kernel variant the planner emits
-/// for sm_90a, the combines and the append, and the all-heads variants (with and without
-/// `bulk`) at every head dim, row-tile count, dtype and mask kind, for 8, 4, 2 and 1 KV heads
-/// per CTA (what the grid and tests/cuda_decode.rs plan); the split and all-heads kernels each
-/// also with the fused combine (`fuse`).
+/// device run spends no time in NVRTC (`bench/device_build.sh` packs it with FA4_PRECOMPILE):
+/// first the kernels the grid's cases run under every variant, then every split-kernel variant
+/// the planner emits for sm_90a, the combines and the append, and the all-heads variants (with
+/// and without `bulk`) at every head dim, row-tile count, dtype and mask kind, for 8, 4, 2 and 1
+/// KV heads per CTA (what the grid and tests/cuda_decode.rs plan); the split and all-heads
+/// kernels each also with the fused combine (`fuse`).
 fn precompile(only: Option<String>) -> Result<(), Box<dyn std::error::Error>> {
     use fa4::config::decode::DecodeTiles;
     use fa4::config::decode_gpu::{

@@ -1,5 +1,5 @@
 //! The NCCL ring on real GPUs: the N-GPU result against one GPU and the float64 oracle. Needs a
-//! machine with 2+ GPUs and NCCL (bench/cp_device.sh runs it with NCCL_NVLS_ENABLE=0).
+//! machine with 2+ GPUs and NCCL (`bench/device_check.sh DIR cp` runs it with NCCL_NVLS_ENABLE=0).
 
 use fa4::check::{self, random_qkv};
 use fa4::cp::{self, Ring, SplitKind};

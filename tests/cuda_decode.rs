@@ -6,7 +6,7 @@
 //! ignored unless run with `--include-ignored`, and fails, not passes, where no GPU works.
 //!
 //! Kernel variants: every test runs the variant `FA4_DECODE_VARIANT` names (`auto` when
-//! unset), so `bench/decode_device.sh` runs this binary once per variant;
+//! unset), so `bench/device_check.sh DIR decode` runs this binary once per variant;
 //! `the_environments_variant_is_the_one_planned` proves which ran, and
 //! `every_variant_matches_the_oracle_in_one_process` switches variants on one set of tables.
 //! The fused combine (`fuse`): `the_fused_combine_matches_the_oracle_call_after_call` (split

@@ -2,7 +2,9 @@
 //! without a GPU: what the planner makes of each on the H200 and the A100 (grid, heads per CTA,
 //! split counts, refusals), and that a handful of the all-heads kernel's variants compile with
 //! NVRTC for sm_80 and sm_90a without spilling where the decode grid runs. Their speed and their
-//! results on a GPU are tests/cuda_decode.rs (run once per variant) and `bench/decode_device.sh`.
+//! results on a GPU are tests/cuda_decode.rs (run once per variant by `bench/device_check.sh DIR
+//! decode`) and `bench/peers.py decode` (one variant a column: `--fa4-env
+//! NAME=FA4_DECODE_VARIANT=V`).
 
 use std::io::Write;
 

@@ -53,8 +53,9 @@ fn every_sm80_variant_compiles_for_every_target() {
 /// NVRTC (12.9 on) keeps what it compiles in the CUDA compute cache (`~/.nv/ComputeCache`, where
 /// a driver is installed), and a compile served from that cache comes back without ptxas's
 /// report, which these tests read: on the H200 a second run of this file failed with an empty
-/// log for every variant the first run had compiled (and `bench/device_final.sh`, whose earlier
-/// steps compile the same kernels, failed here in the tenth, twelfth and thirteenth sessions).
+/// log for every variant the first run had compiled (and the device check, now
+/// `bench/device_check.sh`, whose earlier steps compile the same kernels, failed here three times
+/// on 2026-12-02).
 /// So a test that reads the report runs its body in a child process of this binary with
 /// `CUDA_CACHE_DISABLE=1`, unless it is that child. True when the child ran it (and passed):
 /// the caller returns.

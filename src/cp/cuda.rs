@@ -20,7 +20,7 @@
 //!
 //! The merge on the host is the known bottleneck of this first version (it reads every partial
 //! O back over PCIe): the scaling targets need the merge on the device. This path has not run
-//! yet (no multi-GPU machine was lent); `bench/cp_device.sh` is what runs it.
+//! yet (no multi-GPU machine was lent); `bench/device_check.sh DIR cp` is what runs it.
 
 use std::sync::Arc;
 

@@ -1,12 +1,13 @@
-//! Timing the CUDA backend the way `bench/grid.py` times its peers, so that the two can be set
-//! side by side: device-resident random inputs, untimed warm-up calls, then rounds of `calls`
-//! back-to-back forwards between one pair of CUDA events (the GPU never waits on the host
+//! Timing the CUDA backend the way `bench/peers.py` times fa4 and its peers, so that the two can
+//! be set side by side: device-resident random inputs, untimed warm-up calls, then rounds of
+//! `calls` back-to-back forwards between one pair of CUDA events (the GPU never waits on the host
 //! inside a round, so a library's host launch path is hidden as it is in a real model),
 //! the median over rounds and the spread between them.
 //!
-//! [`Bench`] exposes one round at a time, so that a driver (`fa4 bench --backend cuda
-//! --rounds-from-stdin`, used by `bench/grid.py`) can interleave fa4's rounds with the peers'
-//! and clock or thermal drift hits every library alike. [`Bench::per_call`] is the other
+//! [`Bench`] exposes one round at a time, so that a driver in another process (`fa4 bench
+//! --backend cuda --rounds-from-stdin`; bench/grid.py until 2026-12-03, when bench/peers.py timed
+//! every library in one process instead) can interleave fa4's rounds with the peers' and clock
+//! or thermal drift hits every library alike. [`Bench::per_call`] is the other
 //! measure: one forward, then a synchronize, between two host clock reads; it includes the host
 //! path (argument checks, the launch itself) and is reported as such.
 //!
@@ -234,7 +235,7 @@ impl<'a, T: Element> Bench<'a, T> {
     }
 
     /// One forward followed by a synchronize, host clock, milliseconds: the host path included.
-    /// An untimed call runs first: when another process (a peer, under `bench/grid.py`) used
+    /// An untimed call runs first: when another process (a peer, in a driver of processes) used
     /// the GPU last, the switch back to this context costs a few hundred µs, which would
     /// otherwise land on the timed call.
     pub fn per_call(&mut self) -> Result<f64> {

@@ -1,0 +1,1219 @@
+#!/usr/bin/env python3
+"""fa4 beside its peers: every library timed the same way, on the same tensors, in one process
+on one stream (PyTorch's current stream).
+
+Passes:
+    fwd      the FlashAttention grid: bf16, 16k tokens (batch = 16384 / seqlen), hidden 2048
+             (heads = 2048 / d), d 64/128/256, seqlen 1k/4k/16k, causal and not;
+             --head-dims: d 32/80/96/112/160/192 and d_qk 192 / d_v 128 at batch 4 × 4096,
+               heads = 2048 // d (table fwd_headdims);
+             --gqa: 32 query / 8 KV heads, d128, causal, 2k/4k/8k (fwd_gqa);
+             --varlen: ragged lengths drawn from --seed (mean 2k, 1..8k keys, 16k tokens in
+               all), d 64/128/256, causal and not, through the varlen entry points (fwd_varlen;
+               SDPA has no ragged form); --extras: all three; --no-grid: the extras only.
+             Peers: SDPA with cuDNN forced (cudnn), SDPA with FlashAttention-2 forced (fa2),
+             FlashAttention-3's Hopper forward (fa3, wheel fa3-fwd), FlashAttention-4 CuTe
+             (fa4cute, wheel flash-attn-4).
+    bwd      the grid's backward only: torch.autograd.grad(out, (q, k, v), dout) on a forward
+             recorded once outside the timed region (retain_graph); fa4, cudnn, fa2, fa4cute.
+    decode   bf16, 32 query / 8 KV heads, d128, one query row, (batch, keys) = (1, 32k),
+             (8, 8k), (8, 32k), (32, 4k), (4, 128k), pages of --pages (16, 64, 256, 1): fa4
+             through flash_attn_with_kvcache with a block table over a random page permutation,
+             FlashAttention-4 CuTe through its paged varlen path (page_table), and on a
+             contiguous cache SDPA cuDNN and FA2 (enable_gqa=True), FA3's
+             flash_attn_with_kvcache, and cudnn_expanded: SDPA cuDNN on K/V already repeated to
+             32 heads (a diagnostic, never the best peer). One table per page size; the
+             contiguous peers are timed once per shape, in the same rounds as every page size.
+    ncu-table RAW.csv LABELS.json   kernel-only durations (below).
+
+Method, the same for every library:
+- untimed warm-up calls first (--warmup, 3; JIT compiles, autotuning and graph builds land
+  there; the first call's seconds are printed);
+- a round is one CUDA event pair around --calls (10) back-to-back calls. Before the first
+  event the GPU runs a sleep kernel (torch.cuda._sleep) long enough for the host to queue all
+  the calls (1.25 × the library's host time per call × calls + 50 µs), so the round measures
+  the GPU's time for the calls, not a host path slower than the kernels (in eager decode
+  SDPA's host path, 50–80 µs per call, is longer than cuDNN's 40 µs kernel; bench/README.md).
+  The host time per call is measured too (a clock around the enqueueing) and printed; `h`
+  marks a library whose host path is slower than its kernels. --no-head-start drops the
+  sleep: the host path is then timed too, as in eager use;
+- --rounds (9) rounds, round r starting at the r-th library (fa4, cudnn, … then cudnn, …,
+  fa4), so that drift and the place in a round hit all alike (the place alone moved a figure by
+  up to 11% on the H200, 2026-12-02, docs/perf.md);
+- per library the median round; spread = IQR / median (also (max − min) / median, printed);
+  verdict win / loss when fa4's median beats / trails the best peer's by more than the larger
+  IQR spread of the two, else tie;
+- inputs rotate among enough copies that the copies span more than 4 × L2 (50 MB on the
+  H200), so that no call finds its inputs in L2 (decode especially; a 16k-token set already
+  does);
+- FLOPs: 2·sq·sk·(d + d_v) per head and sequence (4·b·h·sq·sk·d), halved for causal; varlen
+  sums over its sequences and counts a causal mask's allowed pairs exactly; backward 2.5 ×
+  the forward. Decode: bytes read, K and V of every cached key plus Q and O, in TB/s;
+- before timing, fa4's output on each shape is compared with a float32 SDPA (math backend)
+  reference on a slice (batch 0, up to 4 heads, 256 query rows; the backward also dQ, dK, dV
+  of head 0): one line, `max|Δ|` against `max|ref|`, a sanity check, not a test.
+
+A library that raises on a shape gets null and a one-line note; the run goes on.
+
+    python3 bench/peers.py fwd [--extras | --head-dims --gqa --varlen] [--no-grid]
+    python3 bench/peers.py bwd
+    python3 bench/peers.py decode [--pages 16,64,256,1]
+      common: [--only fa4,cudnn,...] [--quick] [--rounds 9] [--calls 10] [--warmup 3]
+              [--seed 0] [--json DIR] [--budget SECONDS] [--no-head-start]
+              [--fa4-env NAME=KEY=VALUE[,KEY=VALUE]] (one more fa4 column with that environment
+              set around its calls, e.g. sm80=FA4_BWD_KERNEL=sm80; fa4 reads it per call)
+              [--profile LABELS.json] (no rounds: 3 calls per library and shape inside
+              cudaProfilerStart/Stop, each followed by a marker kernel, for Nsight Compute)
+
+--json DIR writes one file per table, DIR/<id>.json (fwd_grid, fwd_headdims, fwd_gqa,
+fwd_varlen, bwd_grid, decode_p16, decode_p64, decode_p256, decode_p1), in the schema
+bench/plot_perf.py reads (docs/data/<id>.json): id, title, date, gpu, driver, versions, method,
+unit, higher_is_better, libs, lib_names, rows of {case, values, spread, rounds (ms per call)}.
+
+Expected on an H200 (9 rounds of 10 calls): fwd grid about 1 min, with --extras about 2 more;
+bwd about 2 min; decode with the four page sizes about 1.5 min; plus FlashAttention-4 CuTe's
+JIT compiles on first use (seconds per kernel; its disk cache is turned on,
+FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, default /tmp/fa4cute-cache, so a later pass on the same
+machine reuses them). --quick: the d128 shapes, fewer extras, 5 rounds; well under a minute
+each. Run lines for the GPU machine, with the wheels, are in bench/README.md.
+
+Kernel-only durations (ncu; bench/profile.sh durations runs all of it):
+    ncu --profile-from-start off --metrics gpu__time_duration.sum --cache-control all \\
+        --clock-control none --export R python3 bench/peers.py fwd --quick --profile L.json
+    ncu --import R.ncu-rep --csv --page raw --print-units base > R.csv
+    python3 bench/peers.py ncu-table R.csv L.json   (per case and library: the median over the
+        3 calls of the sum of the call's kernels, in µs; writes ncu.json under --json or $OUT)
+"""
+import argparse
+import contextlib
+import csv
+import datetime
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+import warnings
+
+TOKENS, HIDDEN = 16384, 2048
+GRID_DIMS = (64, 128, 256)
+GRID_SEQLENS = (1024, 4096, 16384)
+HEADDIMS = (32, 80, 96, 112, 160, 192)
+DV_CASES = ((192, 128),)  # (d_qk, d_v): DeepSeek's shape, which FA3 and FA4-CuTe run
+HEADDIM_BATCH, HEADDIM_SEQLEN = 4, 4096
+GQA_HEADS, GQA_D, GQA_SEQLENS = (32, 8), 128, (2048, 4096, 8192)
+VARLEN_MEAN, VARLEN_MIN, VARLEN_MAX = 2048, 1, 8192
+DECODE_HEADS, DECODE_D = (32, 8), 128
+DECODE_SHAPES = ((1, 32768), (8, 8192), (8, 32768), (32, 4096), (4, 131072))
+DECODE_PAGES = (16, 64, 256, 1)
+BWD_FACTOR = 2.5  # backward FLOPs per forward FLOP (FlashAttention's convention)
+L2_BYTES = 50 << 20  # the H200's, when the device does not say
+ROTATE_L2 = 4  # input copies span more than this many L2s
+MAX_COPIES = 64
+CHECK_ROWS, CHECK_HEADS = 256, 4
+MARK_CYCLES = 1000  # the marker kernel between profiled calls (torch.cuda._sleep: spin_kernel)
+HEAD_START_US = 50.0  # head-start sleep on top of the queued calls' host time
+PEERS = ("cudnn", "fa2", "fa3", "fa4cute")
+DIAGNOSTICS = ("cudnn_expanded",)  # columns that are never the best peer
+LIB_ORDER = ("fa4",) + PEERS + DIAGNOSTICS
+PASS_LIBS = {
+    "fwd": ("fa4", "cudnn", "fa2", "fa3", "fa4cute"),
+    "bwd": ("fa4", "cudnn", "fa2", "fa4cute"),
+    "decode": ("fa4", "cudnn", "fa2", "fa3", "fa4cute", "cudnn_expanded"),
+}
+VARLEN_LIBS = ("fa4", "fa3", "fa4cute")  # SDPA has no ragged form
+
+
+# ---- problems ------------------------------------------------------------------------------
+
+
+def kilo(n):
+    """1024 → "1k", 131072 → "128k", 2000 → "2000"."""
+    return f"{n // 1024}k" if n % 1024 == 0 else str(n)
+
+
+class Case:
+    """One attention problem. `seqs` holds (seqlen_q, seqlen_k) per sequence (a fixed-length
+    batch repeats one pair); `varlen` packs them (cu_seqlens); `dv` is d_v (None: d)."""
+
+    def __init__(self, label, d, heads_q, heads_kv, seqs, causal=False, dv=None, varlen=False):
+        self.label, self.d, self.heads_q, self.heads_kv = label, d, heads_q, heads_kv
+        self.seqs, self.causal, self.varlen = list(seqs), causal, varlen
+        self.dv = d if dv is None else dv
+
+    @property
+    def batch(self):
+        return len(self.seqs)
+
+    @property
+    def seqlen_q(self):
+        return max(q for q, _ in self.seqs)
+
+    @property
+    def seqlen_k(self):
+        return max(k for _, k in self.seqs)
+
+    def flops(self):
+        return attn_flops(self.seqs, self.heads_q, self.d, self.dv, self.causal, exact_causal=self.varlen)
+
+    def set_bytes(self):
+        """Bytes of one input set (Q, K, V) and the output, bf16."""
+        tq = sum(q for q, _ in self.seqs)
+        tk = sum(k for _, k in self.seqs)
+        return 2 * (tq * self.heads_q * (self.d + self.dv) + tk * self.heads_kv * (self.d + self.dv))
+
+
+class DecodeCase:
+    """One decode shape: `batch` sequences of `keys` cached keys, one query row each."""
+
+    def __init__(self, batch, keys, heads=DECODE_HEADS, d=DECODE_D):
+        self.batch, self.keys = batch, keys
+        self.heads_q, self.heads_kv = heads
+        self.d = d
+        self.label = f"({batch}, {kilo(keys)})"  # as docs/data/decode_p16.json
+
+    def bytes(self):
+        return decode_bytes([self.keys] * self.batch, self.heads_q, self.heads_kv, self.d)
+
+    def kv_bytes(self):
+        return decode_bytes([self.keys] * self.batch, self.heads_q, self.heads_kv, self.d, seqlen_q=0)
+
+
+def causal_pairs(sq, sk):
+    """Score elements a causal mask aligned at the bottom right allows: row i (of sq) sees the
+    keys j ≤ i + sk − sq."""
+    off = sk - sq
+    if off >= 0:
+        return sq * off + sq * (sq + 1) // 2
+    return sk * (sk + 1) // 2
+
+
+def attn_flops(seqs, heads, d, dv=None, causal=False, exact_causal=False):
+    """The one FLOP count: 2·sq·sk·(d + d_v) per head and sequence (4·b·h·sq·sk·d for a fixed
+    batch with d_v = d), halved for causal (FlashAttention's convention, fa4's
+    Problem::flops), or with `exact_causal` (varlen) the mask's allowed pairs counted."""
+    dv = d if dv is None else dv
+    pairs = 0.0
+    for sq, sk in seqs:
+        if not causal:
+            pairs += sq * sk
+        elif exact_causal:
+            pairs += causal_pairs(sq, sk)
+        else:
+            pairs += sq * sk / 2
+    return 2.0 * (d + dv) * heads * pairs
+
+
+def decode_bytes(seqlens_k, heads_q, heads_kv, d, dv=None, seqlen_q=1, elem=2):
+    """Bytes a decode call reads and writes: K and V of every cached key (of every KV head),
+    Q and O of every query row."""
+    dv = d if dv is None else dv
+    kv = sum(seqlens_k) * heads_kv * (d + dv)
+    qo = len(seqlens_k) * seqlen_q * heads_q * (d + dv)
+    return float((kv + qo) * elem)
+
+
+def _truncated_exp_scale(mean, width):
+    """The scale θ of an exponential truncated to [0, width] whose mean is `mean` (bisection on
+    θ − width / (e^{width/θ} − 1), which grows from 0 to width / 2)."""
+    if not 0 < mean < width / 2:
+        raise ValueError(f"mean {mean} must lie in (0, {width / 2})")
+    lo, hi = 1e-9 * width, 1e6 * width
+    for _ in range(200):
+        th = math.sqrt(lo * hi)
+        m = th - width / math.expm1(width / th) if width / th < 700 else th
+        lo, hi = (th, hi) if m < mean else (lo, th)
+    return math.sqrt(lo * hi)
+
+
+def varlen_lengths(seed, total=TOKENS, mean=VARLEN_MEAN, lo=VARLEN_MIN, hi=VARLEN_MAX):
+    """Ragged sequence lengths summing to `total`: draws from an exponential truncated to
+    [lo, hi] with mean `mean`, the last one cut to what is left (so at least `lo` only when
+    what is left is). Deterministic in `seed`."""
+    rng = random.Random(seed)
+    width = hi - lo
+    th = _truncated_exp_scale(mean - lo, width)
+    out, left = [], total
+    while left > 0:
+        x = lo - th * math.log1p(-rng.random() * -math.expm1(-width / th))
+        n = min(max(lo, min(hi, int(round(x)))), left)
+        out.append(n)
+        left -= n
+    return out
+
+
+def fwd_cases(quick):
+    dims = (128,) if quick else GRID_DIMS
+    return [Case(f"d{d} {kilo(s)}{' causal' if c else ''}", d, HIDDEN // d, HIDDEN // d,
+                 [(s, s)] * (TOKENS // s), c)
+            for d in dims for s in GRID_SEQLENS for c in (False, True)]
+
+
+def headdim_cases(quick):
+    dims = (80, 192) if quick else HEADDIMS
+    s, b = HEADDIM_SEQLEN, HEADDIM_BATCH
+    out = [Case(f"d{d} {kilo(s)}{' causal' if c else ''}", d, HIDDEN // d, HIDDEN // d, [(s, s)] * b, c)
+           for d in dims for c in (False, True)]
+    out += [Case(f"d{d}/{dv} {kilo(s)}{' causal' if c else ''}", d, HIDDEN // d, HIDDEN // d, [(s, s)] * b, c, dv=dv)
+            for d, dv in DV_CASES for c in (False, True)]
+    return out
+
+
+def gqa_cases(quick):
+    hq, hkv = GQA_HEADS
+    seqlens = (4096,) if quick else GQA_SEQLENS
+    return [Case(f"{hq}/{hkv} {kilo(s)} causal", GQA_D, hq, hkv, [(s, s)] * (TOKENS // s), True) for s in seqlens]
+
+
+def varlen_cases(seed, quick):
+    lengths = varlen_lengths(seed)
+    dims = (128,) if quick else GRID_DIMS
+    causals = (True,) if quick else (False, True)
+    return [Case(f"varlen d{d}{' causal' if c else ''}", d, HIDDEN // d, HIDDEN // d, [(n, n) for n in lengths], c,
+                 varlen=True)
+            for d in dims for c in causals]
+
+
+def decode_cases(quick):
+    shapes = ((1, 32768), (8, 32768)) if quick else DECODE_SHAPES
+    return [DecodeCase(b, k) for b, k in shapes]
+
+
+def copies_for(set_bytes, l2_bytes=L2_BYTES):
+    """Input copies to rotate so that together they span more than ROTATE_L2 × L2."""
+    return max(1, min(MAX_COPIES, math.ceil(ROTATE_L2 * l2_bytes / set_bytes) if set_bytes else 1))
+
+
+# ---- statistics ----------------------------------------------------------------------------
+
+
+def stats(xs):
+    """median, quartiles (linear interpolation, as fa4's Spread), min, max."""
+    s = sorted(xs)
+
+    def at(f):
+        x = f * (len(s) - 1)
+        lo, hi = math.floor(x), math.ceil(x)
+        return s[lo] + (s[hi] - s[lo]) * (x - lo)
+    return dict(median=at(0.5), q1=at(0.25), q3=at(0.75), min=s[0], max=s[-1], n=len(s))
+
+
+def iqr_spread(st):
+    return (st["q3"] - st["q1"]) / st["median"]
+
+
+def range_spread(st):
+    return (st["max"] - st["min"]) / st["median"]
+
+
+def verdict(ours, best):
+    """("win" | "tie" | "loss", spread): fa4's median time (`stats` of ms) against the best
+    peer's, beyond the larger IQR spread of the two or not."""
+    spread = max(iqr_spread(ours), iqr_spread(best))
+    rel = best["median"] / ours["median"] - 1  # > 0: fa4 faster
+    return ("win" if rel > spread else "loss" if rel < -spread else "tie"), spread
+
+
+def round_order(names, r):
+    """The libraries' order in round r: the list rotated to start at its (r mod len)-th entry,
+    so that each takes each place equally often."""
+    if not names:
+        return []
+    first = r % len(names)
+    return list(names[first:]) + list(names[:first])
+
+
+def one_line(ex):
+    text = str(ex).strip().splitlines()
+    return f"{type(ex).__name__}: {text[0][:160] if text else ''}"
+
+
+def run_rounds(names, rounds, one_round, note=print):
+    """Rounds of every library in rotated order. `one_round(name)` returns (ms per call, host
+    µs per call); a library that raises is dropped from then on, with a note.
+    Returns {name: [(ms, host_us), ...]} for the libraries that finished."""
+    got = {n: [] for n in names}
+    failed = set()
+    for r in range(rounds):
+        for n in round_order([x for x in names if x not in failed], r):
+            try:
+                got[n].append(one_round(n))
+            except Exception as ex:  # a library's failure is its own, not the run's
+                failed.add(n)
+                note(f"  {n}: dropped in round {r + 1}: {one_line(ex)}")
+    return {n: v for n, v in got.items() if n not in failed and v}
+
+
+class Table:
+    """One output table: the libraries' columns and one row per case."""
+
+    def __init__(self, tid, title, unit, libs):
+        self.id, self.title, self.unit, self.libs = tid, title, unit, list(libs)
+        self.rows = []
+
+    def add(self, label, results, metric):
+        """A row from {lib: [(ms, host_us)]} (libraries of this table only); `metric(ms)` is
+        the value per call time (TFLOP/s or TB/s). Returns the row with its summary
+        (best peer, ratio, verdict) under "_summary" (not written to JSON)."""
+        row = {"case": label, "values": {}, "spread": {}, "rounds": {}}
+        st = {}
+        for lib in self.libs:
+            rs = results.get(lib)
+            if not rs:
+                row["values"][lib] = row["spread"][lib] = row["rounds"][lib] = None
+                continue
+            ms = [x[0] for x in rs]
+            st[lib] = stats(ms)
+            row["values"][lib] = round(metric(st[lib]["median"]), 2)
+            row["spread"][lib] = round(iqr_spread(st[lib]), 4)
+            row["rounds"][lib] = [round(x, 6) for x in ms]
+        summary = {"stats": st, "host_us": {lib: stats([x[1] for x in results[lib]])["median"]
+                                            for lib in st}}
+        peers = [p for p in st if p in PEERS]  # never fa4's own columns nor a diagnostic
+        if peers:
+            best = min(peers, key=lambda p: st[p]["median"])
+            summary["best"] = best
+            if "fa4" in st:
+                summary["ratio"] = st[best]["median"] / st["fa4"]["median"]
+                summary["verdict"], summary["spread"] = verdict(st["fa4"], st[best])
+        row["_summary"] = summary
+        self.rows.append(row)
+        return row
+
+    def header(self):
+        return (f"{'case':<22}" + "".join(f"{lib:>16}" for lib in self.libs)
+                + f"  {'best':>8} {'fa4/best':>8} verdict  host µs/call")
+
+    def line(self, row):
+        s = row["_summary"]
+        cells = []
+        for lib in self.libs:
+            v = row["values"][lib]
+            if v is None:
+                cells.append(f"{'-':>16}")
+                continue
+            st = s["stats"][lib]
+            host = "h" if s["host_us"][lib] > 1e3 * st["median"] else " "
+            cells.append(f"{v:>8.1f}{host}±{100 * row['spread'][lib]:4.1f}%".rjust(16))
+        best = s.get("best", "-")
+        ratio = f"{s['ratio']:.3f}" if "ratio" in s else "-"
+        hosts = " ".join(f"{lib} {s['host_us'][lib]:.0f}" for lib in self.libs if lib in s["host_us"])
+        return (f"{row['case']:<22}" + "".join(cells) + f"  {best:>8} {ratio:>8} {s.get('verdict', '-'):<7}  {hosts}")
+
+    def json(self, meta):
+        """The table in plot_perf.py's schema; `meta`: date, gpu, driver, versions, method,
+        lib_names."""
+        return {
+            "id": self.id, "title": self.title, "date": meta["date"], "gpu": meta["gpu"],
+            "driver": meta["driver"], "versions": meta["versions"], "method": meta["method"],
+            "unit": self.unit, "higher_is_better": True, "libs": self.libs,
+            "lib_names": {lib: meta["lib_names"].get(lib, lib) for lib in self.libs},
+            "rows": [{k: r[k] for k in ("case", "values", "spread", "rounds")} for r in self.rows],
+        }
+
+
+def write_tables(tables, directory, meta):
+    os.makedirs(directory, exist_ok=True)
+    paths = []
+    for t in tables:
+        if not t.rows:
+            continue
+        path = os.path.join(directory, f"{t.id}.json")
+        with open(path, "w") as f:
+            json.dump(t.json(meta), f, indent=1, ensure_ascii=False)
+            f.write("\n")
+        paths.append(path)
+    return paths
+
+
+def method_line(a):
+    sleep = ("after a GPU sleep that lets the host queue them (GPU time; host time per call "
+             "printed apart)" if a.head_start else "(host path included: no head start)")
+    return (f"one process, one stream; {a.warmup} warm-up calls; a round = one CUDA event pair around "
+            f"{a.calls} back-to-back calls {sleep}; {a.rounds} rounds, round r starting at library r; "
+            f"median round; spread = IQR/median; inputs rotated over more than {ROTATE_L2}x L2")
+
+
+def parse_env_columns(specs):
+    """--fa4-env values NAME=KEY=VALUE[,KEY=VALUE] as [(name, {key: value})]; a ValueError
+    naming the bad value."""
+    out = []
+    for spec in specs:
+        name, eq, rest = spec.partition("=")
+        env = {}
+        for kv in rest.split(",") if rest else []:
+            key, eq2, val = kv.partition("=")
+            if not eq2 or not key:
+                raise ValueError(f"--fa4-env {spec!r}: expected NAME=KEY=VALUE[,KEY=VALUE], got {kv!r}")
+            env[key] = val
+        if not eq or not name or not env:
+            raise ValueError(f"--fa4-env {spec!r}: expected NAME=KEY=VALUE[,KEY=VALUE]")
+        if name in LIB_ORDER or "@" in name:
+            raise ValueError(f"--fa4-env {spec!r}: {name!r} is taken")
+        out.append((name, env))
+    return out
+
+
+@contextlib.contextmanager
+def environment(env):
+    """`env` set in os.environ (and so in the C environment fa4 reads) while inside."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ---- kernel-only durations (ncu) -----------------------------------------------------------
+
+
+def read_ncu_csv(path):
+    """(kernel name, duration ns) in launch order from `ncu --csv --page raw --print-units base`."""
+    rows, hdr = [], None
+    with open(path, errors="replace") as f:
+        lines = [line for line in f if not line.startswith("==")]
+    for rec in csv.reader(lines):
+        if hdr is None:
+            if "Kernel Name" in rec and "gpu__time_duration.sum" in rec:
+                hdr = rec
+            continue
+        row = dict(zip(hdr, rec))
+        try:
+            rows.append((row["Kernel Name"], float(row["gpu__time_duration.sum"].replace(",", ""))))
+        except ValueError:
+            pass  # the units row
+    return rows
+
+
+def ncu_durations(kernels, labels):
+    """{case: {lib: median µs per call}} from the profiled kernels and the labels of the calls:
+    a call's kernels are those before its marker (spin_kernel) since the previous one."""
+    groups, cur = [], []
+    for name, ns in kernels:
+        if "spin_kernel" in name:
+            groups.append(cur)
+            cur = []
+        else:
+            cur.append(ns)
+    if len(groups) != len(labels):
+        print(f"ncu-table: {len(groups)} marked calls for {len(labels)} labels", file=sys.stderr)
+    per = {}
+    for lab, g in zip(labels, groups):
+        per.setdefault(lab["case"], {}).setdefault(lab["lib"], []).append(sum(g) / 1e3)
+    return {case: {lib: stats(v)["median"] for lib, v in libs.items()} for case, libs in per.items()}
+
+
+def ncu_table(a):
+    with open(a.labels) as f:
+        labels = json.load(f)
+    out = ncu_durations(read_ncu_csv(a.raw), labels)
+    libs = [lib for lib in dict.fromkeys(lab["lib"] for lab in labels)]
+    print(f"{'case':<22}" + "".join(f"{lib:>14}" for lib in libs) + "   kernel-only µs per call (ncu)")
+    for case, v in out.items():
+        print(f"{case:<22}" + "".join(f"{v[lib]:>14.1f}" if lib in v else f"{'-':>14}" for lib in libs))
+    d = a.json or os.environ.get("OUT", ".")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "ncu.json"), "w") as f:
+        json.dump(out, f, indent=1, ensure_ascii=False)
+
+
+# ---- the GPU side --------------------------------------------------------------------------
+
+
+class Gpu:
+    """The timing, on PyTorch's current stream (`torch` is passed in so that tests can stand
+    in for it)."""
+
+    def __init__(self, torch, calls, head_start=True):
+        self.torch, self.calls, self.head_start = torch, calls, head_start
+        self.cycles_per_us = None
+
+    def event(self):
+        return self.torch.cuda.Event(enable_timing=True)
+
+    def calibrate(self):
+        """Cycles of torch.cuda._sleep per µs, for the head start."""
+        t = self.torch
+        e0, e1 = self.event(), self.event()
+        t.cuda.synchronize()
+        e0.record()
+        t.cuda._sleep(1_000_000)
+        e1.record()
+        t.cuda.synchronize()
+        self.cycles_per_us = 1_000_000 / max(1e-3, e0.elapsed_time(e1) * 1e3)
+
+    def round(self, call, host_us):
+        """One round: (GPU ms per call, host µs per call). `host_us` is the library's host time
+        per call so far, for the head start."""
+        t = self.torch
+        t.cuda.synchronize()
+        if self.head_start:
+            if self.cycles_per_us is None:
+                self.calibrate()
+            t.cuda._sleep(int(self.cycles_per_us * (1.25 * self.calls * host_us + HEAD_START_US)))
+        e0, e1 = self.event(), self.event()
+        e0.record()
+        h0 = time.perf_counter()
+        for _ in range(self.calls):
+            call()
+        host = (time.perf_counter() - h0) * 1e6 / self.calls
+        e1.record()
+        t.cuda.synchronize()
+        return e0.elapsed_time(e1) / self.calls, host
+
+    def warm(self, call, n):
+        """`n` untimed calls after the first; (first call's seconds, host µs per call)."""
+        t = self.torch
+        t.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        t.cuda.synchronize()
+        first = time.perf_counter() - t0
+        h0 = time.perf_counter()
+        for _ in range(n):
+            call()
+        host = (time.perf_counter() - h0) * 1e6 / max(1, n)
+        t.cuda.synchronize()
+        return first, host
+
+
+class Lib:
+    """A column: a context entered around every call (a forced SDPA backend, an environment)
+    and the call itself, made per case."""
+
+    def __init__(self, name, ctx, call):
+        self.name, self.ctx, self.call = name, ctx, call
+        self.host_us = 0.0
+
+
+class Mods:
+    """PyTorch and the libraries that imported, with their versions."""
+
+    def __init__(self, only, env_columns):
+        import torch
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        self.torch, self.F, self.SDPBackend, self.sdpa_kernel = torch, F, SDPBackend, sdpa_kernel
+        self.only = only
+        self.env_columns = env_columns
+        self.notes = []
+        self.fa4 = self.fa3 = self.fa4cute = None
+        self.versions = {"torch": torch.__version__, "cudnn": self.cudnn_version(), "fa4": None,
+                         "flash_attn_4": None, "fa3": None}
+        if self.wanted("fa4") or env_columns:
+            try:
+                import fa4
+                self.fa4 = fa4
+                info = fa4.build_info() if hasattr(fa4, "build_info") else {}
+                commit = info.get("commit") if isinstance(info, dict) else None
+                self.versions["fa4"] = fa4.__version__ + (f" ({commit})" if commit else "")
+            except Exception as ex:
+                self.notes.append(f"fa4 not importable: {one_line(ex)}")
+        if self.wanted("fa3"):
+            try:
+                import fa3_fwd_config
+                sys.modules.setdefault("flash_attn_config", fa3_fwd_config)
+                import fa3_fwd_interface as fa3
+                self.fa3 = fa3
+                self.versions["fa3"] = dist_version("fa3-fwd")
+            except Exception as ex:
+                self.notes.append(f"FlashAttention-3 (fa3_fwd) not importable: {one_line(ex)}")
+        if self.wanted("fa4cute"):
+            os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED", "1")
+            os.environ.setdefault("FLASH_ATTENTION_CUTE_DSL_CACHE_DIR", "/tmp/fa4cute-cache")
+            try:
+                from flash_attn.cute import interface as fa4cute
+                self.fa4cute = fa4cute
+                self.versions["flash_attn_4"] = dist_version("flash-attn-4")
+            except Exception as ex:
+                self.notes.append(f"FlashAttention-4 CuTe (flash_attn.cute) not importable: {one_line(ex)}")
+
+    def wanted(self, name):
+        return self.only is None or name in self.only
+
+    def cudnn_version(self):
+        v = self.torch.backends.cudnn.version()
+        return f"{v // 10000}.{v % 10000 // 100}.{v % 100}" if v else None
+
+    def lib_names(self):
+        cud = self.versions["cudnn"] or "?"
+        return {
+            "fa4": "fa4" + (f" {self.versions['fa4']}" if self.versions["fa4"] else ""),
+            "cudnn": "cuDNN " + ".".join(cud.split(".")[:2]) + " (SDPA)",
+            "fa2": "FlashAttention-2 (SDPA)",
+            "fa3": "FlashAttention-3" + (f" (fa3-fwd {self.versions['fa3']})" if self.versions["fa3"] else ""),
+            "fa4cute": "FlashAttention-4 CuTe" + (f" {self.versions['flash_attn_4']}" if self.versions["flash_attn_4"] else ""),
+            "cudnn_expanded": "cuDNN, K/V repeated to the query heads",
+            **{name: f"fa4 with {','.join(f'{k}={v}' for k, v in env.items())}" for name, env in self.env_columns},
+        }
+
+    def available(self, names):
+        """The names of `names` this run can time."""
+        have = {"fa4": self.fa4 is not None, "cudnn": True, "fa2": True, "fa3": self.fa3 is not None,
+                "fa4cute": self.fa4cute is not None, "cudnn_expanded": True}
+        out = [n for n in names if have.get(n) and self.wanted(n)]
+        if self.fa4 is not None:
+            out += [name for name, _ in self.env_columns]
+        return out
+
+    def ctx(self, name):
+        """The context around a library's calls."""
+        if name in ("cudnn", "cudnn_expanded"):
+            return lambda: self.sdpa_kernel([self.SDPBackend.CUDNN_ATTENTION])
+        if name == "fa2":
+            return lambda: self.sdpa_kernel([self.SDPBackend.FLASH_ATTENTION])
+        env = dict(self.env_columns).get(name)
+        if env:
+            return lambda: environment(env)
+        return contextlib.nullcontext
+
+    def family(self, name):
+        """fa4's environment columns call fa4."""
+        return "fa4" if name in dict(self.env_columns) else name
+
+
+def dist_version(name):
+    try:
+        from importlib.metadata import version
+        return version(name)
+    except Exception:
+        return None
+
+
+def first(r):
+    """The output of a call that may return (out, lse, ...)."""
+    return r[0] if isinstance(r, (tuple, list)) else r
+
+
+def fwd_fn(m, lib, case):
+    """f(set) → out (batch, seqlen, heads, d_v) or (total, heads, d_v): one forward of `lib` on
+    an input set (dict q, k, v[, cu, max])."""
+    c, gqa = case.causal, case.heads_q != case.heads_kv
+    F = m.F
+    if case.varlen:
+        if lib == "fa4":
+            return lambda s: first(m.fa4.flash_attn_varlen_func(s["q"], s["k"], s["v"], s["cu"], s["cu"], s["max"], s["max"],
+                                                                causal=c))
+        if lib == "fa3":
+            return lambda s: first(m.fa3.flash_attn_varlen_func(s["q"], s["k"], s["v"], s["cu"], s["cu"], s["max"], s["max"],
+                                                                causal=c))
+        if lib == "fa4cute":
+            return lambda s: first(m.fa4cute.flash_attn_varlen_func(
+                s["q"], s["k"], s["v"], cu_seqlens_q=s["cu"], cu_seqlens_k=s["cu"], max_seqlen_q=s["max"],
+                max_seqlen_k=s["max"], causal=c))
+        raise ValueError(f"{lib} has no varlen form")
+    if lib == "fa4":
+        return lambda s: first(m.fa4.flash_attn_func(s["q"], s["k"], s["v"], causal=c))
+    if lib in ("cudnn", "fa2"):
+        # SDPA's layout is (batch, heads, seqlen, d): views of the same tensors. Its is_causal is
+        # top-left aligned, which is the same mask here (seqlen_q = seqlen_k).
+        return lambda s: F.scaled_dot_product_attention(s["q"].transpose(1, 2), s["k"].transpose(1, 2),
+                                                        s["v"].transpose(1, 2), is_causal=c,
+                                                        enable_gqa=gqa).transpose(1, 2)
+    if lib == "fa3":
+        return lambda s: first(m.fa3.flash_attn_func(s["q"], s["k"], s["v"], causal=c))
+    if lib == "fa4cute":
+        return lambda s: first(m.fa4cute.flash_attn_func(s["q"], s["k"], s["v"], causal=c))
+    raise ValueError(f"no forward for {lib}")
+
+
+def make_sets(m, case, n, grad):
+    """`n` input sets (q, k, v; with `grad` also dout) of random bf16 values."""
+    t = m.torch
+    kw = dict(device="cuda", dtype=t.bfloat16)
+    sets = []
+    for _ in range(n):
+        if case.varlen:
+            total = sum(q for q, _ in case.seqs)
+            s = dict(q=t.randn(total, case.heads_q, case.d, **kw), k=t.randn(total, case.heads_kv, case.d, **kw),
+                     v=t.randn(total, case.heads_kv, case.dv, **kw))
+            cu = [0]
+            for q, _ in case.seqs:
+                cu.append(cu[-1] + q)
+            s["cu"] = t.tensor(cu, device="cuda", dtype=t.int32)
+            s["max"] = case.seqlen_q
+        else:
+            b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
+            s = dict(q=t.randn(b, sq, case.heads_q, case.d, **kw), k=t.randn(b, sk, case.heads_kv, case.d, **kw),
+                     v=t.randn(b, sk, case.heads_kv, case.dv, **kw))
+        if grad:
+            for x in ("q", "k", "v"):
+                s[x].requires_grad_()
+            s["do"] = t.randn(*s["q"].shape[:-1], case.dv, **kw)
+        sets.append(s)
+    return sets
+
+
+def rotating(sets, f):
+    """A call of `f` on the next set each time."""
+    i = [0]
+
+    def call():
+        s = sets[i[0] % len(sets)]
+        i[0] += 1
+        return f(s)
+    return call
+
+
+def reference(m, q, k, v, causal, sq, sk):
+    """float32 SDPA (math backend) of one slice: q (H, R, d) of rows ending at sq (causal) or
+    starting at 0, k/v (H, sk, d); a causal mask aligned at the bottom right."""
+    t = m.torch
+    mask = None
+    if causal:
+        rows = t.arange(sq - q.shape[1], sq, device="cuda")
+        mask = t.arange(sk, device="cuda")[None, :] <= (rows[:, None] + sk - sq)
+    with m.sdpa_kernel([m.SDPBackend.MATH]):
+        return m.F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+
+
+def check_line(name, pairs):
+    """`pairs`: [(what, got, ref)] → one line of max|Δ| against max|ref|."""
+    parts = []
+    worst = 0.0
+    for what, got, ref in pairs:
+        err = (got.float() - ref.float()).abs().max().item()
+        mag = ref.float().abs().max().item()
+        worst = max(worst, err / max(mag, 1e-6))
+        parts.append(f"{what} max|Δ| {err:.2e} (max|ref| {mag:.2e})")
+    flag = "  <-- LARGE" if worst > 1 / 32 else ""
+    return f"  check {name}: " + ", ".join(parts) + flag
+
+
+def check_fwd(m, case, s, out):
+    """fa4's forward on set `s` against the float32 reference, on batch 0 (varlen: sequence 0),
+    up to CHECK_HEADS heads, CHECK_ROWS query rows (causal: the last ones)."""
+    hs = list(range(min(CHECK_HEADS, case.heads_q)))
+    kvh = [h // (case.heads_q // case.heads_kv) for h in hs]
+    sq, sk = case.seqs[0]
+    r = min(CHECK_ROWS, sq)
+    r0 = sq - r if case.causal else 0
+    if case.varlen:
+        q, k, v, o = (x[:n] for x, n in ((s["q"], sq), (s["k"], sk), (s["v"], sk), (out, sq)))
+    else:
+        q, k, v, o = s["q"][0], s["k"][0], s["v"][0], out[0]
+    ref = reference(m, q[r0:r0 + r, hs].transpose(0, 1), k[:, kvh].transpose(0, 1), v[:, kvh].transpose(0, 1),
+                    case.causal, sq, sk)
+    return check_line("fa4 O", [("O", o[r0:r0 + r, hs].transpose(0, 1), ref)])
+
+
+def check_bwd(m, case, s, out, grads):
+    """fa4's gradients against float32 autograd through the reference, batch 0, head 0."""
+    t = m.torch
+    sq, sk = case.seqs[0]
+    q, k, v = (s[x][0:1, :, 0:1].detach().float().transpose(1, 2).contiguous().requires_grad_()
+               for x in ("q", "k", "v"))
+    ref = reference(m, q[0], k[0], v[0], case.causal, sq, sk)
+    do = s["do"][0:1, :, 0:1].float().transpose(1, 2)[0]
+    rq, rk, rv = t.autograd.grad(ref, (q, k, v), do)
+    pick = lambda g: g[0:1, :, 0:1].transpose(1, 2)[0]
+    return check_line("fa4 bwd", [("O", out[0:1, :, 0:1].transpose(1, 2)[0], ref),
+                                  ("dQ", pick(grads[0]), rq[0]), ("dK", pick(grads[1]), rk[0]),
+                                  ("dV", pick(grads[2]), rv[0])])
+
+
+class DeadContext(Exception):
+    """The CUDA context took a sticky error (an illegal address, a trap): the run stops, and
+    the tables so far are still written."""
+
+
+class Runner:
+    """Runs the cases of a pass: inputs, warm-up, check, rounds, one row per case."""
+
+    def __init__(self, a, m):
+        self.a, self.m = a, m
+        self.gpu = Gpu(m.torch, a.calls, a.head_start)
+        props = m.torch.cuda.get_device_properties(0)
+        self.l2 = getattr(props, "L2_cache_size", 0) or L2_BYTES
+        self.t0 = time.time()
+        self.labels = []  # --profile
+
+    def over_budget(self):
+        return self.a.budget is not None and time.time() - self.t0 > self.a.budget
+
+    def prepare(self, libs, make_call, case_label):
+        """{name: Lib} of the libraries whose call could be made and warmed up."""
+        live = {}
+        for name in libs:
+            ctx = self.m.ctx(name.partition("@")[0])  # decode's columns are NAME@PAGE
+            try:
+                with ctx(), warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter("always")
+                    call = make_call(name)
+                    first_s, host = self.gpu.warm(call, self.a.warmup)
+                for w in list(dict.fromkeys(str(w.message).splitlines()[0][:140] for w in seen))[:2]:
+                    print(f"  {name}: warning: {w}", flush=True)
+                lib = Lib(name, ctx, call)
+                lib.host_us = host
+                live[name] = lib
+                if first_s > 2:
+                    print(f"  {name}: first call {first_s:.1f} s", flush=True)
+            except Exception as ex:
+                print(f"  {name}: {case_label}: {one_line(ex)}", flush=True)
+                self.recover()
+        return live
+
+    def recover(self):
+        t = self.m.torch
+        try:
+            t.cuda.synchronize()
+            t.cuda.empty_cache()
+        except Exception as ex:  # a sticky CUDA error: nothing after it can run
+            raise DeadContext(one_line(ex)) from ex
+
+    def time(self, live, label):
+        """Rounds (or, with --profile, the marked calls) of the live libraries."""
+        if self.a.profile:
+            self.profile(live, label)
+            return {n: [(float("nan"), 0.0)] for n in live}
+
+        def one(name):
+            lib = live[name]
+            with lib.ctx(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                ms, host = self.gpu.round(lib.call, lib.host_us)
+            lib.host_us = max(lib.host_us, host)
+            return ms, host
+        return run_rounds(list(live), self.a.rounds, one, note=lambda s: print(s, flush=True))
+
+    def profile(self, live, label):
+        t = self.m.torch
+        for name, lib in live.items():
+            with lib.ctx(), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                t.cuda.synchronize()
+                t.cuda.cudart().cudaProfilerStart()
+                for _ in range(3):
+                    lib.call()
+                    t.cuda._sleep(MARK_CYCLES)
+                    self.labels.append({"case": label, "lib": name})
+                t.cuda.synchronize()
+                t.cuda.cudart().cudaProfilerStop()
+
+    def progress(self, i, n, label):
+        print(f"[{i}/{n}] {label}  ({time.time() - self.t0:.0f} s)", flush=True)
+
+    # -- forward and backward --
+
+    def fixed(self, table, cases, backward):
+        m = self.m
+        libs = m.available(table.libs)
+        print(f"\n== {table.title}\n{table.header()}", flush=True)
+        for i, case in enumerate(cases, 1):
+            if self.over_budget():
+                print(f"budget of {self.a.budget} s spent: {len(cases) - i + 1} cases left out", flush=True)
+                break
+            self.progress(i, len(cases), case.label)
+            n = copies_for(case.set_bytes(), self.l2)
+            try:
+                m.torch.manual_seed(self.a.seed)
+                sets = make_sets(m, case, n, backward)
+            except Exception as ex:
+                print(f"  inputs: {one_line(ex)}", flush=True)
+                self.recover()
+                continue
+            flops = case.flops() * (BWD_FACTOR if backward else 1.0)
+            graphs = {}
+
+            def make_call(name):
+                f = fwd_fn(m, m.family(name), case)
+                if not backward:
+                    return rotating(sets, f)
+                outs = [f(s) for s in sets]  # the forward, recorded once per set
+                graphs[name] = outs
+                j = [0]
+
+                def call():
+                    k = j[0] % len(sets)
+                    j[0] += 1
+                    s = sets[k]
+                    return m.torch.autograd.grad(outs[k], (s["q"], s["k"], s["v"]), s["do"], retain_graph=True)
+                return call
+            live = self.prepare(libs, make_call, case.label)
+            if "fa4" in live:
+                try:
+                    s0 = sets[0]
+                    if backward:
+                        o = graphs["fa4"][0]
+                        grads = m.torch.autograd.grad(o, (s0["q"], s0["k"], s0["v"]), s0["do"], retain_graph=True)
+                        print(check_bwd(m, case, s0, o, grads), flush=True)
+                    else:
+                        print(check_fwd(m, case, s0, fwd_fn(m, "fa4", case)(s0)), flush=True)
+                except Exception as ex:
+                    print(f"  check fa4: {one_line(ex)}", flush=True)
+                    self.recover()
+            results = self.time(live, case.label)
+            if not self.a.profile:
+                row = table.add(case.label, results, lambda ms: flops / (ms * 1e-3) / 1e12)
+                print(table.line(row), flush=True)
+            del sets, graphs, live
+            self.recover()
+
+    # -- decode --
+
+    def decode(self, tables, cases):
+        """`tables`: {page: Table}; every page size's fa4 and fa4cute columns and the contiguous
+        peers in the same rounds per shape."""
+        m, t = self.m, self.m.torch
+        pages = list(tables)
+        names = m.available(PASS_LIBS["decode"])
+        per_page = [n for n in names if m.family(n) in ("fa4", "fa4cute")]
+        shared = [n for n in names if n not in per_page]
+        cols = [f"{n}@{p}" for p in pages for n in per_page] + shared
+        print(f"\n== decode, pages {', '.join(map(str, pages))}: bf16, {DECODE_HEADS[0]}/{DECODE_HEADS[1]} heads, "
+              f"d{DECODE_D}, one query row; TB/s of K, V, Q and O\n{'page':<5}{tables[pages[0]].header()}", flush=True)
+        hq, hkv, d = DECODE_HEADS[0], DECODE_HEADS[1], DECODE_D
+        kw = dict(device="cuda", dtype=t.bfloat16)
+        for i, case in enumerate(cases, 1):
+            if self.over_budget():
+                print(f"budget of {self.a.budget} s spent: {len(cases) - i + 1} shapes left out", flush=True)
+                break
+            self.progress(i, len(cases), case.label)
+            b, sk = case.batch, case.keys
+            n = copies_for(case.kv_bytes(), self.l2)
+            try:
+                t.manual_seed(self.a.seed)
+                q = t.randn(b, 1, hq, d, **kw)
+                pools = [(t.randn(b * sk, hkv, d, **kw), t.randn(b * sk, hkv, d, **kw)) for _ in range(n)]
+                tables_ = {p: t.randperm(b * sk // p, device="cuda").to(t.int32).view(b, sk // p) for p in pages}
+                seqlens = t.full((b,), sk, device="cuda", dtype=t.int32)
+                cont = [(t.randn(b, hkv, sk, d, **kw), t.randn(b, hkv, sk, d, **kw)) for _ in range(n)] \
+                    if any(x in shared for x in ("cudnn", "fa2", "fa3", "cudnn_expanded")) else []
+                g = hq // hkv
+                expanded = [(k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)) for k, v in cont] \
+                    if "cudnn_expanded" in shared else []
+            except Exception as ex:
+                print(f"  inputs: {one_line(ex)}", flush=True)
+                self.recover()
+                continue
+            qt = q.transpose(1, 2)  # (b, heads, 1, d) for SDPA
+
+            def make_call(col):
+                name, _, page = col.partition("@")
+                fam = m.family(name)
+                if fam == "fa4":
+                    p = int(page)
+                    return rotating(pools, lambda kv: m.fa4.flash_attn_with_kvcache(
+                        q, kv[0].view(-1, p, hkv, d), kv[1].view(-1, p, hkv, d), cache_seqlens=seqlens,
+                        block_table=tables_[p]))
+                if fam == "fa4cute":
+                    p = int(page)
+                    return rotating(pools, lambda kv: first(m.fa4cute.flash_attn_varlen_func(
+                        q, kv[0].view(-1, p, hkv, d), kv[1].view(-1, p, hkv, d), seqused_k=seqlens,
+                        page_table=tables_[p])))
+                if name in ("cudnn", "fa2"):
+                    return rotating(cont, lambda kv: m.F.scaled_dot_product_attention(qt, kv[0], kv[1], enable_gqa=True))
+                if name == "cudnn_expanded":
+                    return rotating(expanded, lambda kv: m.F.scaled_dot_product_attention(qt, kv[0], kv[1]))
+                if name == "fa3":
+                    return rotating(cont, lambda kv: first(m.fa3.flash_attn_with_kvcache(
+                        q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), cache_seqlens=seqlens, num_splits=0)))
+                raise ValueError(col)
+            live = self.prepare(cols, make_call, case.label)
+            self.gqa_memory(live, case)
+            for col in [c for c in live if c.startswith("fa4@")]:
+                p = int(col.partition("@")[2])
+                try:
+                    out = make_call(col)()
+                    kl = pools[0][0].view(-1, p, hkv, d)[tables_[p][0].long()].reshape(sk, hkv, d)
+                    vl = pools[0][1].view(-1, p, hkv, d)[tables_[p][0].long()].reshape(sk, hkv, d)
+                    ref = reference(m, q[0].transpose(0, 1), kl.transpose(0, 1).repeat_interleave(g, 0),
+                                    vl.transpose(0, 1).repeat_interleave(g, 0), False, 1, sk)
+                    print(check_line(f"fa4 page {p}", [("O", out[0].transpose(0, 1), ref)]), flush=True)
+                except Exception as ex:
+                    print(f"  check {col}: {one_line(ex)}", flush=True)
+                    self.recover()
+            results = self.time(live, case.label)
+            if not self.a.profile:
+                for p, table in tables.items():
+                    res = {lib: results[f"{lib}@{p}"] if f"{lib}@{p}" in results else results.get(lib)
+                           for lib in table.libs}
+                    row = table.add(case.label, {k: v for k, v in res.items() if v},
+                                    lambda ms: case.bytes() / (ms * 1e-3) / 1e12)
+                    print(f"{p:<5}{table.line(row)}", flush=True)
+            del pools, cont, expanded, live, tables_
+            self.recover()
+
+    def gqa_memory(self, live, case):
+        """Whether SDPA's enable_gqa copies K and V to the query heads: the peak memory one call
+        allocates, against the K and V it reads."""
+        t = self.m.torch
+        for name in ("cudnn", "fa2"):
+            if name not in live:
+                continue
+            lib = live[name]
+            with lib.ctx():
+                t.cuda.synchronize()
+                t.cuda.reset_peak_memory_stats()
+                base = t.cuda.memory_allocated()
+                lib.call()
+                t.cuda.synchronize()
+                extra = t.cuda.max_memory_allocated() - base
+            kv = case.kv_bytes()
+            verdict_ = "K/V repeated" if extra >= 0.9 * kv else "K/V not repeated"
+            print(f"  {name} enable_gqa: {extra / 1e6:.1f} MB allocated by one call, K+V {kv / 1e6:.1f} MB: {verdict_}",
+                  flush=True)
+
+
+def driver_version():
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        return r.stdout.strip().splitlines()[0] if r.returncode == 0 and r.stdout.strip() else None
+    except Exception:
+        return None
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="pass_", required=True, metavar="fwd|bwd|decode|ncu-table")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--only", help="comma-separated libraries: " + ",".join(LIB_ORDER))
+    common.add_argument("--quick", action="store_true", help="fewer shapes, 5 rounds")
+    common.add_argument("--rounds", type=int, default=None, help="rounds per library (9; --quick 5)")
+    common.add_argument("--calls", type=int, default=10, help="back-to-back calls per round")
+    common.add_argument("--warmup", type=int, default=3, help="untimed calls after the first")
+    common.add_argument("--seed", type=int, default=0, help="inputs and varlen lengths")
+    common.add_argument("--json", metavar="DIR", help="write DIR/<table id>.json")
+    common.add_argument("--budget", type=float, default=None, metavar="S",
+                        help="start no new shape after S seconds (what ran is still written)")
+    common.add_argument("--no-head-start", dest="head_start", action="store_false",
+                        help="no GPU sleep before a round: its host path is timed too")
+    common.add_argument("--fa4-env", action="append", default=[], metavar="NAME=KEY=VALUE[,KEY=VALUE]",
+                        help="one more fa4 column, with this environment around its calls")
+    common.add_argument("--profile", metavar="LABELS.json",
+                        help="no rounds: 3 marked calls per library and shape inside cudaProfilerStart/Stop")
+    f = sub.add_parser("fwd", parents=[common], help="forward grid and extras")
+    f.add_argument("--head-dims", action="store_true", help="d 32/80/96/112/160/192 and 192/128 at 4×4096")
+    f.add_argument("--gqa", action="store_true", help="32/8 heads d128 causal 2k/4k/8k")
+    f.add_argument("--varlen", action="store_true", help="ragged lengths (mean 2k, 1..8k) from --seed")
+    f.add_argument("--extras", action="store_true", help="--head-dims --gqa --varlen")
+    f.add_argument("--no-grid", dest="grid", action="store_false", help="the extras only")
+    sub.add_parser("bwd", parents=[common], help="backward grid")
+    dp = sub.add_parser("decode", parents=[common], help="paged decode")
+    dp.add_argument("--pages", default=",".join(map(str, DECODE_PAGES)), help="page sizes")
+    nt = sub.add_parser("ncu-table", help="kernel-only durations from a profiled --profile run")
+    nt.add_argument("raw", metavar="RAW.csv")
+    nt.add_argument("labels", metavar="LABELS.json")
+    nt.add_argument("--json", metavar="DIR")
+    a = ap.parse_args(argv)
+    if a.pass_ == "ncu-table":
+        return a
+    if a.rounds is None:
+        a.rounds = 5 if a.quick else 9
+    if a.rounds < 1 or a.calls < 1 or a.warmup < 0:
+        ap.error("--rounds and --calls must be ≥ 1, --warmup ≥ 0")
+    if a.only is not None:
+        a.only = [x.strip() for x in a.only.split(",") if x.strip()]
+        bad = [x for x in a.only if x not in LIB_ORDER]
+        if bad:
+            ap.error(f"--only: unknown {', '.join(bad)} (known: {', '.join(LIB_ORDER)})")
+    try:
+        a.env_columns = parse_env_columns(a.fa4_env)
+    except ValueError as ex:
+        ap.error(str(ex))
+    if a.pass_ == "decode":
+        try:
+            a.pages = [int(x) for x in a.pages.split(",")]
+        except ValueError:
+            ap.error(f"--pages {a.pages!r}: expected comma-separated integers")
+        for p in a.pages:
+            if p < 1 or any(k % p for _, k in DECODE_SHAPES):
+                ap.error(f"--pages: {p} must divide every shape's key count")
+    if a.pass_ == "fwd" and a.extras:
+        a.head_dims = a.gqa = a.varlen = True
+    return a
+
+
+def tables_for(a, env_names):
+    """[(Table, cases, kind)] of a pass."""
+    libs = lambda p: list(PASS_LIBS[p]) + env_names
+    out = []
+    if a.pass_ == "fwd":
+        if a.grid:
+            out.append((Table("fwd_grid", "Forward, bf16, 16k tokens, hidden 2048", "TFLOP/s", libs("fwd")),
+                        fwd_cases(a.quick), "fwd"))
+        if a.head_dims:
+            out.append((Table("fwd_headdims", f"Forward, bf16, other head dims, batch {HEADDIM_BATCH} × {HEADDIM_SEQLEN}, "
+                              "heads 2048 // d", "TFLOP/s", libs("fwd")), headdim_cases(a.quick), "fwd"))
+        if a.gqa:
+            out.append((Table("fwd_gqa", "Forward, bf16, GQA 32/8 heads, d128, causal, 16k tokens", "TFLOP/s", libs("fwd")),
+                        gqa_cases(a.quick), "fwd"))
+        if a.varlen:
+            vl = [n for n in libs("fwd") if n in VARLEN_LIBS or n in env_names]
+            lengths = varlen_lengths(a.seed)
+            out.append((Table("fwd_varlen", f"Forward, bf16, varlen: {len(lengths)} sequences of 1..8k tokens "
+                              f"(mean {TOKENS // len(lengths)}, seed {a.seed}), 16k tokens, hidden 2048", "TFLOP/s", vl),
+                        varlen_cases(a.seed, a.quick), "fwd"))
+    elif a.pass_ == "bwd":
+        out.append((Table("bwd_grid", "Backward, bf16, 16k tokens, hidden 2048 (FLOPs 2.5 × forward)", "TFLOP/s",
+                          libs("bwd")), fwd_cases(a.quick), "bwd"))
+    return out
+
+
+def main(argv=None):
+    a = parse_args(argv)
+    if a.pass_ == "ncu-table":
+        return ncu_table(a)
+    m = Mods(a.only, a.env_columns)
+    t = m.torch
+    for n in m.notes:
+        print(n, flush=True)
+    env_names = [name for name, _ in a.env_columns]
+    ver = {"fa4": m.versions["fa4"], "fa3": m.versions["fa3"], "fa4cute": m.versions["flash_attn_4"]}
+    print(f"{t.cuda.get_device_name()}, torch {t.__version__}, cuDNN {m.versions['cudnn']}; libraries: "
+          + ", ".join(f"{n} {ver[n]}" if ver.get(n) else n for n in m.available(LIB_ORDER)), flush=True)
+    print(f"method: {method_line(a)}; h = host path slower than the GPU time", flush=True)
+    warnings.filterwarnings("ignore", message=".*SDPA.*")
+    r = Runner(a, m)
+    tables = []
+    try:
+        if a.pass_ == "decode":
+            lib_cols = list(PASS_LIBS["decode"]) + env_names
+            by_page = {p: Table(f"decode_p{p}", f"Decode, bf16, 32/8 heads, d128, one query row, pages of {p} key"
+                                + ("s" if p > 1 else "") + " (peers on a contiguous cache)", "TB/s", lib_cols)
+                       for p in a.pages}
+            tables = list(by_page.values())
+            r.decode(by_page, decode_cases(a.quick))
+        else:
+            for table, cases, kind in tables_for(a, env_names):
+                tables.append(table)
+                r.fixed(table, cases, kind == "bwd")
+    except DeadContext as ex:
+        print(f"CUDA context unusable, stopping: {ex}", flush=True)
+    if a.profile:
+        with open(a.profile, "w") as f:
+            json.dump(r.labels, f)
+        print(f"{len(r.labels)} profiled calls labelled in {a.profile}")
+        return
+    for table in tables:
+        summarise(table)
+    if a.json:
+        meta = dict(date=datetime.date.today().isoformat(), gpu=t.cuda.get_device_name(), driver=driver_version(),
+                    versions=m.versions, method=method_line(a), lib_names=m.lib_names())
+        for p in write_tables(tables, a.json, meta):
+            print(f"wrote {p}", flush=True)
+    print(f"done in {time.time() - r.t0:.0f} s", flush=True)
+
+
+def summarise(table):
+    """The table's geomean of fa4 / best peer and its verdict counts, one line."""
+    ratios = [r["_summary"]["ratio"] for r in table.rows if "ratio" in r["_summary"]]
+    if not ratios:
+        return
+    g = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
+    v = [r["_summary"].get("verdict") for r in table.rows]
+    print(f"{table.id}: fa4 / best peer geomean {g:.3f} over {len(ratios)} cases (min {min(ratios):.2f}, "
+          f"max {max(ratios):.2f}); {v.count('win')} win, {v.count('tie')} tie, {v.count('loss')} loss", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,338 @@
+"""Checks of bench/peers.py without a GPU or PyTorch (a stand-in plays torch.cuda where the
+timing needs it):
+    python3 -m unittest discover -s bench -p 'test_*.py'
+Expected values are worked out by hand here, not with peers.py's own helpers."""
+import contextlib
+import io
+import json
+import os
+import sys
+import tempfile
+import unittest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peers  # noqa: E402  (torch is imported only to time)
+import perf_table  # noqa: E402  (the schema's reader, bench/plot_perf.py's too)
+
+
+class NoTorch(unittest.TestCase):
+    def test_importing_peers_imports_no_torch(self):
+        self.assertNotIn("torch", sys.modules)
+
+
+class RoundOrder(unittest.TestCase):
+    def test_each_library_takes_each_place_once_per_cycle(self):
+        names = ["fa4", "cudnn", "fa2", "fa4cute"]
+        orders = [peers.round_order(names, r) for r in range(4)]
+        self.assertEqual(orders[0], ["fa4", "cudnn", "fa2", "fa4cute"])
+        self.assertEqual(orders[1], ["cudnn", "fa2", "fa4cute", "fa4"])
+        self.assertEqual(orders[3], ["fa4cute", "fa4", "cudnn", "fa2"])
+        for place in range(4):
+            self.assertEqual(sorted(o[place] for o in orders), sorted(names))
+        self.assertEqual(peers.round_order(names, 5), orders[1])
+        self.assertEqual(peers.round_order([], 3), [])
+
+    def test_rounds_run_rotated_and_a_failing_library_is_dropped(self):
+        seen, notes = [], []
+
+        def one(name):
+            seen.append(name)
+            if name == "fa2" and len([x for x in seen if x == "fa2"]) == 2:
+                raise RuntimeError("no kernel\nsecond line")
+            return (1.0, 5.0)
+        got = peers.run_rounds(["fa4", "cudnn", "fa2"], 3, one, note=notes.append)
+        # Round 1 starts at fa4, round 2 at cudnn (fa2 fails there), round 3 at fa4 again among
+        # the two left (3rd entry of a list of 2: index 2 mod 2 = 0).
+        self.assertEqual(seen, ["fa4", "cudnn", "fa2", "cudnn", "fa2", "fa4", "fa4", "cudnn"])
+        self.assertEqual(sorted(got), ["cudnn", "fa4"])
+        self.assertEqual(len(got["fa4"]), 3)
+        self.assertEqual(notes, ["  fa2: dropped in round 2: RuntimeError: no kernel"])
+
+
+def st(*xs):
+    return peers.stats(list(xs))
+
+
+class Stats(unittest.TestCase):
+    def test_quartiles_interpolate(self):
+        s = st(5.0, 1.0, 3.0, 2.0, 4.0)
+        self.assertEqual((s["min"], s["q1"], s["median"], s["q3"], s["max"]), (1.0, 2.0, 3.0, 4.0, 5.0))
+        s = st(4.0, 1.0, 2.0, 3.0)
+        self.assertEqual((s["q1"], s["median"], s["q3"]), (1.75, 2.5, 3.25))
+        self.assertAlmostEqual(peers.iqr_spread(s), 1.5 / 2.5)
+        self.assertAlmostEqual(peers.range_spread(s), 3.0 / 2.5)
+
+    def test_verdict_against_the_larger_spread(self):
+        tight = st(0.99, 1.0, 1.0, 1.0, 1.01)  # IQR 0
+        self.assertEqual(peers.verdict(tight, st(1.09, 1.1, 1.1, 1.1, 1.11))[0], "win")
+        self.assertEqual(peers.verdict(tight, st(0.89, 0.9, 0.9, 0.9, 0.91))[0], "loss")
+        wide = st(0.9, 0.95, 1.05, 1.15, 1.2)  # IQR 0.2 around 1.05: wider than the 5% gap
+        v, spread = peers.verdict(tight, wide)
+        self.assertEqual(v, "tie")
+        self.assertAlmostEqual(spread, 0.2 / 1.05)
+
+    def test_one_slow_round_does_not_widen_the_spread(self):
+        ours = st(*([1.0] * 8 + [1.5]))
+        self.assertEqual(peers.verdict(ours, st(*[1.1] * 9))[0], "win")
+
+
+class Counts(unittest.TestCase):
+    def test_fixed_batch_flops(self):
+        # d128 1k: 4 · 16 · 16 · 1024² · 128 = 137438953472.
+        c = peers.fwd_cases(False)[6]
+        self.assertEqual((c.label, c.batch, c.heads_q, c.d), ("d128 1k", 16, 16, 128))
+        self.assertEqual(c.flops(), 137438953472.0)
+        self.assertEqual(peers.fwd_cases(False)[7].flops(), 137438953472.0 / 2)  # causal: halved
+        self.assertEqual(len(peers.fwd_cases(False)), 18)
+
+    def test_d_v_and_gqa(self):
+        # 2·sq·sk·(d + dv) per head: 2 · 10 · 4 · 4096² · (192 + 128).
+        c = [x for x in peers.headdim_cases(False) if x.label == "d192/128 4k"][0]
+        self.assertEqual(c.flops(), 2.0 * 10 * 4 * 4096 ** 2 * 320)
+        g = peers.gqa_cases(False)[0]
+        self.assertEqual((g.heads_q, g.heads_kv, g.batch, g.causal), (32, 8, 8, True))
+        self.assertEqual(g.flops(), 4.0 * 8 * 32 * 2048 ** 2 * 128 / 2)
+
+    def test_causal_pairs_match_counting(self):
+        for sq in range(1, 7):
+            for sk in range(1, 7):
+                n = sum(1 for i in range(sq) for j in range(sk) if j <= i + sk - sq)
+                self.assertEqual(peers.causal_pairs(sq, sk), n, (sq, sk))
+
+    def test_varlen_counts_the_pairs_exactly(self):
+        # Sequences of 3 and 1 tokens, causal: 6 + 1 pairs; 2 heads, d 4: 2 · 8 · 2 · 7.
+        self.assertEqual(peers.attn_flops([(3, 3), (1, 1)], 2, 4, causal=True, exact_causal=True), 224.0)
+        self.assertEqual(peers.attn_flops([(3, 3), (1, 1)], 2, 4, causal=True), 2 * 8 * 2 * 5.0)
+        self.assertEqual(peers.attn_flops([(3, 3), (1, 1)], 2, 4), 2 * 8 * 2 * 10.0)
+
+    def test_decode_bytes(self):
+        # (1, 32k): K and V 32768 · 8 · 256 · 2 B, Q and O 32 · 256 · 2 B.
+        c = peers.DecodeCase(1, 32768)
+        self.assertEqual(c.bytes(), 32768 * 8 * 256 * 2 + 32 * 256 * 2)
+        self.assertEqual(c.kv_bytes(), 32768 * 8 * 256 * 2)
+        self.assertEqual(c.label, "(1, 32k)")
+        self.assertEqual(peers.decode_bytes([10, 20], 4, 2, 8, seqlen_q=2), (30 * 2 * 16 + 2 * 2 * 4 * 16) * 2)
+
+    def test_copies_span_four_l2s(self):
+        mib = 1 << 20
+        self.assertEqual(peers.copies_for(256 * mib, 50 * mib), 1)
+        self.assertEqual(peers.copies_for(128 * mib, 50 * mib), 2)
+        self.assertEqual(peers.copies_for(30 * mib, 50 * mib), 7)
+        self.assertEqual(peers.copies_for(1, 50 * mib), peers.MAX_COPIES)
+        # The decode shape (1, 32k) reads 134 MB: two copies.
+        self.assertEqual(peers.copies_for(peers.DecodeCase(1, 32768).kv_bytes(), 50 * mib), 2)
+
+
+class Varlen(unittest.TestCase):
+    def test_lengths_sum_to_the_tokens_within_bounds(self):
+        for seed in range(20):
+            n = peers.varlen_lengths(seed)
+            self.assertEqual(sum(n), 16384)
+            self.assertTrue(all(1 <= x <= 8192 for x in n), n)
+        self.assertEqual(peers.varlen_lengths(3), peers.varlen_lengths(3))
+        self.assertNotEqual(peers.varlen_lengths(3), peers.varlen_lengths(4))
+
+    def test_mean_is_about_2k(self):
+        n = peers.varlen_lengths(1, total=4_000_000)[:-1]  # the last is cut to what is left
+        self.assertAlmostEqual(sum(n) / len(n), 2048, delta=2048 * 0.03)
+        self.assertGreater(max(n), 7000)
+        self.assertLess(min(n), 100)
+
+    def test_cases_are_packed(self):
+        cs = peers.varlen_cases(0, False)
+        self.assertEqual(len(cs), 6)
+        self.assertTrue(all(c.varlen and sum(q for q, _ in c.seqs) == 16384 for c in cs))
+
+
+class FakeTorch:
+    """Just what Gpu touches: events with a fixed elapsed time, synchronize, _sleep."""
+
+    class cuda:
+        log = []
+
+        @staticmethod
+        def synchronize():
+            FakeTorch.cuda.log.append("sync")
+
+        @staticmethod
+        def _sleep(cycles):
+            FakeTorch.cuda.log.append(("sleep", cycles))
+
+        class Event:
+            def __init__(self, enable_timing):
+                assert enable_timing
+
+            def record(self):
+                FakeTorch.cuda.log.append("record")
+
+            def elapsed_time(self, other):
+                return 12.0
+
+
+class Timing(unittest.TestCase):
+    def setUp(self):
+        FakeTorch.cuda.log = []
+
+    def test_a_round_is_one_event_pair_around_the_calls_after_a_head_start(self):
+        calls = []
+        gpu = peers.Gpu(FakeTorch, 4)
+        gpu.cycles_per_us = 2000.0
+        ms, host = gpu.round(lambda: calls.append(1), host_us=100.0)
+        self.assertEqual(ms, 3.0)  # 12 ms over 4 calls
+        self.assertEqual(len(calls), 4)
+        self.assertGreaterEqual(host, 0.0)
+        # synchronize, the sleep (1.25 · 4 calls · 100 µs + 50 µs at 2000 cycles/µs), events
+        # around the calls, synchronize.
+        self.assertEqual(FakeTorch.cuda.log, ["sync", ("sleep", 1_100_000), "record", "record", "sync"])
+
+    def test_no_head_start_no_sleep(self):
+        gpu = peers.Gpu(FakeTorch, 2, head_start=False)
+        gpu.round(lambda: None, host_us=100.0)
+        self.assertEqual(FakeTorch.cuda.log, ["sync", "record", "record", "sync"])
+
+    def test_calibration_reads_the_sleep(self):
+        gpu = peers.Gpu(FakeTorch, 2)
+        gpu.calibrate()  # 1e6 cycles took 12 ms
+        self.assertAlmostEqual(gpu.cycles_per_us, 1e6 / 12e3)
+
+    def test_warm_up_counts(self):
+        calls = []
+        first, host = peers.Gpu(FakeTorch, 10).warm(lambda: calls.append(1), 3)
+        self.assertEqual(len(calls), 4)
+        self.assertGreaterEqual(first, 0.0)
+
+
+class Tables(unittest.TestCase):
+    def table(self):
+        t = peers.Table("fwd_grid", "Forward", "TFLOP/s", ["fa4", "cudnn", "fa2", "fa3", "fa4cute"])
+        res = {"fa4": [(0.27, 12.0)] * 9, "cudnn": [(0.23, 60.0)] * 9, "fa4cute": [(0.25, 400.0)] * 9}
+        flops = 137438953472.0
+        row = t.add("d128 1k", res, lambda ms: flops / (ms * 1e-3) / 1e12)
+        return t, row
+
+    def test_row_values_spread_rounds_and_summary(self):
+        t, row = self.table()
+        self.assertAlmostEqual(row["values"]["fa4"], round(137438953472.0 / 0.27e-3 / 1e12, 2))
+        self.assertIsNone(row["values"]["fa2"])
+        self.assertIsNone(row["rounds"]["fa3"])
+        self.assertEqual(row["spread"]["cudnn"], 0.0)
+        self.assertEqual(row["rounds"]["fa4"], [0.27] * 9)
+        s = row["_summary"]
+        self.assertEqual(s["best"], "cudnn")
+        self.assertAlmostEqual(s["ratio"], 0.23 / 0.27)
+        self.assertEqual(s["verdict"], "loss")
+        line = t.line(row)
+        self.assertIn("cudnn", line)
+        self.assertIn(" 0.852 loss", line)
+        # fa4cute's host path (400 µs) is slower than its 250 µs calls: marked h.
+        self.assertIn("549.8h±", line)
+
+    def test_a_diagnostic_column_is_never_the_best_peer(self):
+        t = peers.Table("decode_p16", "Decode", "TB/s", ["fa4", "cudnn", "cudnn_expanded"])
+        row = t.add("(1, 32k)", {"fa4": [(0.05, 9.0)], "cudnn": [(0.04, 60.0)], "cudnn_expanded": [(0.01, 60.0)]},
+                    lambda ms: 1.0 / ms)
+        self.assertEqual(row["_summary"]["best"], "cudnn")
+
+    def test_json_schema(self):
+        t, _ = self.table()
+        meta = dict(date="2026-12-03", gpu="NVIDIA H200", driver="580.159.04",
+                    versions={"torch": "2.11.0", "cudnn": "9.19.0", "fa4": "0.1.0 (abc1234)", "flash_attn_4": "4.0.0b36",
+                              "fa3": None},
+                    method="one line", lib_names={"fa4": "fa4", "cudnn": "cuDNN 9.19 (SDPA)"})
+        with tempfile.TemporaryDirectory() as d:
+            paths = peers.write_tables([t, peers.Table("fwd_gqa", "empty", "TFLOP/s", ["fa4"])], d, meta)
+            self.assertEqual([os.path.basename(p) for p in paths], ["fwd_grid.json"])  # no rows, no file
+            with open(paths[0]) as f:
+                j = json.load(f)
+        self.assertEqual(list(j), ["id", "title", "date", "gpu", "driver", "versions", "method", "unit",
+                                   "higher_is_better", "libs", "lib_names", "rows"])
+        self.assertEqual((j["id"], j["unit"], j["higher_is_better"]), ("fwd_grid", "TFLOP/s", True))
+        self.assertEqual(j["libs"], ["fa4", "cudnn", "fa2", "fa3", "fa4cute"])
+        self.assertEqual(j["lib_names"]["cudnn"], "cuDNN 9.19 (SDPA)")
+        self.assertEqual(j["lib_names"]["fa2"], "fa2")  # a name the run did not give
+        self.assertEqual(set(j["versions"]), {"torch", "cudnn", "fa4", "flash_attn_4", "fa3"})
+        row = j["rows"][0]
+        self.assertEqual(list(row), ["case", "values", "spread", "rounds"])
+        self.assertEqual(row["case"], "d128 1k")
+        self.assertIsNone(row["values"]["fa3"])
+        self.assertEqual(set(row["values"]), set(j["libs"]))
+        self.assertEqual(len(row["rounds"]["cudnn"]), 9)
+        perf_table.validate(j, "fwd_grid.json")  # the reader's own check
+
+    def test_env_columns_are_named_as_fa4s_own(self):
+        # perf_table.py never takes a column whose name starts with "fa4" as the best peer.
+        names = peers.Mods.lib_names(FakeMods())
+        self.assertTrue(names["alt"].startswith("fa4 "))
+        self.assertFalse(perf_table.is_peer({"lib_names": names}, "alt"))
+        self.assertFalse(perf_table.is_peer({"lib_names": names}, "cudnn_expanded"))
+        self.assertTrue(perf_table.is_peer({"lib_names": names}, "fa4cute"))
+
+
+class FakeMods:
+    """What Mods.lib_names reads."""
+    versions = {"torch": "2.11.0", "cudnn": "9.19.0", "fa4": "0.1.0", "flash_attn_4": "4.0.0b36", "fa3": "0.0.3"}
+    env_columns = [("alt", {"FA4_BWD_KERNEL": "sm80"})]
+
+
+class Cli(unittest.TestCase):
+    def test_env_columns(self):
+        self.assertEqual(peers.parse_env_columns(["sm80=FA4_BWD_KERNEL=sm80", "b=A=1,B=x=y"]),
+                         [("sm80", {"FA4_BWD_KERNEL": "sm80"}), ("b", {"A": "1", "B": "x=y"})])
+        for bad in ["foo", "x=", "x=A", "=A=1", "fa4=A=1", "a@b=A=1"]:
+            with self.assertRaises(ValueError) as e:
+                peers.parse_env_columns([bad])
+            self.assertIn("--fa4-env", str(e.exception))
+
+    def test_environment_is_restored(self):
+        os.environ.pop("FA4_TEST_X", None)
+        with peers.environment({"FA4_TEST_X": "1"}):
+            self.assertEqual(os.environ["FA4_TEST_X"], "1")
+        self.assertNotIn("FA4_TEST_X", os.environ)
+
+    def test_defaults_and_errors(self):
+        a = peers.parse_args(["fwd", "--extras"])
+        self.assertEqual((a.rounds, a.calls, a.head_dims, a.gqa, a.varlen, a.grid), (9, 10, True, True, True, True))
+        self.assertEqual(peers.parse_args(["bwd", "--quick"]).rounds, 5)
+        self.assertEqual(peers.parse_args(["decode", "--pages", "16,1"]).pages, [16, 1])
+        for argv, msg in ((["fwd", "--only", "fa4,cudnnn"], "unknown cudnnn"),
+                          (["decode", "--pages", "48"], "--pages: 48"),
+                          (["bwd", "--fa4-env", "x"], "--fa4-env 'x'")):
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as e:
+                peers.parse_args(argv)
+            self.assertEqual(e.exception.code, 2)
+            self.assertIn(msg, err.getvalue())
+
+    def test_tables_of_a_pass(self):
+        a = peers.parse_args(["fwd", "--extras", "--no-grid", "--fa4-env", "alt=FA4_X=1"])
+        ts = peers.tables_for(a, ["alt"])
+        self.assertEqual([t.id for t, _, _ in ts], ["fwd_headdims", "fwd_gqa", "fwd_varlen"])
+        self.assertEqual(ts[2][0].libs, ["fa4", "fa3", "fa4cute", "alt"])  # no SDPA for varlen
+        self.assertEqual(len(ts[0][1]), 14)
+        a = peers.parse_args(["bwd"])
+        self.assertEqual(peers.tables_for(a, [])[0][0].libs, ["fa4", "cudnn", "fa2", "fa4cute"])
+
+
+class Ncu(unittest.TestCase):
+    def test_kernels_are_grouped_between_markers(self):
+        kernels = [("fa4_fwd_sm90", 100000), ("fa4_fixup", 3000), ("spin_kernel", 1000),
+                   ("fa4_fwd_sm90", 110000), ("fa4_fixup", 3000), ("spin_kernel", 1000),
+                   ("fa4_fwd_sm90", 90000), ("fa4_fixup", 3000), ("spin_kernel", 1000),
+                   ("cudnn_fprop", 200000), ("spin_kernel", 1000)]
+        labels = [{"case": "d128 1k", "lib": "fa4"}] * 3 + [{"case": "d128 1k", "lib": "cudnn"}]
+        out = peers.ncu_durations(kernels, labels)
+        self.assertAlmostEqual(out["d128 1k"]["fa4"], 103.0)  # calls of 93, 103, 113 µs
+        self.assertAlmostEqual(out["d128 1k"]["cudnn"], 200.0)
+
+    def test_csv_reading(self):
+        text = ('==PROF== Connected\n"ID","Kernel Name","gpu__time_duration.sum"\n"","","nsecond"\n'
+                '"0","fa4_fwd_sm90","1,234"\n"1","spin_kernel","900"\n')
+        with tempfile.TemporaryDirectory() as d:
+            p = os.path.join(d, "r.csv")
+            with open(p, "w") as f:
+                f.write(text)
+            self.assertEqual(peers.read_ncu_csv(p), [("fa4_fwd_sm90", 1234.0), ("spin_kernel", 900.0)])
+
+
+if __name__ == "__main__":
+    unittest.main()

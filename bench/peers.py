@@ -70,9 +70,10 @@ fwd_varlen, bwd_grid, decode_p16, decode_p64, decode_p256, decode_p1), in the sc
 bench/plot_perf.py reads (docs/data/<id>.json): id, title, date, gpu, driver, versions, method,
 unit, higher_is_better, libs, lib_names, rows of {case, values, spread, rounds (ms per call)}.
 
-Expected on an H200 (9 rounds of 10 calls): fwd grid about 1 min, with --extras about 2 more;
-bwd about 2 min; decode with the four page sizes about 1.5 min; plus FlashAttention-4 CuTe's
-JIT compiles on first use (seconds per kernel; its disk cache is turned on,
+Expected on an H200 (9 rounds of 10 calls; estimated from the per-call times in docs/perf.md,
+input generation and warm-ups): fwd grid about 1 min, with --extras about 2 more; bwd about
+2 min; decode with the four page sizes about 1.5 min; plus FlashAttention-4 CuTe's JIT compiles
+on first use (seconds per kernel; its disk cache is turned on,
 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, default /tmp/fa4cute-cache, so a later pass on the same
 machine reuses them). --quick: the d128 shapes, fewer extras, 5 rounds; well under a minute
 each. Run lines for the GPU machine, with the wheels, are in bench/README.md.
@@ -300,6 +301,13 @@ def stats(xs):
     return dict(median=at(0.5), q1=at(0.25), q3=at(0.75), min=s[0], max=s[-1], n=len(s))
 
 
+def significant(x, digits=4):
+    """`x` rounded to `digits` significant digits (a tiny rate stays positive)."""
+    if x == 0 or not math.isfinite(x):
+        return x
+    return round(x, digits - 1 - math.floor(math.log10(abs(x))))
+
+
 def iqr_spread(st):
     return (st["q3"] - st["q1"]) / st["median"]
 
@@ -365,10 +373,14 @@ class Table:
                 row["values"][lib] = row["spread"][lib] = row["rounds"][lib] = None
                 continue
             ms = [x[0] for x in rs]
+            v = metric(stats(ms)["median"])
+            if not (v > 0 and math.isfinite(v)):  # a zero-FLOP case, a failed timer: no value
+                row["values"][lib] = row["spread"][lib] = row["rounds"][lib] = None
+                continue
             st[lib] = stats(ms)
-            row["values"][lib] = round(metric(st[lib]["median"]), 2)
-            row["spread"][lib] = round(iqr_spread(st[lib]), 4)
-            row["rounds"][lib] = [round(x, 6) for x in ms]
+            row["values"][lib] = significant(v)
+            row["spread"][lib] = significant(iqr_spread(st[lib]), 3)
+            row["rounds"][lib] = [significant(x, 6) for x in ms]
         summary = {"stats": st, "host_us": {lib: stats([x[1] for x in results[lib]])["median"]
                                             for lib in st}}
         peers = [p for p in st if p in PEERS]  # never fa4's own columns nor a diagnostic
@@ -431,7 +443,8 @@ def write_tables(tables, directory, meta):
 def method_line(a):
     sleep = ("after a GPU sleep that lets the host queue them (GPU time; host time per call "
              "printed apart)" if a.head_start else "(host path included: no head start)")
-    return (f"one process, one stream; {a.warmup} warm-up calls; a round = one CUDA event pair around "
+    return (f"bench/peers.py: one process, one stream, cuDNN and FlashAttention-2 through PyTorch SDPA; "
+            f"{a.warmup} warm-up calls; a round = one CUDA event pair around "
             f"{a.calls} back-to-back calls {sleep}; {a.rounds} rounds, round r starting at library r; "
             f"median round; spread = IQR/median; inputs rotated over more than {ROTATE_L2}x L2")
 
@@ -644,12 +657,13 @@ class Mods:
 
     def lib_names(self):
         cud = self.versions["cudnn"] or "?"
+        # As docs/data names them; the versions are in `versions`, SDPA in the method line.
         return {
-            "fa4": "fa4" + (f" {self.versions['fa4']}" if self.versions["fa4"] else ""),
-            "cudnn": "cuDNN " + ".".join(cud.split(".")[:2]) + " (SDPA)",
-            "fa2": "FlashAttention-2 (SDPA)",
-            "fa3": "FlashAttention-3" + (f" (fa3-fwd {self.versions['fa3']})" if self.versions["fa3"] else ""),
-            "fa4cute": "FlashAttention-4 CuTe" + (f" {self.versions['flash_attn_4']}" if self.versions["flash_attn_4"] else ""),
+            "fa4": "fa4",
+            "cudnn": "cuDNN " + ".".join(cud.split(".")[:2]),
+            "fa2": "FlashAttention-2",
+            "fa3": "FlashAttention-3",
+            "fa4cute": "FlashAttention-4 (CuTe)",
             "cudnn_expanded": "cuDNN, K/V repeated to the query heads",
             **{name: f"fa4 with {','.join(f'{k}={v}' for k, v in env.items())}" for name, env in self.env_columns},
         }

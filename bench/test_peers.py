@@ -212,7 +212,7 @@ class Tables(unittest.TestCase):
 
     def test_row_values_spread_rounds_and_summary(self):
         t, row = self.table()
-        self.assertAlmostEqual(row["values"]["fa4"], round(137438953472.0 / 0.27e-3 / 1e12, 2))
+        self.assertEqual(row["values"]["fa4"], 509.0)  # 137438953472 / 0.27 ms = 509.03 TFLOP/s
         self.assertIsNone(row["values"]["fa2"])
         self.assertIsNone(row["rounds"]["fa3"])
         self.assertEqual(row["spread"]["cudnn"], 0.0)
@@ -227,6 +227,15 @@ class Tables(unittest.TestCase):
         # fa4cute's host path (400 µs) is slower than its 250 µs calls: marked h.
         self.assertIn("549.8h±", line)
 
+    def test_values_keep_four_digits_and_never_round_to_zero(self):
+        self.assertEqual(peers.significant(509.03), 509.0)
+        self.assertEqual(peers.significant(3.3217), 3.322)
+        self.assertEqual(peers.significant(0.000123456), 0.0001235)
+        t = peers.Table("decode_p1", "Decode", "TB/s", ["fa4", "cudnn"])
+        row = t.add("(1, 32k)", {"fa4": [(1.0, 1.0)], "cudnn": [(2.0, 1.0)]}, lambda ms: 0.0 if ms < 1.5 else 1e-7)
+        self.assertIsNone(row["values"]["fa4"])  # a zero value is no value
+        self.assertEqual(row["values"]["cudnn"], 1e-7)
+
     def test_a_diagnostic_column_is_never_the_best_peer(self):
         t = peers.Table("decode_p16", "Decode", "TB/s", ["fa4", "cudnn", "cudnn_expanded"])
         row = t.add("(1, 32k)", {"fa4": [(0.05, 9.0)], "cudnn": [(0.04, 60.0)], "cudnn_expanded": [(0.01, 60.0)]},
@@ -238,7 +247,7 @@ class Tables(unittest.TestCase):
         meta = dict(date="2026-12-03", gpu="NVIDIA H200", driver="580.159.04",
                     versions={"torch": "2.11.0", "cudnn": "9.19.0", "fa4": "0.1.0 (abc1234)", "flash_attn_4": "4.0.0b36",
                               "fa3": None},
-                    method="one line", lib_names={"fa4": "fa4", "cudnn": "cuDNN 9.19 (SDPA)"})
+                    method="one line", lib_names={"fa4": "fa4", "cudnn": "cuDNN 9.19"})
         with tempfile.TemporaryDirectory() as d:
             paths = peers.write_tables([t, peers.Table("fwd_gqa", "empty", "TFLOP/s", ["fa4"])], d, meta)
             self.assertEqual([os.path.basename(p) for p in paths], ["fwd_grid.json"])  # no rows, no file
@@ -248,7 +257,7 @@ class Tables(unittest.TestCase):
                                    "higher_is_better", "libs", "lib_names", "rows"])
         self.assertEqual((j["id"], j["unit"], j["higher_is_better"]), ("fwd_grid", "TFLOP/s", True))
         self.assertEqual(j["libs"], ["fa4", "cudnn", "fa2", "fa3", "fa4cute"])
-        self.assertEqual(j["lib_names"]["cudnn"], "cuDNN 9.19 (SDPA)")
+        self.assertEqual(j["lib_names"]["cudnn"], "cuDNN 9.19")
         self.assertEqual(j["lib_names"]["fa2"], "fa2")  # a name the run did not give
         self.assertEqual(set(j["versions"]), {"torch", "cudnn", "fa4", "flash_attn_4", "fa3"})
         row = j["rows"][0]

@@ -256,7 +256,7 @@ fn every_sm100_variant_compiles_for_sm100a() {
                             }
                         }
                         // CI's NVRTC (13.0.88, FA4_REQUIRE_NVRTC=1) writes the report; the
-                        // H200 image's NVRTC writes none for sm_100a (seventh session), and
+                        // H200 image's NVRTC wrote none for sm_100a (2026-12-01, a5c654b), and
                         // there only the compile itself is checked.
                         None if required => bad.push(format!("no ptxas report in the log:\n{log}")),
                         None => {
@@ -523,4 +523,64 @@ fn hopper_backward_variants_compile_without_spills_or_wgmma_serialization() {
         })
         .collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// The kernel cache on the real compile path (`cuda::compile::compile_in`, the key NVRTC's
+/// version and the source make): a first compile writes the entry, a second is a hit; an entry
+/// overwritten with 100 random bytes (issue 30: on the H200 every later call of that variant
+/// failed with CUDA_ERROR_INVALID_IMAGE until the file was deleted) or truncated is compiled
+/// again and replaced, and so is one the driver refused (`recompile_refused_in`, which the
+/// backend calls when `cuModuleLoadData` fails on a cached image). No GPU.
+#[test]
+fn a_damaged_cache_entry_is_compiled_again() {
+    use fa4::cuda::compile::{compile_in, entry_path, read_entry, recompile_refused_in, Lookup};
+    let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    if let Err(e) = nvrtc_version() {
+        if required {
+            panic!("FA4_REQUIRE_NVRTC=1 but {e}");
+        }
+        let _ = writeln!(std::io::stderr(), "nvrtc_compile (cache): skipped: {e}");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("fa4-nvrtc-cache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let spec = all_specs(&A100, "sm_80")
+        .into_iter()
+        .next()
+        .expect("an sm80 variant");
+    let path = entry_path(&dir, &spec).expect("a cache key");
+    let first = compile_in(&dir, &spec).expect("compiles");
+    assert!(!first.cached);
+    assert_eq!(read_entry(&path), Lookup::Hit(first.cubin.clone()));
+    assert!(
+        compile_in(&dir, &spec).unwrap().cached,
+        "a second compile is a hit"
+    );
+    let whole = std::fs::read(&path).unwrap();
+    let random: Vec<u8> = (0..100u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+        .collect();
+    for (what, bytes) in [
+        ("100 random bytes", random),
+        ("truncated", whole[..whole.len() - 7].to_vec()),
+    ] {
+        std::fs::write(&path, &bytes).unwrap();
+        assert!(matches!(read_entry(&path), Lookup::Invalid(_)), "{what}");
+        let again = compile_in(&dir, &spec).expect("compiles");
+        assert!(!again.cached, "{what}: served from the damaged entry");
+        assert!(again.cubin.starts_with(b"\x7fELF"), "{what}: not a cubin");
+        assert_eq!(
+            read_entry(&path),
+            Lookup::Hit(again.cubin.clone()),
+            "{what}"
+        );
+        assert!(
+            compile_in(&dir, &spec).unwrap().cached,
+            "{what}: not replaced"
+        );
+    }
+    let fresh = recompile_refused_in(&dir, &spec, "CUDA_ERROR_INVALID_IMAGE (a test)").unwrap();
+    assert!(!fresh.cached);
+    assert_eq!(read_entry(&path), Lookup::Hit(fresh.cubin));
+    let _ = std::fs::remove_dir_all(&dir);
 }

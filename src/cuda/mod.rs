@@ -458,11 +458,20 @@ impl CudaBackend {
             ));
         }
         let compiled = compile::compile(spec)?;
-        let module = self
-            .dev
-            .ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(compiled.cubin))
-            .map_err(|e| Error::cuda(format!("loading {spec}"), e))?;
+        let load = |cubin| {
+            self.dev
+                .ctx
+                .load_module(cudarc::nvrtc::Ptx::from_binary(cubin))
+        };
+        let module = match load(compiled.cubin) {
+            // A cached image that verifies but that this driver refuses (another driver wrote
+            // it, say) is compiled afresh, its entry replaced, and loaded once more.
+            Err(e) if compiled.cached => {
+                load(compile::recompile_refused(spec, &e.to_string())?.cubin)
+            }
+            loaded => loaded,
+        }
+        .map_err(|e| Error::cuda(format!("loading {spec}"), e))?;
         let f = module
             .load_function(spec.entry())
             .map_err(|e| Error::cuda("cuModuleGetFunction", e))?;

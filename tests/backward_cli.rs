@@ -374,3 +374,68 @@ fn bench_backward_sizes_its_shapes_first() {
     assert_eq!(code, 2, "{out}{err}");
     one_error_line(&err, "--seqlens");
 }
+
+/// Issue 30: `fa4 bench --backward` ignored `--grid`; on CUDA it now times the shapes `--grid`
+/// names (`D,SEQLEN,CAUSAL[,BATCH,HEADS[,KV_HEADS]]`), as the forward bench does. Where no GPU
+/// works the run is one line naming `--backend`, after the grid was parsed (a bad shape names
+/// `--grid` first).
+#[test]
+fn bench_backward_on_cuda_times_the_grid_it_is_given() {
+    let (code, out, err) = fa4(&[
+        "bench",
+        "--backward",
+        "--backend",
+        "cuda",
+        "--dtype",
+        "bf16",
+        "--grid",
+        "64,100,0",
+    ]);
+    assert_eq!(code, 2, "{out}{err}");
+    one_error_line(&err, "--grid");
+    let args = [
+        "bench",
+        "--backward",
+        "--backend",
+        "cuda",
+        "--dtype",
+        "bf16",
+        "--grid",
+        "64,256,1,2,4,2",
+        "128,512,0,1,2",
+        "--reps",
+        "1",
+        "--warmup",
+        "0",
+        "--calls",
+        "1",
+        "--json",
+    ];
+    let (code, out, err) = fa4(&args);
+    if fa4::Backend::cuda(0).is_err() {
+        assert_eq!(code, 2, "{out}{err}");
+        one_error_line(&err, "--backend");
+        return;
+    }
+    assert_eq!(code, 0, "{out}{err}");
+    let v: serde_json::Value = serde_json::from_str(out.trim()).expect("one JSON object");
+    assert_eq!(v["pass"], "backward");
+    let rows = v["results"].as_array().expect("results");
+    let shape = |r: &serde_json::Value| {
+        [
+            "head_dim", "seqlen", "causal", "batch", "heads", "kv_heads", "calls",
+        ]
+        .map(|k| r[k].to_string())
+        .join(",")
+    };
+    let got: Vec<String> = rows.iter().map(shape).collect();
+    assert_eq!(
+        got,
+        ["64,256,true,2,4,2,1", "128,512,false,1,2,2,1"],
+        "{out}"
+    );
+    for r in rows {
+        assert!(r["tflops"].as_f64().unwrap() > 0.0, "{r}");
+        assert!(r["deterministic_tflops"].as_f64().unwrap() > 0.0, "{r}");
+    }
+}

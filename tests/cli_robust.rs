@@ -236,6 +236,254 @@ fn bench_refuses_shapes_before_printing() {
     }
 }
 
+/// Issue 30: `fa4 bench --backward` ignored `--grid` without a word. Every pass of `fa4 bench`
+/// (the forward, `--backward`, `--decode`, `--cp`; on the CPU and `--backend cuda`) refuses, by
+/// name and before any work, each flag it would not read, even given at its default value
+/// (`--batch 1` on the CUDA forward, whose shapes come from `--grid`). The CUDA passes refuse
+/// before opening a device, so this runs without a GPU.
+#[test]
+fn bench_refuses_flags_its_pass_would_ignore() {
+    let g = "128,1024,0";
+    let cases: &[(&[&str], &str)] = &[
+        // The CPU forward.
+        (&["bench", "--grid", g], "--grid"),
+        (&["bench", "--tokens", "8192"], "--tokens"),
+        (&["bench", "--calls", "3"], "--calls"),
+        (&["bench", "--kernel", "sm80"], "--kernel"),
+        (&["bench", "--device", "0"], "--device"),
+        (&["bench", "--cp-split", "contiguous"], "--cp-split"),
+        // The CUDA forward: its shapes come from --grid, --tokens and --hidden.
+        (
+            &["bench", "--backend", "cuda", "--seqlens", "512"],
+            "--seqlens",
+        ),
+        (
+            &["bench", "--backend", "cuda", "--head-dims", "64"],
+            "--head-dims",
+        ),
+        (
+            &["bench", "--backend", "cuda", "--causal", "on"],
+            "--causal",
+        ),
+        (&["bench", "--backend", "cuda", "--batch", "1"], "--batch"),
+        (&["bench", "--backend", "cuda", "--heads", "4"], "--heads"),
+        (
+            &["bench", "--backend", "cuda", "--threads", "2"],
+            "--threads",
+        ),
+        (
+            &["bench", "--backend", "cuda", "--fused-peer"],
+            "--fused-peer",
+        ),
+        (
+            &["bench", "--backend", "cuda", "--no-materialized"],
+            "--no-materialized",
+        ),
+        // The backward: --grid on the GPU only, and not beside the prefill grid's flags.
+        (&["bench", "--backward", "--grid", g], "--grid"),
+        (
+            &["bench", "--backward", "--backend", "cpu", "--grid", g],
+            "--grid",
+        ),
+        (&["bench", "--backward", "--calls", "3"], "--calls"),
+        (
+            &["bench", "--backward", "--no-materialized"],
+            "--no-materialized",
+        ),
+        (&["bench", "--backward", "--fused-peer"], "--fused-peer"),
+        (
+            &[
+                "bench",
+                "--backward",
+                "--backend",
+                "cuda",
+                "--grid",
+                g,
+                "--seqlens",
+                "512",
+            ],
+            "--seqlens",
+        ),
+        (
+            &[
+                "bench",
+                "--backward",
+                "--backend",
+                "cuda",
+                "--grid",
+                g,
+                "--heads",
+                "4",
+            ],
+            "--heads",
+        ),
+        (
+            &[
+                "bench",
+                "--backward",
+                "--backend",
+                "cuda",
+                "--grid",
+                g,
+                "--causal",
+                "on",
+            ],
+            "--causal",
+        ),
+        (
+            &[
+                "bench",
+                "--backward",
+                "--backend",
+                "cuda",
+                "--tokens",
+                "8192",
+            ],
+            "--tokens",
+        ),
+        (
+            &[
+                "bench",
+                "--backward",
+                "--backend",
+                "cuda",
+                "--hidden",
+                "1024",
+            ],
+            "--hidden",
+        ),
+        (
+            &[
+                "bench",
+                "--backward",
+                "--backend",
+                "cuda",
+                "--grid",
+                "128,1000,0",
+            ],
+            "--grid",
+        ),
+        (
+            &[
+                "bench",
+                "--backward",
+                "--backend",
+                "cuda",
+                "--grid",
+                "128,1024",
+            ],
+            "--grid",
+        ),
+        (
+            &[
+                "bench",
+                "--backward",
+                "--backend",
+                "cuda",
+                "--tiles",
+                "128,64,4,1,2,1,0,0",
+            ],
+            "--tiles",
+        ),
+        (
+            &[
+                "bench",
+                "--backward",
+                "--backend",
+                "cuda",
+                "--sm90-tiles",
+                "x",
+            ],
+            "--sm90-tiles",
+        ),
+        (
+            &[
+                "bench",
+                "--backward",
+                "--backend",
+                "cuda",
+                "--rounds-from-stdin",
+            ],
+            "--rounds-from-stdin",
+        ),
+        (
+            &["bench", "--backward", "--backend", "cuda", "--threads", "2"],
+            "--threads",
+        ),
+        (
+            &[
+                "bench",
+                "--backward",
+                "--backend",
+                "cuda",
+                "--kernel",
+                "sm100",
+            ],
+            "--kernel",
+        ),
+        (
+            &["bench", "--backward", "--backend", "cuda", "--calls", "0"],
+            "--calls",
+        ),
+        (
+            &["bench", "--backward", "--backend", "cuda", "--reps", "0"],
+            "--reps",
+        ),
+        (
+            &["bench", "--backward", "--backend", "cuda", "--seqlens", "0"],
+            "--seqlens",
+        ),
+        // Decode.
+        (&["bench", "--decode", "--grid", g], "--grid"),
+        (&["bench", "--decode", "--tokens", "4"], "--tokens"),
+        (&["bench", "--decode", "--fused-peer"], "--fused-peer"),
+        (
+            &["bench", "--decode", "--backend", "cuda", "--grid", g],
+            "--grid",
+        ),
+        (
+            &["bench", "--decode", "--backend", "cuda", "--kernel", "sm90"],
+            "--kernel",
+        ),
+        (
+            &["bench", "--decode", "--backend", "cuda", "--calls", "3"],
+            "--calls",
+        ),
+        (
+            &["bench", "--decode", "--backend", "cuda", "--batch", "1"],
+            "--batch",
+        ),
+        // Context parallelism.
+        (&["bench", "--cp", "2", "--grid", g], "--grid"),
+        (
+            &["bench", "--cp", "2", "--no-materialized"],
+            "--no-materialized",
+        ),
+        (
+            &["bench", "--cp", "2", "--backend", "cuda", "--grid", g],
+            "--grid",
+        ),
+        (
+            &["bench", "--cp", "2", "--backend", "cuda", "--calls", "3"],
+            "--calls",
+        ),
+        (
+            &["bench", "--cp", "2", "--backend", "cuda", "--device", "1"],
+            "--device",
+        ),
+    ];
+    for &(args, flag) in cases {
+        one_line_error(args, &[&format!("`{flag}`")]);
+    }
+    // The refusal says which pass would have ignored the flag, and where it applies.
+    let (_, _, err) = fa4(&["bench", "--backward", "--grid", g]);
+    assert!(
+        err.contains("`fa4 bench --backward` on the CPU does not read it")
+            && err.contains("--backend cuda"),
+        "{err}"
+    );
+}
+
 /// A window side may be any usize (`--window 18446744073709551615,0` was refused as not an
 /// integer ≥ 0).
 #[test]

@@ -355,19 +355,87 @@ pub fn check(
     })
 }
 
-/// The grid of `fa4 bench --backward`, from `fa4 bench`'s flags.
-pub struct BenchGrid<'a> {
-    pub seqlens: &'a [usize],
-    pub head_dims: &'a [usize],
-    /// Each entry: causal or not.
-    pub masks: &'a [bool],
-    pub dtype: DType,
+/// One shape of `fa4 bench --backward`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BenchShape {
+    pub seqlen: usize,
+    pub head_dim: usize,
+    pub causal: bool,
     pub batch: usize,
-    /// Heads per shape (`None`: 8192 / seqlen, at least 1, as the forward bench).
-    pub heads: Option<usize>,
+    pub heads: usize,
+    pub kv_heads: usize,
+}
+
+impl BenchShape {
+    /// The shape's problem (seqlen_q = seqlen_k, head_dim_v = head_dim); `flag` names what
+    /// set the shape in a layout's error.
+    fn problem(&self, dtype: DType, flag: &str) -> Result<Problem> {
+        let (b, s, d) = (self.batch, self.seqlen, self.head_dim);
+        let lq = Layout::new(flag, &[b, s, self.heads, d], None)?;
+        let lk = Layout::new(flag, &[b, s, self.kv_heads, d], None)?;
+        let opts = if self.causal {
+            Options::new().causal()
+        } else {
+            Options::new()
+        };
+        Problem::new(dtype, &lq, &lk, &lk, &lq, None, None, &opts)
+    }
+
+    /// The `b×h` column: `batch×heads`, and `/kv_heads` where they differ.
+    fn bh(&self) -> String {
+        if self.kv_heads == self.heads {
+            format!("{}×{}", self.batch, self.heads)
+        } else {
+            format!("{}×{}/{}", self.batch, self.heads, self.kv_heads)
+        }
+    }
+}
+
+/// The grid of `fa4 bench --backward`, from `fa4 bench`'s flags: `--seqlens` × `--head-dims` ×
+/// `--causal` ([`BenchGrid::product`]) or, on CUDA, the shapes `--grid` names.
+pub struct BenchGrid {
+    pub shapes: Vec<BenchShape>,
+    /// The flag that set the shapes (`--seqlens` or `--grid`), for errors about their size.
+    pub flag: &'static str,
+    pub dtype: DType,
     pub reps: usize,
     pub warmup: usize,
+    /// Back-to-back calls per timed round (CUDA; `--calls`).
+    pub calls: usize,
     pub json: bool,
+}
+
+/// Query rows per shape when `--heads` is not given (as `fa4 bench`).
+const DEFAULT_ROWS: usize = 8192;
+
+impl BenchGrid {
+    /// The shapes of `head_dims` × `seqlens` × `masks` (in that nesting), `batch` sequences of
+    /// `heads` heads each (`None`: 8192 / seqlen, at least 1, as the forward bench).
+    pub fn product(
+        seqlens: &[usize],
+        head_dims: &[usize],
+        masks: &[bool],
+        batch: usize,
+        heads: Option<usize>,
+    ) -> Vec<BenchShape> {
+        let mut shapes = Vec::new();
+        for &head_dim in head_dims {
+            for &seqlen in seqlens {
+                for &causal in masks {
+                    let heads = heads.unwrap_or((DEFAULT_ROWS / seqlen.max(1)).max(1));
+                    shapes.push(BenchShape {
+                        seqlen,
+                        head_dim,
+                        causal,
+                        batch,
+                        heads,
+                        kv_heads: heads,
+                    });
+                }
+            }
+        }
+        shapes
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -377,6 +445,7 @@ struct BenchRow {
     causal: bool,
     batch: usize,
     heads: usize,
+    kv_heads: usize,
     dtype: String,
     /// Backward FLOPs: 2.5 × the forward's.
     flops: f64,
@@ -389,67 +458,110 @@ struct BenchRow {
     pct_of_peak: f64,
 }
 
-/// Query rows per shape when `--heads` is not given (as `fa4 bench`).
-const DEFAULT_ROWS: usize = 8192;
+/// One shape's row of `fa4 bench --backward --backend cuda --json`.
+#[derive(Debug, Serialize)]
+struct CudaBenchRow {
+    seqlen: usize,
+    head_dim: usize,
+    causal: bool,
+    batch: usize,
+    heads: usize,
+    kv_heads: usize,
+    dtype: String,
+    calls: usize,
+    rounds: usize,
+    /// Backward FLOPs: 2.5 × the forward's.
+    flops: f64,
+    /// Median round, per call: atomic dQ, then the deterministic mode.
+    backward_ms: f64,
+    tflops: f64,
+    deterministic_ms: f64,
+    deterministic_tflops: f64,
+}
 
 /// `fa4 bench --backward --backend cuda`: per shape, the median of `reps` rounds of one CUDA
-/// event pair around 10 back-to-back backward calls (bench/bwd_grid.py times the peers beside
-/// it), atomic dQ and deterministic.
-pub fn bench_cuda(g: &BenchGrid<'_>, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
+/// event pair around `calls` back-to-back backward calls (bench/peers.py times the peers the
+/// same way), atomic dQ and deterministic.
+pub fn bench_cuda(g: &BenchGrid, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
     use fa4::cuda::backward::time_backward;
-    println!(
-        "fa4 bench --backward --backend cuda: {} on {}; median of {} rounds of 10 calls; FLOPs = {BACKWARD_FLOP_FACTOR} × forward",
-        g.dtype,
-        cuda.info().name,
-        g.reps.max(1)
-    );
-    println!(
-        "{:>7} {:>4} {:>6} {:>9} {:>9} {:>9} {:>9}",
-        "seqlen", "d", "causal", "b×h", "bwd ms", "TFLOP/s", "det TF/s"
-    );
-    for &d in g.head_dims {
-        for &seqlen in g.seqlens {
-            for &causal in g.masks {
-                let heads = g.heads.unwrap_or((DEFAULT_ROWS / seqlen).max(1));
-                let l = fa4::tensor::Layout::new("q", &[g.batch, seqlen, heads, d], None)?;
-                let opts = if causal {
-                    Options::new().causal()
-                } else {
-                    Options::new()
-                };
-                let p = Problem::new(g.dtype, &l, &l, &l, &l, None, None, &opts)?;
-                let med = |det: bool| -> Result<f64> {
-                    let mut ms = match g.dtype {
-                        DType::F16 => {
-                            time_backward::<half::f16>(cuda, &p, det, g.warmup.max(1), g.reps, 10)?
-                        }
-                        DType::Bf16 => {
-                            time_backward::<half::bf16>(cuda, &p, det, g.warmup.max(1), g.reps, 10)?
-                        }
-                        other => {
-                            return Err(Error::invalid(
-                                "--dtype",
-                                format!("the CUDA backward computes fp16 and bf16, not {other}"),
-                            ))
-                        }
-                    };
-                    ms.sort_by(f64::total_cmp);
-                    Ok(ms[ms.len() / 2])
-                };
-                let (ms, det) = (med(false)?, med(true)?);
-                let flops = BACKWARD_FLOP_FACTOR * p.flops();
-                println!(
-                    "{:>7} {:>4} {:>6} {:>9} {:>9.3} {:>9.1} {:>9.1}",
-                    seqlen,
-                    d,
-                    if causal { "yes" } else { "no" },
-                    format!("{}×{}", g.batch, heads),
-                    ms,
-                    flops / ms / 1e9,
-                    flops / det / 1e9
-                );
-            }
+    if !matches!(g.dtype, DType::F16 | DType::Bf16) {
+        return Err(Error::invalid(
+            "--dtype",
+            format!("the CUDA backward computes fp16 and bf16, not {}", g.dtype),
+        ));
+    }
+    if g.reps == 0 || g.calls == 0 {
+        return Err(Error::invalid("--reps/--calls", "must be ≥ 1"));
+    }
+    // Every shape is a valid problem before the table starts: an error is the only output.
+    let problems = g
+        .shapes
+        .iter()
+        .map(|s| s.problem(g.dtype, g.flag))
+        .collect::<Result<Vec<_>>>()?;
+    if !g.json {
+        println!(
+            "fa4 bench --backward --backend cuda: {} on {}; median of {} rounds of {} calls; FLOPs = {BACKWARD_FLOP_FACTOR} × forward",
+            g.dtype,
+            cuda.info().name,
+            g.reps,
+            g.calls
+        );
+        println!(
+            "{:>7} {:>4} {:>6} {:>9} {:>9} {:>9} {:>9}",
+            "seqlen", "d", "causal", "b×h", "bwd ms", "TFLOP/s", "det TF/s"
+        );
+    }
+    let mut rows = Vec::new();
+    for (s, p) in g.shapes.iter().zip(&problems) {
+        let med = |det: bool| -> Result<f64> {
+            let warmup = g.warmup.max(1);
+            let mut ms = match g.dtype {
+                DType::F16 => time_backward::<half::f16>(cuda, p, det, warmup, g.reps, g.calls)?,
+                _ => time_backward::<half::bf16>(cuda, p, det, warmup, g.reps, g.calls)?,
+            };
+            ms.sort_by(f64::total_cmp);
+            Ok(ms[ms.len() / 2])
+        };
+        let (ms, det) = (med(false)?, med(true)?);
+        let flops = BACKWARD_FLOP_FACTOR * p.flops();
+        if !g.json {
+            println!(
+                "{:>7} {:>4} {:>6} {:>9} {:>9.3} {:>9.1} {:>9.1}",
+                s.seqlen,
+                s.head_dim,
+                if s.causal { "yes" } else { "no" },
+                s.bh(),
+                ms,
+                flops / ms / 1e9,
+                flops / det / 1e9
+            );
         }
+        rows.push(CudaBenchRow {
+            seqlen: s.seqlen,
+            head_dim: s.head_dim,
+            causal: s.causal,
+            batch: s.batch,
+            heads: s.heads,
+            kv_heads: s.kv_heads,
+            dtype: g.dtype.to_string(),
+            calls: g.calls,
+            rounds: g.reps,
+            flops,
+            backward_ms: ms,
+            tflops: flops / ms / 1e9,
+            deterministic_ms: det,
+            deterministic_tflops: flops / det / 1e9,
+        });
+    }
+    if g.json {
+        let r = serde_json::json!({
+            "backend": "cuda",
+            "pass": "backward",
+            "device": cuda.info().name,
+            "results": rows,
+        });
+        println!("{r}");
     }
     Ok(())
 }
@@ -470,7 +582,7 @@ fn time(warmup: usize, reps: usize, mut f: impl FnMut() -> Result<()>) -> Result
 }
 
 /// `fa4 bench --backward` on the CPU (inside the bench's thread pool).
-pub fn bench(g: &BenchGrid<'_>) -> Result<()> {
+pub fn bench(g: &BenchGrid) -> Result<()> {
     if g.dtype == DType::Fp8E4M3 {
         return Err(Error::invalid("--dtype", "fp8 is not computed yet"));
     }
@@ -502,33 +614,28 @@ pub fn bench(g: &BenchGrid<'_>) -> Result<()> {
         );
     }
     let mut rows = Vec::new();
-    for &d in g.head_dims {
-        for &seqlen in g.seqlens {
-            for &causal in g.masks {
-                let heads = g.heads.unwrap_or((DEFAULT_ROWS / seqlen).max(1));
-                let row = match g.dtype {
-                    DType::F32 => bench_shape::<f32>(g, seqlen, d, causal, heads, best)?,
-                    DType::F16 => bench_shape::<half::f16>(g, seqlen, d, causal, heads, best)?,
-                    DType::Bf16 => bench_shape::<half::bf16>(g, seqlen, d, causal, heads, best)?,
-                    DType::Fp8E4M3 => unreachable!("rejected above"),
-                };
-                if !g.json {
-                    println!(
-                        "{:>7} {:>4} {:>6} {:>7} {:>9.2} {:>11.1} {:>11.1} {:>8.2} {:>5.1}%",
-                        seqlen,
-                        d,
-                        if causal { "yes" } else { "no" },
-                        format!("{}×{}", g.batch, heads),
-                        row.backward_ms,
-                        row.backward_gflops,
-                        row.forward_gflops,
-                        row.time_ratio,
-                        row.pct_of_peak
-                    );
-                }
-                rows.push(row);
-            }
+    for s in &g.shapes {
+        let row = match g.dtype {
+            DType::F32 => bench_shape::<f32>(g, s, best)?,
+            DType::F16 => bench_shape::<half::f16>(g, s, best)?,
+            DType::Bf16 => bench_shape::<half::bf16>(g, s, best)?,
+            DType::Fp8E4M3 => unreachable!("rejected above"),
+        };
+        if !g.json {
+            println!(
+                "{:>7} {:>4} {:>6} {:>7} {:>9.2} {:>11.1} {:>11.1} {:>8.2} {:>5.1}%",
+                s.seqlen,
+                s.head_dim,
+                if s.causal { "yes" } else { "no" },
+                s.bh(),
+                row.backward_ms,
+                row.backward_gflops,
+                row.forward_gflops,
+                row.time_ratio,
+                row.pct_of_peak
+            );
         }
+        rows.push(row);
     }
     if g.json {
         #[derive(Serialize)]
@@ -560,38 +667,29 @@ pub fn bench(g: &BenchGrid<'_>) -> Result<()> {
     Ok(())
 }
 
-fn bench_shape<T: Element>(
-    g: &BenchGrid<'_>,
-    s: usize,
-    d: usize,
-    causal: bool,
-    h: usize,
-    peak: f64,
-) -> Result<BenchRow> {
-    let b = g.batch;
-    let shape = [b, s, h, d];
-    let l = Layout::new("--seqlens", &shape, None)?;
-    // Size the shape before allocating, as the forward bench does: eight tensors of the
-    // storage dtype (Q, K, V, dO, O, dQ, dK, dV), the f32 dQ the backward sums into, LSE and
-    // D per row. `--batch 100000` aborted on a 200 GB allocation.
-    let (elems, rows) = (l.numel() as f64, (b as f64) * (s as f64) * (h as f64));
+fn bench_shape<T: Element>(g: &BenchGrid, shape: &BenchShape, peak: f64) -> Result<BenchRow> {
+    let (b, s, h, d) = (shape.batch, shape.seqlen, shape.heads, shape.head_dim);
+    let l = Layout::new(g.flag, &[b, s, h, d], None)?;
+    let lk = Layout::new(g.flag, &[b, s, shape.kv_heads, d], None)?;
+    // Size the shape before allocating, as the forward bench does: Q, O, dO, dQ and K, V, dK,
+    // dV of the storage dtype, the f32 dQ the backward sums into, LSE and D per row.
+    // `--batch 100000` aborted on a 200 GB allocation.
+    let size = T::DTYPE.size_bytes() as f64;
+    let (q_elems, k_elems) = (l.numel() as f64, lk.numel() as f64);
+    let rows = (b as f64) * (s as f64) * (h as f64);
     super::memory::ensure(
-        "--seqlens",
-        &format!("seqlen {s}, d {d}, b×h {b}×{h}"),
-        elems * (8.0 * T::DTYPE.size_bytes() as f64 + 4.0) + 16.0 * rows,
+        g.flag,
+        &format!("seqlen {s}, d {d}, b×h {}", shape.bh()),
+        q_elems * (4.0 * size + 4.0) + k_elems * 4.0 * size + 16.0 * rows,
     )?;
-    let opts = if causal {
-        Options::new().causal()
-    } else {
-        Options::new()
-    };
-    let p = Problem::new(T::DTYPE, &l, &l, &l, &l, None, None, &opts)?;
-    let n = l.numel();
+    let p = shape.problem(T::DTYPE, g.flag)?;
+    let opts = attention_options(&p);
+    let (n, nk) = (l.numel(), lk.numel());
     let mut rng = StdRng::seed_from_u64(0x5eed ^ (s * 131 + d) as u64);
     let (mut q, mut k, mut v, mut d_out) = (
         vec![T::from_f32(0.0); n],
-        vec![T::from_f32(0.0); n],
-        vec![T::from_f32(0.0); n],
+        vec![T::from_f32(0.0); nk],
+        vec![T::from_f32(0.0); nk],
         vec![T::from_f32(0.0); n],
     );
     random_qkv(&mut rng, &mut q, &mut k, &mut v, d, d);
@@ -602,7 +700,7 @@ fn bench_shape<T: Element>(
     let fwd_s = time(g.warmup, g.reps, || {
         cpu.forward(&p, &q, &k, &v, &mut o, Some(&mut lse))
     })?;
-    let (mut dq, mut dk, mut dv) = (vec![T::NAN; n], vec![T::NAN; n], vec![T::NAN; n]);
+    let (mut dq, mut dk, mut dv) = (vec![T::NAN; n], vec![T::NAN; nk], vec![T::NAN; nk]);
     let backend = Backend::CpuWith(cpu);
     let bopts: BackwardOptions = opts.into();
     let bwd_s = time(g.warmup, g.reps, || {
@@ -622,9 +720,10 @@ fn bench_shape<T: Element>(
     Ok(BenchRow {
         seqlen: s,
         head_dim: d,
-        causal,
+        causal: shape.causal,
         batch: b,
         heads: h,
+        kv_heads: shape.kv_heads,
         dtype: T::DTYPE.to_string(),
         flops,
         backward_ms: bwd_s * 1e3,

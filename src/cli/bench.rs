@@ -36,6 +36,10 @@ mod decode_bench;
 /// Query rows per run when `--heads` is not given: heads = this / seqlen (at least 1), so that
 /// short sequences still give runs long enough to time and enough work items for every thread.
 const DEFAULT_ROWS: usize = 8192;
+/// `--seqlens` when not given.
+const DEFAULT_SEQLENS: [usize; 5] = [512, 1024, 2048, 4096, 8192];
+/// `--head-dims` when not given.
+const DEFAULT_HEAD_DIMS: [usize; 2] = [64, 128];
 
 /// The materialised peer is skipped when its score matrix would exceed this many bytes.
 const MATERIALIZED_LIMIT_BYTES: usize = 4 << 30;
@@ -51,26 +55,41 @@ pub enum CausalArg {
     Off,
 }
 
+impl CausalArg {
+    /// Each run's mask: causal or not.
+    fn masks(self) -> &'static [bool] {
+        match self {
+            CausalArg::Both => &[false, true],
+            CausalArg::On => &[true],
+            CausalArg::Off => &[false],
+        }
+    }
+}
+
+/// The flags of `fa4 bench`. Each pass (the forward, `--backward`, `--decode`, `--cp`, on the
+/// CPU or `--backend cuda`) reads some of them and refuses, by name, one it would not read
+/// ([`Pass::reads`]); so a flag whose reading depends on the pass is an `Option` (its default
+/// in the help text), which tells a flag given from one left out.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
     /// Backend to benchmark.
     #[arg(long, value_enum, default_value_t = BackendArg::Cpu)]
     backend: BackendArg,
-    /// Sequence lengths (seqlen_q = seqlen_k), comma-separated.
-    #[arg(long, value_delimiter = ',', default_values_t = [512, 1024, 2048, 4096, 8192])]
-    seqlens: Vec<usize>,
-    /// Head dimensions (head_dim = head_dim_v), comma-separated.
-    #[arg(long, value_delimiter = ',', default_values_t = [64, 128])]
-    head_dims: Vec<usize>,
-    /// Masks: both (none, then causal), on (causal only) or off (none only).
-    #[arg(long, value_enum, default_value_t = CausalArg::Both)]
-    causal: CausalArg,
+    /// Sequence lengths (seqlen_q = seqlen_k), comma-separated [default: 512,1024,2048,4096,8192].
+    #[arg(long, value_delimiter = ',')]
+    seqlens: Option<Vec<usize>>,
+    /// Head dimensions (head_dim = head_dim_v), comma-separated [default: 64,128].
+    #[arg(long, value_delimiter = ',')]
+    head_dims: Option<Vec<usize>>,
+    /// Masks: both (none, then causal), on (causal only) or off (none only) [default: both].
+    #[arg(long, value_enum)]
+    causal: Option<CausalArg>,
     /// Storage dtype: f32, fp16 or bf16.
     #[arg(long, default_value = "f32")]
     dtype: DType,
-    /// Batch size.
-    #[arg(long, default_value_t = 1)]
-    batch: usize,
+    /// Batch size [default: 1].
+    #[arg(long)]
+    batch: Option<usize>,
     /// Heads (query and KV) [default: max(1, 8192 / seqlen): the same query rows per shape].
     #[arg(long)]
     heads: Option<usize>,
@@ -94,7 +113,8 @@ pub struct BenchArgs {
     /// Print one JSON object instead of the table.
     #[arg(long)]
     json: bool,
-    /// Time the backward pass (dQ, dK, dV; FLOPs 2.5 × the forward's) beside the forward.
+    /// Time the backward pass (dQ, dK, dV; FLOPs 2.5 × the forward's) beside the forward
+    /// (CUDA: of the --seqlens × --head-dims grid, or of the shapes --grid names).
     #[arg(long)]
     backward: bool,
     /// CUDA-only flags (`--backend cuda`).
@@ -153,101 +173,311 @@ struct Report {
     results: Vec<Row>,
 }
 
+/// Which pass `fa4 bench` times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Pass {
+    Forward,
+    Backward,
+    Decode,
+    Cp,
+}
+
+/// The prefill grid's shape flags, read by the CPU forward, `--backward` and `--cp`.
+const SHAPE_FLAGS: [&str; 5] = ["--seqlens", "--head-dims", "--causal", "--batch", "--heads"];
+
+impl Pass {
+    /// The pass as typed, on the CPU or on the GPU.
+    fn name(self, cuda: bool) -> &'static str {
+        match (self, cuda) {
+            (Pass::Forward, false) => "`fa4 bench` on the CPU",
+            (Pass::Forward, true) => "`fa4 bench --backend cuda`",
+            (Pass::Backward, false) => "`fa4 bench --backward` on the CPU",
+            (Pass::Backward, true) => "`fa4 bench --backward --backend cuda`",
+            (Pass::Decode, false) => "`fa4 bench --decode` on the CPU",
+            (Pass::Decode, true) => "`fa4 bench --decode --backend cuda`",
+            (Pass::Cp, false) => "`fa4 bench --cp` on the CPU",
+            (Pass::Cp, true) => "`fa4 bench --cp --backend cuda`",
+        }
+    }
+
+    /// The flags of [`BenchArgs::given`] the pass reads (every pass reads --backend, --dtype,
+    /// --reps and --warmup; `--decode` also its own flags, which `DecodeBenchArgs::stray`
+    /// checks).
+    fn reads(self, cuda: bool) -> Vec<&'static str> {
+        let mut r: Vec<&str> = match (self, cuda) {
+            (Pass::Forward, false) | (Pass::Backward, false) | (Pass::Cp, _) => {
+                SHAPE_FLAGS.to_vec()
+            }
+            (Pass::Backward, true) => {
+                [&SHAPE_FLAGS[..], &["--grid", "--tokens", "--hidden"]].concat()
+            }
+            (Pass::Forward, true) => vec!["--grid", "--tokens", "--hidden"],
+            (Pass::Decode, _) => vec![],
+        };
+        r.extend(match (self, cuda) {
+            (Pass::Forward, false) => &["--threads", "--no-materialized", "--fused-peer"][..],
+            (Pass::Forward, true) => &[
+                "--calls",
+                "--rounds-from-stdin",
+                "--tiles",
+                "--sm90-tiles",
+                "--device",
+                "--kernel",
+            ][..],
+            (Pass::Backward, false) => &["--threads"][..],
+            (Pass::Backward, true) => &["--calls", "--device", "--kernel"][..],
+            // The GPU decode bench checks its output against the CPU's.
+            (Pass::Decode, _) => &["--threads"][..],
+            (Pass::Cp, _) => &["--threads", "--cp-split"][..],
+        });
+        r.push("--json");
+        r
+    }
+}
+
+impl BenchArgs {
+    /// The flags whose reading depends on the pass, each with whether it was given.
+    fn given(&self) -> [(&'static str, bool); 19] {
+        let c = &self.cuda;
+        [
+            ("--seqlens", self.seqlens.is_some()),
+            ("--head-dims", self.head_dims.is_some()),
+            ("--causal", self.causal.is_some()),
+            ("--batch", self.batch.is_some()),
+            ("--heads", self.heads.is_some()),
+            ("--threads", self.threads.is_some()),
+            ("--no-materialized", self.no_materialized),
+            ("--fused-peer", self.fused_peer),
+            ("--json", self.json),
+            ("--grid", !c.grid.is_empty()),
+            ("--tokens", c.tokens.is_some()),
+            ("--hidden", c.hidden.is_some()),
+            ("--calls", c.calls.is_some()),
+            ("--rounds-from-stdin", c.rounds_from_stdin),
+            ("--tiles", c.tiles.is_some()),
+            ("--sm90-tiles", c.sm90_tiles.is_some()),
+            ("--device", c.device.is_some()),
+            ("--kernel", c.kernel.is_some()),
+            // `--cp-split zigzag`, the default, cannot be told from no flag (cp.rs's CpArgs).
+            (
+                "--cp-split",
+                self.cp.cp_split != fa4::cp::SplitKind::default(),
+            ),
+        ]
+    }
+
+    /// `--seqlens`, or its default.
+    fn seqlens(&self) -> &[usize] {
+        self.seqlens.as_deref().unwrap_or(&DEFAULT_SEQLENS)
+    }
+    /// `--head-dims`, or its default.
+    fn head_dims(&self) -> &[usize] {
+        self.head_dims.as_deref().unwrap_or(&DEFAULT_HEAD_DIMS)
+    }
+    /// Each shape's masks (`--causal`, default both).
+    fn masks(&self) -> &'static [bool] {
+        self.causal.unwrap_or(CausalArg::Both).masks()
+    }
+    /// `--batch`, or 1.
+    fn batch(&self) -> usize {
+        self.batch.unwrap_or(1)
+    }
+
+    /// The pass the flags ask for, and whether it runs on CUDA (`--backend auto` benchmarks
+    /// the CPU), after the refusals of flags that pick two passes.
+    fn pass(&self) -> Result<(Pass, bool)> {
+        if let Some(flag) = self.decode.stray() {
+            return Err(Error::invalid(flag, "belongs to `fa4 bench --decode`"));
+        }
+        if self.decode.wanted() && self.backward {
+            return Err(Error::invalid(
+                "--backward",
+                "`fa4 bench --decode` times the forward only; drop one of --decode and --backward",
+            ));
+        }
+        if self.cp.cp.is_some() {
+            for (flag, given) in [
+                ("--decode", self.decode.wanted()),
+                ("--backward", self.backward),
+            ] {
+                if given {
+                    return Err(Error::invalid(
+                        flag,
+                        "`fa4 bench --cp` times the contiguous forward only; drop --cp or this flag",
+                    ));
+                }
+            }
+        }
+        let pass = if self.cp.cp.is_some() {
+            Pass::Cp
+        } else if self.decode.wanted() {
+            Pass::Decode
+        } else if self.backward {
+            Pass::Backward
+        } else {
+            Pass::Forward
+        };
+        Ok((pass, self.backend == BackendArg::Cuda))
+    }
+
+    /// An error naming the first flag given that `pass` would not read (it would be ignored
+    /// without a word), and the flags the pass does read.
+    fn refuse_unread(&self, pass: Pass, cuda: bool) -> Result<()> {
+        let reads = pass.reads(cuda);
+        let Some((flag, _)) = self
+            .given()
+            .into_iter()
+            .find(|&(flag, given)| given && !reads.contains(&flag))
+        else {
+            return Ok(());
+        };
+        let elsewhere = if pass.reads(!cuda).contains(&flag) {
+            if cuda {
+                " (it applies on the CPU: --backend cpu)"
+            } else {
+                " (it applies with --backend cuda)"
+            }
+        } else {
+            ""
+        };
+        let decode = if pass == Pass::Decode {
+            "--decode-shapes, --page-size, --seqlen-q, --heads-q, --heads-kv, --head-dim, "
+        } else {
+            ""
+        };
+        let (last, rest) = reads.split_last().expect("every pass reads --json");
+        Err(Error::invalid(
+            flag,
+            format!(
+                "{} does not read it{elsewhere}; that pass reads {decode}{} and {last}, beside \
+                 --backend, --dtype, --reps and --warmup",
+                pass.name(cuda),
+                rest.join(", ")
+            ),
+        ))
+    }
+
+    /// The shapes of `fa4 bench --backward`: `--grid`'s on CUDA where given (then the prefill
+    /// grid's shape flags are refused: they would be ignored), else the prefill grid's.
+    fn backward_grid(&self, cuda: bool) -> Result<super::backward::BenchGrid> {
+        let c = &self.cuda;
+        let (shapes, flag) = if cuda && !c.grid.is_empty() {
+            if let Some((flag, _)) = self
+                .given()
+                .into_iter()
+                .find(|&(flag, given)| given && SHAPE_FLAGS.contains(&flag))
+            {
+                return Err(Error::invalid(
+                    flag,
+                    "--grid gives the shapes of `fa4 bench --backward --backend cuda`; give \
+                     --grid or --seqlens/--head-dims/--causal/--batch/--heads, not both",
+                ));
+            }
+            let shapes = super::bench_cuda::parse_grid(&c.grid, c.tokens(), c.hidden())?
+                .into_iter()
+                .map(|s| super::backward::BenchShape {
+                    seqlen: s.seqlen,
+                    head_dim: s.d,
+                    causal: s.causal,
+                    batch: s.batch,
+                    heads: s.heads,
+                    kv_heads: s.kv_heads,
+                })
+                .collect();
+            (shapes, "--grid")
+        } else {
+            if let Some(flag) = [("--tokens", c.tokens), ("--hidden", c.hidden)]
+                .into_iter()
+                .find_map(|(flag, v)| v.map(|_| flag))
+            {
+                return Err(Error::invalid(
+                    flag,
+                    "sets the batch and heads of --grid's D,SEQLEN,CAUSAL shapes; give --grid \
+                     too (without it the backward times the --seqlens × --head-dims grid)",
+                ));
+            }
+            let shapes = super::backward::BenchGrid::product(
+                self.seqlens(),
+                self.head_dims(),
+                self.masks(),
+                self.batch(),
+                self.heads,
+            );
+            (shapes, "--seqlens")
+        };
+        Ok(super::backward::BenchGrid {
+            shapes,
+            flag,
+            dtype: self.dtype,
+            reps: self.reps,
+            warmup: self.warmup,
+            calls: c.calls(),
+            json: self.json,
+        })
+    }
+}
+
 pub fn run(args: BenchArgs) -> Result<()> {
-    if let Some(flag) = args.decode.stray() {
-        return Err(Error::invalid(flag, "belongs to `fa4 bench --decode`"));
-    }
-    if args.decode.wanted() {
-        // The prefill grid's flags shape nothing in the decode grid: refuse a value other than
-        // the default rather than run a grid the user did not ask for.
-        #[derive(clap::Parser)]
-        struct Defaults {
-            #[command(flatten)]
-            bench: BenchArgs,
-        }
-        let defaults = <Defaults as clap::Parser>::parse_from(["bench"]).bench;
-        for (flag, differs) in [
-            ("--batch", args.batch != defaults.batch),
-            ("--seqlens", args.seqlens != defaults.seqlens),
-            ("--head-dims", args.head_dims != defaults.head_dims),
-            ("--heads", args.heads.is_some()),
-            ("--causal", args.causal != defaults.causal),
+    let (pass, cuda) = args.pass()?;
+    args.refuse_unread(pass, cuda)?;
+    if SHAPE_FLAGS.iter().any(|f| pass.reads(cuda).contains(f)) {
+        for (name, list) in [
+            ("--seqlens", args.seqlens()),
+            ("--head-dims", args.head_dims()),
         ] {
-            if differs {
-                return Err(Error::invalid(
-                    flag,
-                    "belongs to the prefill grid; `fa4 bench --decode` takes --decode-shapes, \
-                     --page-size, --seqlen-q, --heads-q, --heads-kv and --head-dim",
-                ));
+            if list.is_empty() || list.contains(&0) {
+                return Err(Error::invalid(name, "give one or more values, each ≥ 1"));
+            }
+        }
+        for (name, v) in [
+            ("--batch", args.batch()),
+            ("--heads", args.heads.unwrap_or(1)),
+        ] {
+            if v == 0 {
+                return Err(Error::invalid(name, "must be ≥ 1"));
             }
         }
     }
-    if args.decode.wanted() && args.backward {
-        return Err(Error::invalid(
-            "--backward",
-            "`fa4 bench --decode` times the forward only; drop one of --decode and --backward",
-        ));
+    if args.reps == 0 {
+        return Err(Error::invalid("--reps", "must be ≥ 1"));
     }
-    if args.cp.cp.is_some() {
-        for (flag, given) in [
-            ("--decode", args.decode.wanted()),
-            ("--backward", args.backward),
-        ] {
-            if given {
-                return Err(Error::invalid(
-                    flag,
-                    "`fa4 bench --cp` times the contiguous forward only; drop --cp or this flag",
-                ));
-            }
-        }
+    if pass.reads(cuda).contains(&"--calls") && args.cuda.calls() == 0 {
+        return Err(Error::invalid("--calls", "must be ≥ 1"));
     }
-    if let Some(n) = args.cp.cp {
-        let masks: &[bool] = match args.causal {
-            CausalArg::Both => &[false, true],
-            CausalArg::On => &[true],
-            CausalArg::Off => &[false],
-        };
-        let plan = super::cp::BenchPlan {
-            backend: args.backend,
-            seqlens: &args.seqlens,
-            head_dims: &args.head_dims,
-            masks,
-            dtype: args.dtype,
-            batch: args.batch,
-            heads: args.heads,
-            reps: args.reps,
-            warmup: args.warmup,
-            json: args.json,
-        };
-        return super::with_threads(args.threads, || super::cp::bench(&args.cp, n, &plan));
-    }
-    if args.decode.wanted() && args.backend == BackendArg::Cuda {
-        return decode_bench::run(&args, true);
-    }
-    match args.backend {
-        BackendArg::Cpu | BackendArg::Auto => {}
-        BackendArg::Cuda if args.backward => {
-            let masks: &[bool] = match args.causal {
-                CausalArg::Both => &[false, true],
-                CausalArg::On => &[true],
-                CausalArg::Off => &[false],
-            };
-            let grid = super::backward::BenchGrid {
-                seqlens: &args.seqlens,
-                head_dims: &args.head_dims,
-                masks,
+    match (pass, cuda) {
+        (Pass::Cp, _) => {
+            let n = args.cp.cp.expect("the --cp pass");
+            let plan = super::cp::BenchPlan {
+                backend: args.backend,
+                seqlens: args.seqlens(),
+                head_dims: args.head_dims(),
+                masks: args.masks(),
                 dtype: args.dtype,
-                batch: args.batch,
+                batch: args.batch(),
                 heads: args.heads,
                 reps: args.reps,
                 warmup: args.warmup,
                 json: args.json,
             };
-            let cuda = fa4::cuda::CudaBackend::new(0)
-                .map_err(|e| Error::invalid("--backend", e.to_string()))?;
+            return super::with_threads(args.threads, || super::cp::bench(&args.cp, n, &plan));
+        }
+        (Pass::Decode, true) => {
+            return super::with_threads(args.threads, || decode_bench::run(&args, true));
+        }
+        (Pass::Backward, true) => {
+            if args.cuda.kernel == Some(super::KernelArg::Sm100) {
+                return Err(Error::invalid(
+                    "--kernel",
+                    "fa4 has no Blackwell backward; with --backward it takes auto, sm80 or sm90",
+                ));
+            }
+            let grid = args.backward_grid(true)?;
+            let cuda = fa4::cuda::CudaBackend::new(args.cuda.device())
+                .map_err(|e| Error::invalid("--backend", e.to_string()))?
+                .with_kernel(args.cuda.kernel_choice()?);
             return super::backward::bench_cuda(&grid, &cuda);
         }
-        BackendArg::Cuda => {
+        (Pass::Forward, true) => {
             return super::bench_cuda::run(
                 &args.cuda,
                 args.dtype,
@@ -256,23 +486,13 @@ pub fn run(args: BenchArgs) -> Result<()> {
                 args.json,
             )
         }
+        (Pass::Forward | Pass::Backward | Pass::Decode, false) => {}
     }
     if args.dtype == DType::Fp8E4M3 {
         return Err(Error::invalid("--dtype", "fp8 is not computed yet"));
     }
-    for (name, list) in [
-        ("--seqlens", &args.seqlens),
-        ("--head-dims", &args.head_dims),
-    ] {
-        if list.is_empty() || list.contains(&0) {
-            return Err(Error::invalid(name, "give one or more values, each ≥ 1"));
-        }
-    }
-    if args.batch == 0 || args.heads == Some(0) || args.reps == 0 || args.threads == Some(0) {
-        return Err(Error::invalid(
-            "--batch/--heads/--reps/--threads",
-            "must be ≥ 1",
-        ));
+    if args.threads == Some(0) {
+        return Err(Error::invalid("--threads", "must be ≥ 1"));
     }
     let mut builder = rayon::ThreadPoolBuilder::new();
     if let Some(n) = args.threads {
@@ -281,29 +501,14 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let pool = builder
         .build()
         .map_err(|e| Error::invalid("--threads", e.to_string()))?;
-    if args.decode.wanted() {
-        return pool.install(|| decode_bench::run(&args, false));
+    match pass {
+        Pass::Decode => pool.install(|| decode_bench::run(&args, false)),
+        Pass::Backward => {
+            let grid = args.backward_grid(false)?;
+            pool.install(|| super::backward::bench(&grid))
+        }
+        _ => pool.install(|| bench(&args)),
     }
-    if args.backward {
-        let masks: &[bool] = match args.causal {
-            CausalArg::Both => &[false, true],
-            CausalArg::On => &[true],
-            CausalArg::Off => &[false],
-        };
-        let grid = super::backward::BenchGrid {
-            seqlens: &args.seqlens,
-            head_dims: &args.head_dims,
-            masks,
-            dtype: args.dtype,
-            batch: args.batch,
-            heads: args.heads,
-            reps: args.reps,
-            warmup: args.warmup,
-            json: args.json,
-        };
-        return pool.install(|| super::backward::bench(&grid));
-    }
-    pool.install(|| bench(&args))
 }
 
 fn cpu_model() -> String {
@@ -321,13 +526,13 @@ fn cpu_model() -> String {
 fn bench(args: &BenchArgs) -> Result<()> {
     // Every shape is sized before the peak is measured and the table starts: an error is then
     // the only thing printed.
-    for &d in &args.head_dims {
-        for &seqlen in &args.seqlens {
+    for &d in args.head_dims() {
+        for &seqlen in args.seqlens() {
             Shape {
                 seqlen,
                 d,
                 causal: false,
-                batch: args.batch,
+                batch: args.batch(),
                 heads: args.heads.unwrap_or((DEFAULT_ROWS / seqlen).max(1)),
             }
             .fits(args.dtype)?;
@@ -339,11 +544,7 @@ fn bench(args: &BenchArgs) -> Result<()> {
     let peaks = peak::measure_all(0.05, 5);
     let best = peaks[0].gflops;
     let cpu = cpu_model();
-    let masks: &[bool] = match args.causal {
-        CausalArg::Both => &[false, true],
-        CausalArg::On => &[true],
-        CausalArg::Off => &[false],
-    };
+    let masks = args.masks();
     if !args.json {
         println!(
             "fa4 bench --backend cpu: {}, {cpu}, {threads} threads, {} kernels",
@@ -381,15 +582,15 @@ fn bench(args: &BenchArgs) -> Result<()> {
         );
     }
     let mut rows = Vec::new();
-    for &d in &args.head_dims {
-        for &seqlen in &args.seqlens {
+    for &d in args.head_dims() {
+        for &seqlen in args.seqlens() {
             for &causal in masks {
                 let heads = args.heads.unwrap_or((DEFAULT_ROWS / seqlen).max(1));
                 let shape = Shape {
                     seqlen,
                     d,
                     causal,
-                    batch: args.batch,
+                    batch: args.batch(),
                     heads,
                 };
                 let row = match args.dtype {
@@ -416,7 +617,7 @@ fn bench(args: &BenchArgs) -> Result<()> {
                         seqlen,
                         d,
                         if causal { "yes" } else { "no" },
-                        format!("{}×{}", args.batch, heads),
+                        format!("{}×{}", args.batch(), heads),
                         row.fa4_ms,
                         row.fa4_gflops,
                         opt(row.materialized_gflops, 1),

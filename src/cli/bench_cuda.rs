@@ -28,52 +28,89 @@ use fa4::{DType, Element, Error, Options, Problem, Result};
 
 /// Seed of the random inputs (the same for every shape: each shape's sizes differ anyway).
 const SEED: u64 = 7;
+/// `--tokens` when not given: the FlashAttention grid's 16k tokens per shape.
+const DEFAULT_TOKENS: usize = 16384;
+/// `--hidden` when not given: the FlashAttention grid's model width.
+const DEFAULT_HIDDEN: usize = 2048;
+/// `--calls` when not given.
+const DEFAULT_CALLS: usize = 10;
 
-/// Flags of the CUDA benchmark.
+/// Flags of the CUDA benchmark. Those with a default are `Option`s, so that `fa4 bench` can
+/// tell a flag given from one left out and refuse, by name, one that a pass would not read.
 #[derive(Args, Debug, Clone)]
 pub struct CudaBenchArgs {
     /// Shapes `D,SEQLEN,CAUSAL[,BATCH,HEADS[,KV_HEADS]]` (causal 0 or 1; batch and heads default
     /// to --tokens / SEQLEN and --hidden / D, KV heads to HEADS); repeatable [default: the
-    /// FlashAttention grid, d 64/128/256 × seqlen 1k/4k/16k × causal 0/1].
+    /// FlashAttention grid, d 64/128/256 × seqlen 1k/4k/16k × causal 0/1; with --backward,
+    /// the --seqlens × --head-dims grid].
     #[arg(long, num_args = 1.., value_name = "SHAPE")]
-    grid: Vec<String>,
-    /// Tokens per grid point (batch = tokens / seqlen).
-    #[arg(long, default_value_t = 16384)]
-    tokens: usize,
-    /// Model width (heads = hidden / head_dim).
-    #[arg(long, default_value_t = 2048)]
-    hidden: usize,
-    /// Back-to-back calls per timed round (one event pair around them; --reps is the rounds).
-    #[arg(long, default_value_t = 10)]
-    calls: usize,
+    pub grid: Vec<String>,
+    /// Tokens per grid point (batch = tokens / seqlen) [default: 16384].
+    #[arg(long)]
+    pub tokens: Option<usize>,
+    /// Model width (heads = hidden / head_dim) [default: 2048].
+    #[arg(long)]
+    pub hidden: Option<usize>,
+    /// Back-to-back calls per timed round (one event pair around them; --reps is the rounds)
+    /// [default: 10].
+    #[arg(long)]
+    pub calls: Option<usize>,
     /// Take the rounds from stdin, for a driver that interleaves libraries (`bench/grid.py`).
     #[arg(long)]
-    rounds_from_stdin: bool,
+    pub rounds_from_stdin: bool,
     /// Override the planner's tiles:
     /// `block_m,block_n,warps,m_tiles,stages,ctas_per_sm,q_in_regs(0|1),lazy_rescale(0|1)`.
     #[arg(long)]
-    tiles: Option<String>,
+    pub tiles: Option<String>,
     /// Override the Hopper planner's tiles:
     /// `block_n,consumer_wgs,stages,producer_regs,consumer_regs,lazy,overlap,pingpong,persistent,poly`.
     #[arg(long)]
-    sm90_tiles: Option<String>,
-    /// CUDA device ordinal.
-    #[arg(long, default_value_t = 0)]
-    device: usize,
-    /// Which CUDA kernel family runs the grid.
-    #[arg(long, value_enum, default_value_t = super::KernelArg::Auto)]
-    kernel: super::KernelArg,
+    pub sm90_tiles: Option<String>,
+    /// CUDA device ordinal [default: 0].
+    #[arg(long)]
+    pub device: Option<usize>,
+    /// Which CUDA kernel family runs the grid [default: auto, or what FA4_KERNEL names; with
+    /// --backward: auto, sm80 or sm90, the backward's family, unless FA4_BWD_KERNEL is set].
+    #[arg(long, value_enum)]
+    pub kernel: Option<super::KernelArg>,
+}
+
+impl CudaBenchArgs {
+    /// `--tokens`, or its default.
+    pub fn tokens(&self) -> usize {
+        self.tokens.unwrap_or(DEFAULT_TOKENS)
+    }
+    /// `--hidden`, or its default.
+    pub fn hidden(&self) -> usize {
+        self.hidden.unwrap_or(DEFAULT_HIDDEN)
+    }
+    /// `--calls`, or its default.
+    pub fn calls(&self) -> usize {
+        self.calls.unwrap_or(DEFAULT_CALLS)
+    }
+    /// `--device`, or device 0.
+    pub fn device(&self) -> usize {
+        self.device.unwrap_or(0)
+    }
+    /// The kernel choice: `--kernel` where it names a family, else `FA4_KERNEL`'s (an error
+    /// naming the variable if it names none).
+    pub fn kernel_choice(&self) -> Result<fa4::cuda::KernelChoice> {
+        match self.kernel {
+            Some(k) if k != super::KernelArg::Auto => Ok(k.into()),
+            _ => fa4::cuda::KernelChoice::from_env(),
+        }
+    }
 }
 
 /// One benchmark shape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Shape {
-    d: usize,
-    seqlen: usize,
-    causal: bool,
-    batch: usize,
-    heads: usize,
-    kv_heads: usize,
+pub struct Shape {
+    pub d: usize,
+    pub seqlen: usize,
+    pub causal: bool,
+    pub batch: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
 }
 
 /// What a shape is, printed before its times (and alone, as the ready line of
@@ -160,7 +197,9 @@ fn parse_shape(it: &str, tokens: usize, hidden: usize) -> Result<Shape> {
     })
 }
 
-fn parse_grid(items: &[String], tokens: usize, hidden: usize) -> Result<Vec<Shape>> {
+/// The shapes `--grid` names (each item's batch and heads defaulting to `tokens` / SEQLEN and
+/// `hidden` / D), or the FlashAttention grid when it names none.
+pub fn parse_grid(items: &[String], tokens: usize, hidden: usize) -> Result<Vec<Shape>> {
     if items.is_empty() {
         let mut g = Vec::new();
         for d in [64, 128, 256] {
@@ -199,25 +238,22 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
             format!("the CUDA backend computes fp16 and bf16, not {dtype}"),
         ));
     }
-    if a.calls == 0 || reps == 0 {
+    let calls = a.calls();
+    if calls == 0 || reps == 0 {
         return Err(Error::invalid("--calls/--reps", "must be ≥ 1"));
     }
-    let grid = parse_grid(&a.grid, a.tokens, a.hidden)?;
+    let grid = parse_grid(&a.grid, a.tokens(), a.hidden())?;
     let tiles = a
         .tiles
         .as_deref()
         .map(|t| super::parse_tiles("--tiles", t))
         .transpose()?;
-    a.kernel.note();
-    let cuda = CudaBackend::new(a.device)
+    a.kernel.unwrap_or_default().note();
+    let choice = a.kernel_choice()?;
+    let cuda = CudaBackend::new(a.device())
         .map_err(|e| Error::invalid("--backend", format!("cuda: {e}")))?
         .with_tiles(tiles)
-        // FA4_KERNEL sets the default; an explicit --kernel wins.
-        .with_kernel(if a.kernel == super::KernelArg::Auto {
-            fa4::cuda::KernelChoice::from_env()?
-        } else {
-            a.kernel.into()
-        })
+        .with_kernel(choice)
         .with_sm90_tiles(
             a.sm90_tiles
                 .as_deref()
@@ -243,7 +279,7 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
             "{} ({}, {} SMs), {dtype}, median of {reps} rounds of {} back-to-back calls (event pair \
              around each round); spread = interquartile range / median over rounds; per-call = one \
              call + synchronize, host clock (includes the host path)",
-            i.name, i.target, i.sm_count, a.calls
+            i.name, i.target, i.sm_count, calls
         );
         println!(
             "{:>4} {:>6} {:>5} {:>9} {:>6} {:>9} {:>7} {:>8} {:>9}  kernel",
@@ -253,8 +289,8 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
     let mut rows = Vec::new();
     for s in &grid {
         let row = match dtype {
-            DType::Bf16 => measure::<half::bf16>(&cuda, s, dtype, warmup, a.calls, reps)?,
-            _ => measure::<half::f16>(&cuda, s, dtype, warmup, a.calls, reps)?,
+            DType::Bf16 => measure::<half::bf16>(&cuda, s, dtype, warmup, calls, reps)?,
+            _ => measure::<half::f16>(&cuda, s, dtype, warmup, calls, reps)?,
         };
         if !json {
             println!(

@@ -67,18 +67,18 @@ fn report_shows_tmem_map_budget_and_verdict() {
 #[test]
 fn bad_arguments_are_one_line_and_exit_2() {
     let cases: [(&[&str], &str); 9] = [
-        (&["plan", "--depth", "0"], "depth"),
-        (&["plan", "--depth", "-4"], "depth"),
-        (&["plan", "--depth", "abc"], "depth"),
-        (&["plan", "--depth", "64", "--group", "3"], "group"),
-        (&["plan", "--depth", "64", "--group", "0"], "group"),
+        (&["plan", "--depth", "0"], "--depth"),
+        (&["plan", "--depth", "-4"], "--depth"),
+        (&["plan", "--depth", "abc"], "--depth"),
+        (&["plan", "--depth", "64", "--group", "3"], "--group"),
+        (&["plan", "--depth", "64", "--group", "0"], "--group"),
         (
             &["plan", "--depth", "64", "--num-q-heads", "0"],
-            "num_q_heads",
+            "--num-q-heads",
         ),
-        (&["plan", "--depth", "64", "--dtype", "int4"], "dtype"),
-        (&["plan", "--depth", "64", "--swizzle", "16B"], "swizzle"),
-        (&["plan"], "depth"),
+        (&["plan", "--depth", "64", "--dtype", "int4"], "--dtype"),
+        (&["plan", "--depth", "64", "--swizzle", "16B"], "--swizzle"),
+        (&["plan"], "--depth"),
     ];
     for (args, name) in cases {
         let (code, out, err) = fa4(args);
@@ -605,5 +605,274 @@ fn backward_plan_refuses_what_it_would_ignore_or_cannot_plan() {
             "{args:?}: error does not name {flag}: {err}"
         );
         assert!(!err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+/// Issue 30: `fa4 plan --depth 0` said `invalid argument \`depth\``, FA4Config's name, not the
+/// flag typed. Every form of `fa4 plan` (SM100, `--arch sm90`, `--backward`, `--decode`) names
+/// the flag as typed, `--depth`, `--num-q-heads`, …, in backticks, and no library name (`depth`,
+/// `num_q_heads`, `heads_kv`) anywhere in the line; the decode form refuses the flags it would
+/// ignore.
+#[test]
+fn every_plan_form_names_the_flag_as_typed() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["plan", "--depth", "0"], "--depth"),
+        (&["plan", "--depth", "0", "--json"], "--depth"),
+        (&["plan", "--depth", "0", "--compile"], "--depth"),
+        (
+            &["plan", "--depth", "64", "--num-q-heads", "0"],
+            "--num-q-heads",
+        ),
+        (&["plan", "--depth", "64", "--group", "0"], "--group"),
+        // The reason names the other flag as typed too.
+        (
+            &["plan", "--depth", "64", "--group", "3"],
+            "--num-q-heads 32",
+        ),
+        (
+            &[
+                "plan",
+                "--depth",
+                "64",
+                "--num-q-heads",
+                "6",
+                "--group",
+                "4",
+            ],
+            "--group",
+        ),
+        (&["plan", "--arch", "sm90", "--depth", "0"], "--depth"),
+        (
+            &["plan", "--arch", "sm90", "--depth", "64", "--seqlen", "0"],
+            "--seqlen",
+        ),
+        (&["plan", "--backward", "--depth", "0"], "--depth"),
+        (&["plan", "--backward", "--depth", "7"], "--depth"),
+        (
+            &["plan", "--backward", "--depth", "64", "--heads-q", "0"],
+            "--heads-q",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--heads-kv", "0"],
+            "--heads-kv",
+        ),
+        (
+            &["plan", "--backward", "--depth", "64", "--seqlen-k", "0"],
+            "--seqlen-k",
+        ),
+        (
+            &["plan", "--decode", "--depth", "0", "--seqlen-k", "9"],
+            "--depth",
+        ),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--depth",
+                "64",
+                "--seqlen-k",
+                "9",
+                "--heads-q",
+                "0",
+            ],
+            "--heads-q",
+        ),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--depth",
+                "64",
+                "--seqlen-k",
+                "9",
+                "--heads-kv",
+                "0",
+            ],
+            "--heads-kv",
+        ),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--depth",
+                "64",
+                "--seqlen-k",
+                "9",
+                "--heads-kv",
+                "3",
+            ],
+            "--heads-kv",
+        ),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--depth",
+                "64",
+                "--seqlen-k",
+                "9",
+                "--num-splits",
+                "0",
+            ],
+            "--num-splits",
+        ),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--depth",
+                "64",
+                "--seqlen-k",
+                "9",
+                "--page-size",
+                "0",
+            ],
+            "--page-size",
+        ),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--depth",
+                "64",
+                "--seqlen-k",
+                "9",
+                "--sms",
+                "0",
+            ],
+            "--sms",
+        ),
+        // Flags the decode plan would ignore.
+        (
+            &[
+                "plan",
+                "--decode",
+                "--depth",
+                "64",
+                "--seqlen-k",
+                "9",
+                "--num-q-heads",
+                "8",
+            ],
+            "--num-q-heads",
+        ),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--depth",
+                "64",
+                "--seqlen-k",
+                "9",
+                "--group",
+                "2",
+            ],
+            "--group",
+        ),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--depth",
+                "64",
+                "--seqlen-k",
+                "9",
+                "--seqlen",
+                "4",
+            ],
+            "--seqlen",
+        ),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--depth",
+                "64",
+                "--seqlen-k",
+                "9",
+                "--swizzle",
+                "64B",
+            ],
+            "--swizzle",
+        ),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--depth",
+                "64",
+                "--seqlen-k",
+                "9",
+                "--varlen",
+            ],
+            "--varlen",
+        ),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--depth",
+                "64",
+                "--seqlen-k",
+                "9",
+                "--compile",
+            ],
+            "--compile",
+        ),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--depth",
+                "64",
+                "--seqlen-k",
+                "9",
+                "--arch",
+                "sm90",
+            ],
+            "--arch",
+        ),
+        (
+            &[
+                "plan",
+                "--decode",
+                "--depth",
+                "64",
+                "--seqlen-k",
+                "9",
+                "--dtype",
+                "f32",
+            ],
+            "--dtype",
+        ),
+    ];
+    for &(args, needle) in cases {
+        let (code, out, err) = fa4(args);
+        assert_eq!(code, 2, "{args:?}: {out}{err}");
+        assert!(out.is_empty(), "{args:?} printed {out}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+        let named = err
+            .strip_prefix("fa4: error: invalid argument `")
+            .and_then(|rest| rest.split_once('`'))
+            .map(|(name, _)| name)
+            .unwrap_or_else(|| panic!("{args:?}: not an argument error: {err}"));
+        assert!(named.starts_with("--"), "{args:?}: names `{named}`: {err}");
+        if needle.contains(' ') {
+            assert!(err.contains(needle), "{args:?}: lacks {needle:?}: {err}");
+        } else {
+            assert_eq!(named, needle, "{args:?}: {err}");
+        }
+        for library_name in [
+            "`depth`",
+            "num_q_heads",
+            "heads_kv",
+            "heads_q",
+            "dtype_size",
+        ] {
+            assert!(
+                !err.contains(library_name),
+                "{args:?}: says {library_name}: {err}"
+            );
+        }
     }
 }

@@ -79,7 +79,7 @@ pub fn run(args: PlanArgs) -> Result<()> {
         return Err(Error::invalid(flag, "belongs to `fa4 plan --decode`"));
     }
     if args.decode.wanted() {
-        return decode_plan::run(&args);
+        return run_decode(&args);
     }
     let arch = args.arch.unwrap_or(PlanArch::Sm100);
     if matches!(arch, PlanArch::Sm80 | PlanArch::Cpu) {
@@ -115,7 +115,8 @@ pub fn run(args: PlanArgs) -> Result<()> {
         depth: args.depth,
         dtype_size: args.dtype.size_bytes(),
         swizzle_mode: args.swizzle.unwrap_or(Swizzle::B128),
-    })?;
+    })
+    .map_err(sm100_flag)?;
     let compiled = if args.compile {
         Some(compile_sm100(&args, &cfg)?)
     } else {
@@ -142,6 +143,87 @@ pub fn run(args: PlanArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// FA4Config's errors, named by the flag that set what they name (`depth` → `--depth`).
+fn sm100_flag(e: Error) -> Error {
+    match e {
+        Error::InvalidArgument { name, reason } => {
+            let flag = match name.as_str() {
+                "num_q_heads" => "--num-q-heads",
+                "group" => "--group",
+                "depth" => "--depth",
+                "dtype_size" => "--dtype",
+                "swizzle" | "swizzle_mode" => "--swizzle",
+                _ => return Error::InvalidArgument { name, reason },
+            };
+            Error::invalid(flag, reason.replace("num_q_heads", "--num-q-heads"))
+        }
+        e => e,
+    }
+}
+
+/// `fa4 plan --decode`: the split plan of `decode_plan`, after refusing the flags it would
+/// ignore.
+fn run_decode(args: &PlanArgs) -> Result<()> {
+    let refused: [(&str, bool, &str); 7] = [
+        ("--num-q-heads", args.num_q_heads.is_some(), "use --heads-q"),
+        ("--group", args.group.is_some(), "use --heads-kv"),
+        (
+            "--seqlen",
+            args.seqlen.is_some(),
+            "use --seqlen-q (and --seqlen-k)",
+        ),
+        (
+            "--swizzle",
+            args.swizzle.is_some(),
+            "the decode kernels take no TMA swizzle",
+        ),
+        (
+            "--varlen",
+            args.varlen,
+            "a decode batch is planned by its longest sequence, --seqlen-k",
+        ),
+        (
+            "--compile",
+            args.compile,
+            "compiles the SM100 forward kernel only",
+        ),
+        (
+            "--arch",
+            args.arch.is_some(),
+            "the decode plan reports the H200 and the A100 together; leave --arch out",
+        ),
+    ];
+    if let Some((flag, _, why)) = refused.into_iter().find(|r| r.1) {
+        return Err(Error::invalid(
+            flag,
+            format!("does not apply to `--decode`: {why}"),
+        ));
+    }
+    if !matches!(args.dtype, DType::Bf16 | DType::F16) {
+        return Err(Error::invalid(
+            "--dtype",
+            format!(
+                "the decode plan is the GPU kernels', for bf16 and fp16 inputs, not {}",
+                args.dtype
+            ),
+        ));
+    }
+    // The planner names `heads_kv` for a zero head count (`heads_kv 8 must … divide heads_q 0`).
+    if args.decode.shape_flags().heads_q == Some(0) {
+        return Err(Error::invalid("--heads-q", "must be at least 1"));
+    }
+    // Its reasons name the head counts as the library does; the flags set them.
+    decode_plan::run(args).map_err(|e| match e {
+        Error::InvalidArgument { name, reason } => Error::InvalidArgument {
+            name,
+            reason: reason
+                .replace("heads_kv", "--heads-kv")
+                .replace("heads_q", "--heads-q"),
+        },
+        e => e,
+    })
 }
 
 /// Compiles the SM100 kernel for the plan's depth and dtype, or says why it cannot.

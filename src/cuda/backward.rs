@@ -122,19 +122,22 @@ impl KernelSource for BwdSpec {
 
 /// The backward's inputs on the device, laid out as the problem says (`d_out` in
 /// `d_out_layout`: O's dims, its own strides); `cu_seqlens` for a varlen problem.
+///
+/// Every buffer is any cudarc device buffer (`&CudaSlice<T>` coerces), or a
+/// [`super::ForeignBuffer`] over another framework's memory.
 pub struct BwdDeviceInputs<'a, T> {
     /// Q.
-    pub q: &'a CudaSlice<T>,
+    pub q: &'a dyn DevicePtr<T>,
     /// K.
-    pub k: &'a CudaSlice<T>,
+    pub k: &'a dyn DevicePtr<T>,
     /// V.
-    pub v: &'a CudaSlice<T>,
+    pub v: &'a dyn DevicePtr<T>,
     /// The forward's O.
-    pub out: &'a CudaSlice<T>,
+    pub out: &'a dyn DevicePtr<T>,
     /// The forward's LSE (the problem's LSE layout).
-    pub lse: &'a CudaSlice<f32>,
+    pub lse: &'a dyn DevicePtr<f32>,
     /// dO.
-    pub d_out: &'a CudaSlice<T>,
+    pub d_out: &'a dyn DevicePtr<T>,
     /// dO's layout.
     pub d_out_layout: Layout,
     /// `cu_seqlens_q`, `cu_seqlens_k` (varlen problems only), equal to the problem's offsets.
@@ -145,15 +148,15 @@ pub struct BwdDeviceInputs<'a, T> {
 /// last dimension is contiguous). Every element of each layout is written.
 pub struct BwdDeviceOutputs<'a, T> {
     /// dQ.
-    pub dq: &'a mut CudaSlice<T>,
+    pub dq: &'a mut dyn DevicePtrMut<T>,
     /// dQ's layout.
     pub dq_layout: Layout,
     /// dK.
-    pub dk: &'a mut CudaSlice<T>,
+    pub dk: &'a mut dyn DevicePtrMut<T>,
     /// dK's layout.
     pub dk_layout: Layout,
     /// dV.
-    pub dv: &'a mut CudaSlice<T>,
+    pub dv: &'a mut dyn DevicePtrMut<T>,
     /// dV's layout.
     pub dv_layout: Layout,
 }
@@ -244,6 +247,32 @@ impl CudaBackend {
             }
         }
         self.backward_device_trusted(p, x, o, deterministic)
+    }
+
+    /// [`CudaBackend::backward_device`] with the varlen offsets taken from the problem itself
+    /// (uploaded once per distinct batch and reused, as
+    /// [`CudaBackend::forward_device_views`] does), so nothing is read back and the call never
+    /// waits: `x.cu_seqlens` must be `None`.
+    pub fn backward_device_views<T: Element>(
+        &self,
+        p: &Problem,
+        x: &BwdDeviceInputs<'_, T>,
+        o: &mut BwdDeviceOutputs<'_, T>,
+        deterministic: bool,
+    ) -> Result<()> {
+        if x.cu_seqlens.is_some() {
+            return Err(Error::invalid(
+                "cu_seqlens_q",
+                "backward_device_views takes the offsets from the problem; pass None",
+            ));
+        }
+        let cu = self.device_offsets(p)?;
+        let x = BwdDeviceInputs {
+            cu_seqlens: cu.as_deref().map(|(a, b)| (a, b)),
+            d_out_layout: x.d_out_layout,
+            ..*x
+        };
+        self.backward_device_trusted(p, &x, o, deterministic)
     }
 
     /// [`CudaBackend::backward_device`] with `cu_seqlens` uploaded by the crate from the

@@ -230,6 +230,12 @@ impl PagedTables {
     pub fn set_variant(&mut self, variant: DecodeVariant) {
         self.variant = variant;
     }
+    /// Whether these tables were made for `p`'s cache (page table, lengths) and query offsets,
+    /// so that a call with `p` may use them; a caller keeping tables across calls asks this
+    /// before [`CudaBackend::paged_tables`] makes new ones.
+    pub fn matches(&self, p: &PagedProblem) -> bool {
+        self.cache == *p.cache() && self.cu_q == cu_q(p)
+    }
 }
 
 impl std::fmt::Debug for PagedTables {
@@ -338,6 +344,23 @@ impl CudaBackend {
         lse: Option<&mut CudaSlice<f32>>,
         num_splits: Option<usize>,
     ) -> Result<DecodePlan> {
+        self.forward_paged_views(p, tables, q, k_cache, v_cache, out, lse, num_splits)
+    }
+
+    /// [`CudaBackend::forward_paged_device`] on device buffers of any cudarc kind, or
+    /// [`super::ForeignBuffer`]s over another framework's memory.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_paged_views<T: Element>(
+        &self,
+        p: &PagedProblem,
+        tables: &mut PagedTables,
+        q: &impl DevicePtr<T>,
+        k_cache: &impl DevicePtr<T>,
+        v_cache: &impl DevicePtr<T>,
+        out: &mut impl DevicePtrMut<T>,
+        lse: Option<&mut impl DevicePtrMut<f32>>,
+        num_splits: Option<usize>,
+    ) -> Result<DecodePlan> {
         p.check_buffers(
             T::DTYPE,
             q.len(),
@@ -346,7 +369,7 @@ impl CudaBackend {
             out.len(),
             lse.as_deref().map(|l| l.len()),
         )?;
-        if tables.cache != *p.cache() || tables.cu_q != cu_q(p) {
+        if !tables.matches(p) {
             return Err(Error::invalid(
                 "page_table",
                 "the device tables were made for another cache or query batch (call paged_tables \
@@ -522,10 +545,10 @@ impl CudaBackend {
     pub fn append_paged<T: Element>(
         &self,
         cache: &PagedCache,
-        k_cache: &mut CudaSlice<T>,
-        v_cache: &mut CudaSlice<T>,
-        k_new: &CudaSlice<T>,
-        v_new: &CudaSlice<T>,
+        k_cache: &mut impl DevicePtrMut<T>,
+        v_cache: &mut impl DevicePtrMut<T>,
+        k_new: &impl DevicePtr<T>,
+        v_new: &impl DevicePtr<T>,
         cu_new: &[i32],
     ) -> Result<Vec<i32>> {
         let t = append_targets(

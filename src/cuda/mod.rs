@@ -20,6 +20,7 @@ pub mod bench;
 pub mod compile;
 pub mod decode;
 mod external;
+pub use external::ForeignBuffer;
 pub mod family;
 mod libs;
 pub(crate) mod params;
@@ -86,6 +87,25 @@ struct Device {
     /// Held from a forward's launch to its exact fixup's (`family::ExactFixup`), which share
     /// their module's flag.
     exact_order: Mutex<()>,
+    /// Varlen offsets uploaded by the `*_views` entry points, by content: a model calls every
+    /// layer with the same batch, and a reused upload keeps those calls free of host-to-device
+    /// copies (which a CUDA graph could not capture from pageable memory).
+    offsets: Mutex<OffsetCache>,
+}
+
+/// `(cu_seqlens_q, cu_seqlens_k)` on the device.
+pub(crate) type DeviceOffsets = Arc<(CudaSlice<i32>, CudaSlice<i32>)>;
+
+/// Device copies of `(cu_seqlens_q, cu_seqlens_k)`, at most [`OffsetCache::CAP`] pairs.
+#[derive(Default)]
+struct OffsetCache {
+    entries: Vec<(Vec<i32>, Vec<i32>, DeviceOffsets)>,
+}
+
+impl OffsetCache {
+    /// Distinct batches kept; the oldest is dropped first (its buffers are freed in stream
+    /// order, after the calls that read them).
+    const CAP: usize = 16;
 }
 
 /// Whether the driver library was found (then a driver call may describe its errors).
@@ -323,6 +343,7 @@ impl CudaBackend {
                 },
                 kernels: Mutex::new(HashMap::new()),
                 exact_order: Mutex::new(()),
+                offsets: Mutex::new(OffsetCache::default()),
             }),
             overrides: Overrides::default(),
             choice: KernelChoice::from_env()?,
@@ -682,6 +703,31 @@ impl CudaBackend {
 }
 
 /// `cu_seqlens_q`, `cu_seqlens_k` of a varlen problem.
+impl CudaBackend {
+    /// A varlen problem's offsets on the device (uploaded once per distinct batch, then
+    /// reused); `None` for a fixed-length problem.
+    pub(crate) fn device_offsets(&self, p: &Problem) -> Result<Option<DeviceOffsets>> {
+        if !p.is_varlen() {
+            return Ok(None);
+        }
+        let (cq, ck) = offsets(p);
+        let mut cache = self
+            .dev
+            .offsets
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some((_, _, hit)) = cache.entries.iter().find(|(q, k, _)| *q == cq && *k == ck) {
+            return Ok(Some(hit.clone()));
+        }
+        let dev = Arc::new((self.upload_i32(&cq)?, self.upload_i32(&ck)?));
+        if cache.entries.len() >= OffsetCache::CAP {
+            cache.entries.remove(0);
+        }
+        cache.entries.push((cq, ck, dev.clone()));
+        Ok(Some(dev))
+    }
+}
+
 pub(crate) fn offsets(p: &Problem) -> (Vec<i32>, Vec<i32>) {
     let seqs = p.sequences();
     let mut cq: Vec<i32> = seqs.iter().map(|s| s.q_start as i32).collect();

@@ -1,0 +1,89 @@
+"""The CPU path for numpy arrays (and, through them, CPU torch tensors).
+
+Arrays cross to the extension as C-contiguous bytes and come back as bytearrays viewed as
+arrays (``python/src/lib.rs``, "Host data"). bfloat16 arrays are ml_dtypes' ``bfloat16``
+(what JAX and others use); float16 and float32 are numpy's own.
+"""
+
+import numpy as np
+
+from . import _fa4
+
+
+def dtype_name(name, a):
+    """fa4's name of an array's dtype, or a TypeError naming the argument."""
+    dt = np.dtype(a.dtype)
+    if dt == np.float32:
+        return "f32"
+    if dt == np.float16:
+        return "fp16"
+    if dt.name == "bfloat16":
+        return "bf16"
+    raise TypeError(f"{name}: fa4 computes float32, float16 and bfloat16, got {dt}")
+
+
+def as_f32(name, a):
+    if hasattr(a, "detach"):  # a CPU torch tensor
+        a = a.detach().cpu().numpy()
+    a = np.asarray(a)
+    if a.dtype != np.float32:
+        raise TypeError(f"{name}: expected float32, got {a.dtype}")
+    return np.ascontiguousarray(a)
+
+
+def _same_dtype(**arrays):
+    names = list(arrays)
+    first = dtype_name(names[0], arrays[names[0]])
+    for n in names[1:]:
+        if arrays[n] is not None and dtype_name(n, arrays[n]) != first:
+            raise TypeError(f"{n}: dtype {arrays[n].dtype} differs from {names[0]}'s {arrays[names[0]].dtype}")
+    return first
+
+
+def _arg(a):
+    a = np.ascontiguousarray(a)
+    return (a.tobytes(), list(a.shape))
+
+
+def _view(buf, dtype, shape):
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def forward(q, k, v, cu_q, cu_k, scale, causal, window, softcap, threads=0):
+    dt = _same_dtype(q=q, k=k, v=v)
+    o, lse = _fa4.forward_cpu(dt, _arg(q), _arg(k), _arg(v), cu_q, cu_k, bool(causal), window, scale, softcap, threads)
+    o_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    if q.ndim == 4:
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    else:
+        lse_shape = (q.shape[1], q.shape[0])
+    return _view(o, q.dtype, o_shape), _view(lse, np.float32, lse_shape)
+
+
+def backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, window, softcap, threads=0):
+    dt = _same_dtype(q=q, k=k, v=v, out=out, dout=dout)
+    lse = np.ascontiguousarray(lse, dtype=np.float32)
+    dq, dk, dv = _fa4.backward_cpu(
+        dt, _arg(q), _arg(k), _arg(v), _arg(out), lse.tobytes(), _arg(dout), cu_q, cu_k,
+        bool(causal), window, scale, softcap, threads,
+    )
+    return _view(dq, q.dtype, q.shape), _view(dk, k.dtype, k.shape), _view(dv, v.dtype, v.shape)
+
+
+def kvcache(q, k_cache, v_cache, k, v, table, seqlens, scale, causal, window, softcap, num_splits, threads=0):
+    """Returns (out, lse); with k/v the new rows are written into k_cache/v_cache in place."""
+    dt = _same_dtype(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if k is not None and not c.flags.writeable:
+            raise ValueError(f"{name}: read-only, but k and v are to be appended to it")
+    parts = _fa4.paged_cpu(
+        dt, _arg(q), _arg(k_cache), _arg(v_cache), table, seqlens,
+        None if k is None else _arg(k), None if v is None else _arg(v),
+        bool(causal), window, scale, softcap, num_splits, threads,
+    )
+    o, lse, kc, vc = parts
+    if k is not None:
+        k_cache[...] = _view(kc, k_cache.dtype, k_cache.shape)
+        v_cache[...] = _view(vc, v_cache.dtype, v_cache.shape)
+    o_shape = tuple(q.shape[:-1]) + (v_cache.shape[-1],)
+    return _view(o, q.dtype, o_shape), _view(lse, np.float32, (q.shape[0], q.shape[2], q.shape[1]))

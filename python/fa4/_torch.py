@@ -1,0 +1,282 @@
+"""fa4 as torch.library custom ops: ``fa4::fwd``, ``fa4::bwd`` and ``fa4::kvcache``.
+
+Each op has a fake (meta) implementation, so ``torch.compile`` traces it without a graph break,
+and ``fa4::fwd`` has an autograd formula (``fa4::bwd``). CUDA tensors run fa4's kernels on
+torch's current stream with no copies and no host synchronisation (varlen offsets, page tables
+and cache lengths are validated on the host: given as CPU tensors they cost nothing, as CUDA
+tensors one copy to the host). Fixed-length calls are capturable in a CUDA graph once a call
+of the same shape has run on the capturing stream (kernels are compiled and loaded then). CPU
+tensors run fa4's CPU backend.
+"""
+
+from typing import List, Optional, Tuple
+
+import torch
+
+from . import _fa4
+
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f32"}
+
+
+def _dtype(name, t):
+    try:
+        return _DTYPES[t.dtype]
+    except KeyError:
+        raise TypeError(f"{name}: fa4 computes bfloat16, float16 and float32, got {t.dtype}") from None
+
+
+def _check_same(**ts):
+    first_name, first = next(iter(ts.items()))
+    for name, t in ts.items():
+        if t is None:
+            continue
+        if t.dtype != first.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from {first_name}'s {first.dtype}")
+        if t.device != first.device:
+            raise ValueError(f"{name}: on {t.device}, {first_name} on {first.device}")
+
+
+def _dev(t):
+    """(address, shape, element strides) of a CUDA tensor whose last dimension is contiguous."""
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, (t.data_ptr(), list(t.shape), list(t.stride()))
+
+
+def _host(t):
+    """(bytes, shape) of a CPU tensor, C-contiguous."""
+    t = t.detach().contiguous()
+    raw = t.view(torch.int16) if t.element_size() == 2 else t
+    return (raw.numpy().tobytes(), list(t.shape))
+
+
+def _from_host(buf, dtype, shape):
+    return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+
+
+def _stream(t):
+    return torch.cuda.current_stream(t.device).cuda_stream
+
+
+def _index(t):
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
+
+
+def _host_list(t: Optional[torch.Tensor]) -> Optional[List[int]]:
+    return None if t is None else [int(x) for x in t.tolist()]
+
+
+def _out_shapes(q, v):
+    if q.dim() == 4:
+        b, s, h, _ = q.shape
+        return (b, s, h, v.shape[-1]), (b, h, s)
+    t, h, _ = q.shape
+    return (t, h, v.shape[-1]), (h, t)
+
+
+@torch.library.custom_op("fa4::fwd", mutates_args=())
+def _fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    _check_same(q=q, k=k, v=v)
+    dt = _dtype("q", q)
+    cq, ck = _host_list(cu_seqlens_q), _host_list(cu_seqlens_k)
+    window = (window_left, window_right)
+    o_shape, lse_shape = _out_shapes(q, v)
+    if q.is_cuda:
+        out = torch.empty(o_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        (q, qa), (k, ka), (v, va) = _dev(q), _dev(k), _dev(v)
+        _fa4.forward_cuda(
+            _index(q), _stream(q), dt, qa, ka, va, _dev(out)[1], lse.data_ptr(), cq, ck,
+            causal, window, softmax_scale, softcap,
+        )
+        return out, lse
+    o, l = _fa4.forward_cpu(dt, _host(q), _host(k), _host(v), cq, ck, causal, window, softmax_scale, softcap, 0)
+    return _from_host(o, q.dtype, o_shape), _from_host(l, torch.float32, lse_shape)
+
+
+@_fwd.register_fake
+def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right, softcap,
+              deterministic):
+    o_shape, lse_shape = _out_shapes(q, v)
+    return q.new_empty(o_shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("fa4::bwd", mutates_args=())
+def _bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    deterministic: bool,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_same(q=q, k=k, v=v, out=out, dout=dout)
+    if lse.dtype != torch.float32:
+        raise TypeError(f"softmax_lse: expected float32, got {lse.dtype}")
+    dt = _dtype("q", q)
+    cq, ck = _host_list(cu_seqlens_q), _host_list(cu_seqlens_k)
+    window = (window_left, window_right)
+    if q.is_cuda:
+        if not lse.is_cuda:
+            raise ValueError(f"softmax_lse: on {lse.device}, q on {q.device}")
+        lse = lse.contiguous()
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        (q, qa), (k, ka), (v, va), (out, oa), (dout, da) = _dev(q), _dev(k), _dev(v), _dev(out), _dev(dout)
+        _fa4.backward_cuda(
+            _index(q), _stream(q), dt, qa, ka, va, oa, lse.data_ptr(), da,
+            _dev(dq)[1], _dev(dk)[1], _dev(dv)[1], cq, ck, causal, window, softmax_scale, softcap, deterministic,
+        )
+        return dq, dk, dv
+    lse_bytes = lse.detach().contiguous().numpy().tobytes()
+    g = _fa4.backward_cpu(
+        dt, _host(q), _host(k), _host(v), _host(out), lse_bytes, _host(dout), cq, ck,
+        causal, window, softmax_scale, softcap, 0,
+    )
+    return tuple(_from_host(b, t.dtype, t.shape) for b, t in zip(g, (q, k, v)))
+
+
+@_bwd.register_fake
+def _bwd_fake(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left,
+              window_right, softcap, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _fwd_setup(ctx, inputs, output):
+    q, k, v, cu_q, cu_k, scale, causal, wl, wr, softcap, det = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k)
+    ctx.opts = (scale, causal, wl, wr, softcap, det)
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, dout, dlse):
+    q, k, v, out, lse, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = _bwd(dout.contiguous() if dout.stride(-1) != 1 else dout, q, k, v, out, lse, cu_q, cu_k, *ctx.opts)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd("fa4::fwd", _fwd_backward, setup_context=_fwd_setup)
+
+
+@torch.library.custom_op("fa4::kvcache", mutates_args=("k_cache", "v_cache"))
+def _kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_new: Optional[torch.Tensor],
+    v_new: Optional[torch.Tensor],
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    _check_same(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new)
+    dt = _dtype("q", q)
+    window = (window_left, window_right)
+    b, s, h, _ = q.shape
+    o_shape, lse_shape = (b, s, h, v_cache.shape[-1]), (b, h, s)
+    if block_table.dim() != 2 or block_table.shape[0] != b:
+        raise ValueError(f"block_table: expected ({b}, max_blocks), got shape {tuple(block_table.shape)}")
+    if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != b:
+        raise ValueError(f"cache_seqlens: expected ({b},), got shape {tuple(cache_seqlens.shape)}")
+    table = ([int(x) for x in block_table.reshape(-1).tolist()], block_table.shape[1])
+    cache_seqlens = _host_list(cache_seqlens)
+    if q.is_cuda:
+        out = torch.empty(o_shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+            if c.stride(-1) != 1:
+                raise ValueError(f"{name}: its last dimension must be contiguous")
+        new = [None, None]
+        for i, t in enumerate((k_new, v_new)):
+            if t is not None:
+                new[i] = _dev(t.contiguous())[1]
+        (q, qa) = _dev(q)
+        _fa4.paged_cuda(
+            _index(q), _stream(q), dt, qa, _dev(k_cache)[1], _dev(v_cache)[1], _dev(out)[1], lse.data_ptr(),
+            table, cache_seqlens, new[0], new[1], causal, window, softmax_scale, softcap, num_splits,
+        )
+        return out, lse
+    parts = _fa4.paged_cpu(
+        dt, _host(q), _host(k_cache), _host(v_cache), table, cache_seqlens,
+        None if k_new is None else _host(k_new), None if v_new is None else _host(v_new),
+        causal, window, softmax_scale, softcap, num_splits, 0,
+    )
+    o, l, kc, vc = parts
+    if k_new is not None:
+        k_cache.copy_(_from_host(kc, k_cache.dtype, k_cache.shape))
+        v_cache.copy_(_from_host(vc, v_cache.dtype, v_cache.shape))
+    return _from_host(o, q.dtype, o_shape), _from_host(l, torch.float32, lse_shape)
+
+
+@_kvcache.register_fake
+def _kvcache_fake(q, k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, softmax_scale,
+                  causal, window_left, window_right, softcap, num_splits):
+    b, s, h, _ = q.shape
+    return q.new_empty((b, s, h, v_cache.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+def _cu(name, t):
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        t = torch.as_tensor(t, dtype=torch.int32)
+    if t.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"{name}: expected an int32 tensor, got {t.dtype}")
+    return t
+
+
+def forward(q, k, v, cu_q, cu_k, scale, causal, window, softcap, deterministic):
+    return _fwd(q, k, v, _cu("cu_seqlens_q", cu_q), _cu("cu_seqlens_k", cu_k), float(scale), bool(causal),
+                window[0], window[1], float(softcap), deterministic)
+
+
+def backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, window, softcap, deterministic):
+    return _bwd(dout, q, k, v, out, lse, _cu("cu_seqlens_q", cu_q), _cu("cu_seqlens_k", cu_k), float(scale),
+                bool(causal), window[0], window[1], float(softcap), deterministic)
+
+
+def kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, scale, causal, window, softcap, num_splits):
+    b = q.shape[0]
+    if block_table is None:
+        if k_cache.shape[0] != b:
+            raise ValueError(f"k_cache: a contiguous cache has one row per sequence ({b}), got {k_cache.shape[0]}")
+        block_table = torch.arange(b, dtype=torch.int32).view(b, 1)
+    elif not isinstance(block_table, torch.Tensor):
+        block_table = torch.as_tensor(block_table, dtype=torch.int32)
+    if block_table.dtype.is_floating_point:
+        raise TypeError(f"block_table: expected an int32 tensor, got {block_table.dtype}")
+    if cache_seqlens is None:
+        cache_seqlens = torch.full((b,), k_cache.shape[1] * block_table.shape[-1], dtype=torch.int32)
+    elif isinstance(cache_seqlens, int):
+        cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32)
+    elif not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.as_tensor(cache_seqlens, dtype=torch.int32)
+    if cache_seqlens.dtype.is_floating_point:
+        raise TypeError(f"cache_seqlens: expected an int32 tensor, got {cache_seqlens.dtype}")
+    return _kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, float(scale), bool(causal),
+                    window[0], window[1], float(softcap), num_splits)

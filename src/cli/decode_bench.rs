@@ -13,8 +13,9 @@
 //! inputs uploaded into enough copies that a round's calls read more than 400 MB (past the L2),
 //! one event pair around 10 back-to-back calls per round on rotating copies, the median of
 //! `--reps` rounds after `--warmup` calls, TB/s of K and V read; the output is cross-checked
-//! against the CPU backend (max |O_gpu − O_cpu|). The peers (cuDNN, FlashAttention-2) are timed
-//! in Python, interleaved with fa4 round by round: `bench/decode_peers.py`.
+//! against the CPU backend (max |O_gpu − O_cpu|). fa4 beside its peers (cuDNN,
+//! FlashAttention-2 and -3, FlashAttention-4), in one process on the same tensors:
+//! `bench/peers.py decode`.
 //!
 //! [`PagedCache::kv_bytes`]: fa4::paged::PagedCache::kv_bytes
 
@@ -305,7 +306,7 @@ fn run_cuda(
         println!(
             "fa4 bench --decode --backend cuda: {}, {}, page {ps}, seqlen_q {sq}{}, heads \
              {hq}/{hkv}, d {d}; median of {} rounds of {GPU_CALLS} calls after {} warm-up calls, \
-             caches rotated past the L2; TB/s = K+V bytes / time; peers: bench/decode_peers.py",
+             caches rotated past the L2; TB/s = K+V bytes / time; peers: bench/peers.py decode",
             args.dtype,
             cuda.info().name,
             if sq > 1 { " causal" } else { "" },

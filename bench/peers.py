@@ -1013,10 +1013,13 @@ class Runner:
                 name, _, page = col.partition("@")
                 fam = m.family(name)
                 if fam == "fa4":
+                    # fa4 validates the table on the host: given on the CPU (its documented form) it
+                    # costs no synchronisation; a CUDA table would be copied back every call.
                     p = int(page)
+                    table_h, seqlens_h = tables_[p].cpu(), seqlens.cpu()
                     return rotating(pools, lambda kv: m.fa4.flash_attn_with_kvcache(
-                        q, kv[0].view(-1, p, hkv, d), kv[1].view(-1, p, hkv, d), cache_seqlens=seqlens,
-                        block_table=tables_[p]))
+                        q, kv[0].view(-1, p, hkv, d), kv[1].view(-1, p, hkv, d), cache_seqlens=seqlens_h,
+                        block_table=table_h))
                 if fam == "fa4cute":
                     p = int(page)
                     return rotating(pools, lambda kv: first(m.fa4cute.flash_attn_varlen_func(

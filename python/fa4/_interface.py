@@ -245,14 +245,16 @@ def flash_attn_with_kvcache(
             raise ValueError(
                 f"k_cache: a contiguous cache has one row per sequence ({batch}), got {k_cache.shape[0]}"
             )
-        table, max_blocks = list(range(batch)), 1
+        table, max_blocks = np.arange(batch, dtype=np.int32).tobytes(), 1
     else:
         bt = np.asarray(block_table)
         if bt.ndim != 2 or not np.issubdtype(bt.dtype, np.integer):
             raise TypeError(f"block_table: expected a 2-D integer array, got {bt.dtype} of shape {bt.shape}")
         if bt.shape[0] != batch:
             raise ValueError(f"block_table: {bt.shape[0]} rows for a batch of {batch}")
-        table, max_blocks = [int(x) for x in bt.reshape(-1)], bt.shape[1]
+        if bt.dtype != np.int32 and bt.size and (int(bt.max()) >= 2**31 or int(bt.min()) < -(2**31)):
+            raise ValueError("block_table: entries beyond int32")
+        table, max_blocks = np.ascontiguousarray(bt, dtype=np.int32).tobytes(), bt.shape[1]
     if cache_seqlens is None:
         seqlens = [k_cache.shape[1] * max_blocks] * batch
     elif isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):

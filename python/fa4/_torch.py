@@ -203,7 +203,11 @@ def _kvcache(
         raise ValueError(f"block_table: expected ({b}, max_blocks), got shape {tuple(block_table.shape)}")
     if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != b:
         raise ValueError(f"cache_seqlens: expected ({b},), got shape {tuple(cache_seqlens.shape)}")
-    table = ([int(x) for x in block_table.reshape(-1).tolist()], block_table.shape[1])
+    # As int32 bytes: a Python list of a long table costs milliseconds a call.
+    bt = block_table.to("cpu")
+    if bt.dtype != torch.int32 and bt.numel() and (int(bt.max()) >= 2**31 or int(bt.min()) < -(2**31)):
+        raise ValueError("block_table: entries beyond int32")
+    table = (bt.to(torch.int32).contiguous().numpy().tobytes(), block_table.shape[1])
     cache_seqlens = _host_list(cache_seqlens)
     if q.is_cuda:
         out = torch.empty(o_shape, dtype=q.dtype, device=q.device)

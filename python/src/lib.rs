@@ -29,7 +29,7 @@ use fa4::{Backend, DType, Element, Mask, Options, Problem, Tensor, TensorMut};
 use half::{bf16, f16};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyByteArray;
+use pyo3::types::{PyByteArray, PyBytes};
 
 /// A `fa4::Error` as a Python exception: bad arguments are `ValueError`s that name the
 /// argument (the crate's message starts with it); CUDA and compile failures `RuntimeError`s.
@@ -105,7 +105,7 @@ fn rename_window(m: Mask) -> Mask {
 }
 
 /// Host bytes as elements (little-endian, as every platform fa4 runs on).
-fn elems<T: Element + FromBits>(name: &str, b: &[u8], want: usize) -> PyResult<Vec<T>> {
+fn elems<T: FromBits>(name: &str, b: &[u8], want: usize) -> PyResult<Vec<T>> {
     let size = std::mem::size_of::<T>();
     if b.len() != want * size {
         return Err(PyValueError::new_err(format!(
@@ -216,9 +216,9 @@ macro_rules! by_dtype {
 fn forward_cpu<'py>(
     py: Python<'py>,
     dtype: &str,
-    q: (Vec<u8>, Vec<usize>),
-    k: (Vec<u8>, Vec<usize>),
-    v: (Vec<u8>, Vec<usize>),
+    q: (Bound<'py, PyBytes>, Vec<usize>),
+    k: (Bound<'py, PyBytes>, Vec<usize>),
+    v: (Bound<'py, PyBytes>, Vec<usize>),
     cu_seqlens_q: Option<Vec<i32>>,
     cu_seqlens_k: Option<Vec<i32>>,
     causal: bool,
@@ -230,9 +230,9 @@ fn forward_cpu<'py>(
     let dt = dtype_of(dtype)?;
     let opts = options(causal, window, scale, softcap)?;
     let (o_bytes, lse_bytes) = by_dtype!(dt, T => {
-        let qd: Vec<T> = elems("q", &q.0, numel(&q.1))?;
-        let kd: Vec<T> = elems("k", &k.0, numel(&k.1))?;
-        let vd: Vec<T> = elems("v", &v.0, numel(&v.1))?;
+        let qd: Vec<T> = elems("q", q.0.as_bytes(), numel(&q.1))?;
+        let kd: Vec<T> = elems("k", k.0.as_bytes(), numel(&k.1))?;
+        let vd: Vec<T> = elems("v", v.0.as_bytes(), numel(&v.1))?;
         let mut o_shape = q.1.clone();
         if let (Some(last), Some(dv)) = (o_shape.last_mut(), v.1.last()) {
             *last = *dv;
@@ -269,12 +269,12 @@ fn forward_cpu<'py>(
 fn backward_cpu<'py>(
     py: Python<'py>,
     dtype: &str,
-    q: (Vec<u8>, Vec<usize>),
-    k: (Vec<u8>, Vec<usize>),
-    v: (Vec<u8>, Vec<usize>),
-    out: (Vec<u8>, Vec<usize>),
-    lse: Vec<u8>,
-    d_out: (Vec<u8>, Vec<usize>),
+    q: (Bound<'py, PyBytes>, Vec<usize>),
+    k: (Bound<'py, PyBytes>, Vec<usize>),
+    v: (Bound<'py, PyBytes>, Vec<usize>),
+    out: (Bound<'py, PyBytes>, Vec<usize>),
+    lse: Bound<'py, PyBytes>,
+    d_out: (Bound<'py, PyBytes>, Vec<usize>),
     cu_seqlens_q: Option<Vec<i32>>,
     cu_seqlens_k: Option<Vec<i32>>,
     causal: bool,
@@ -290,12 +290,12 @@ fn backward_cpu<'py>(
     let dt = dtype_of(dtype)?;
     let opts: BackwardOptions = options(causal, window, scale, softcap)?.into();
     let grads = by_dtype!(dt, T => {
-        let qd: Vec<T> = elems("q", &q.0, numel(&q.1))?;
-        let kd: Vec<T> = elems("k", &k.0, numel(&k.1))?;
-        let vd: Vec<T> = elems("v", &v.0, numel(&v.1))?;
-        let od: Vec<T> = elems("out", &out.0, numel(&out.1))?;
-        let dod: Vec<T> = elems("dout", &d_out.0, numel(&d_out.1))?;
-        let lsed: Vec<f32> = elems("softmax_lse", &lse, lse.len() / 4)?;
+        let qd: Vec<T> = elems("q", q.0.as_bytes(), numel(&q.1))?;
+        let kd: Vec<T> = elems("k", k.0.as_bytes(), numel(&k.1))?;
+        let vd: Vec<T> = elems("v", v.0.as_bytes(), numel(&v.1))?;
+        let od: Vec<T> = elems("out", out.0.as_bytes(), numel(&out.1))?;
+        let dod: Vec<T> = elems("dout", d_out.0.as_bytes(), numel(&d_out.1))?;
+        let lsed: Vec<f32> = elems("softmax_lse", lse.as_bytes(), lse.as_bytes().len() / 4)?;
         let mut dq = vec![T::default(); qd.len()];
         let mut dk = vec![T::default(); kd.len()];
         let mut dv = vec![T::default(); vd.len()];
@@ -337,13 +337,13 @@ fn backward_cpu<'py>(
 fn paged_cpu<'py>(
     py: Python<'py>,
     dtype: &str,
-    q: (Vec<u8>, Vec<usize>),
-    k_cache: (Vec<u8>, Vec<usize>),
-    v_cache: (Vec<u8>, Vec<usize>),
-    block_table: (Vec<i32>, usize),
+    q: (Bound<'py, PyBytes>, Vec<usize>),
+    k_cache: (Bound<'py, PyBytes>, Vec<usize>),
+    v_cache: (Bound<'py, PyBytes>, Vec<usize>),
+    block_table: (Bound<'py, PyBytes>, usize),
     cache_seqlens: Vec<i32>,
-    k_new: Option<(Vec<u8>, Vec<usize>)>,
-    v_new: Option<(Vec<u8>, Vec<usize>)>,
+    k_new: Option<(Bound<'py, PyBytes>, Vec<usize>)>,
+    v_new: Option<(Bound<'py, PyBytes>, Vec<usize>)>,
     causal: bool,
     window: (i64, i64),
     scale: Option<f32>,
@@ -357,14 +357,20 @@ fn paged_cpu<'py>(
     if num_splits > 0 {
         popts = popts.num_splits(num_splits);
     }
+    let table: Vec<i32> = elems(
+        "block_table",
+        block_table.0.as_bytes(),
+        block_table.0.as_bytes().len() / 4,
+    )?;
+    let block_table = (table, block_table.1);
     let parts = by_dtype!(dt, T => {
-        let qd: Vec<T> = elems("q", &q.0, numel(&q.1))?;
-        let mut kc: Vec<T> = elems("k_cache", &k_cache.0, numel(&k_cache.1))?;
-        let mut vc: Vec<T> = elems("v_cache", &v_cache.0, numel(&v_cache.1))?;
+        let qd: Vec<T> = elems("q", q.0.as_bytes(), numel(&q.1))?;
+        let mut kc: Vec<T> = elems("k_cache", k_cache.0.as_bytes(), numel(&k_cache.1))?;
+        let mut vc: Vec<T> = elems("v_cache", v_cache.0.as_bytes(), numel(&v_cache.1))?;
         let appended = match (&k_new, &v_new) {
             (Some(kn), Some(vn)) => Some((
-                elems::<T>("k", &kn.0, numel(&kn.1))?,
-                elems::<T>("v", &vn.0, numel(&vn.1))?,
+                elems::<T>("k", kn.0.as_bytes(), numel(&kn.1))?,
+                elems::<T>("v", vn.0.as_bytes(), numel(&vn.1))?,
                 kn.1.clone(),
             )),
             (None, None) => None,
@@ -421,14 +427,18 @@ fn new_rows(shape: &[usize]) -> fa4::Result<(usize, usize)> {
 #[pyfunction]
 fn combine<'py>(
     py: Python<'py>,
-    o_parts: Vec<u8>,
-    lse_parts: Vec<u8>,
+    o_parts: Bound<'py, PyBytes>,
+    lse_parts: Bound<'py, PyBytes>,
     n_splits: usize,
     rows: usize,
     dv: usize,
 ) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyByteArray>)> {
-    let o: Vec<f32> = elems("o_parts", &o_parts, o_parts.len() / 4)?;
-    let l: Vec<f32> = elems("lse_parts", &lse_parts, lse_parts.len() / 4)?;
+    let o: Vec<f32> = elems("o_parts", o_parts.as_bytes(), o_parts.as_bytes().len() / 4)?;
+    let l: Vec<f32> = elems(
+        "lse_parts",
+        lse_parts.as_bytes(),
+        lse_parts.as_bytes().len() / 4,
+    )?;
     let parts = fa4::combine::Partials::new(&o, &l, n_splits, rows, dv).map_err(py_err)?;
     let mut out = vec![0f32; rows * dv];
     let mut lse = vec![0f32; rows];
@@ -719,8 +729,8 @@ fn bwd_dev<T: Element>(
 #[pyfunction]
 #[pyo3(signature = (device, stream, dtype, q, k_cache, v_cache, out, lse, block_table, cache_seqlens, k_new, v_new, causal, window, scale, softcap, num_splits))]
 #[allow(clippy::too_many_arguments)]
-fn paged_cuda(
-    py: Python<'_>,
+fn paged_cuda<'py>(
+    py: Python<'py>,
     device: usize,
     stream: u64,
     dtype: &str,
@@ -729,7 +739,7 @@ fn paged_cuda(
     v_cache: DevArg,
     out: DevArg,
     lse: u64,
-    block_table: (Vec<i32>, usize),
+    block_table: (Bound<'py, PyBytes>, usize),
     cache_seqlens: Vec<i32>,
     k_new: Option<DevArg>,
     v_new: Option<DevArg>,
@@ -742,6 +752,12 @@ fn paged_cuda(
     let dt = dtype_of(dtype)?;
     let opts = options(causal, window, scale, softcap)?;
     let splits = (num_splits > 0).then_some(num_splits);
+    let table: Vec<i32> = elems(
+        "block_table",
+        block_table.0.as_bytes(),
+        block_table.0.as_bytes().len() / 4,
+    )?;
+    let block_table = (table, block_table.1);
     py.detach(|| {
         with_backend(device, stream, |sb| {
             let a = PagedArgs {

@@ -1,12 +1,12 @@
 //! `fa4 bench --backend cuda`: TFLOP/s of the CUDA backend, by default on the FlashAttention
 //! grid (16k tokens, hidden 2048: batch = 16384 / seqlen, heads = 2048 / head_dim).
 //!
-//! Method (the one `bench/grid.py` applies to the peers, docs/perf.md): `--warmup` untimed
+//! Method (the one `bench/peers.py` applies to every library, docs/perf.md): `--warmup` untimed
 //! calls, then `--reps` rounds of `--calls` back-to-back calls between one pair of CUDA events;
 //! per call, the median round and the spread between rounds (interquartile range / median).
 //! The per-call column is one call and a synchronize between host clock reads, so it includes
 //! the host launch path. FLOPs come from `Problem::flops` (4·b·h·sq·sk·d, halved for causal),
-//! which `--json` prints so that `bench/grid.py` uses the same count for every library.
+//! which `--json` prints, the count `bench/peers.py` also uses.
 //!
 //! `--rounds-from-stdin` hands the rounds to a driver: per shape it prints one JSON line when
 //! the inputs are on the device and warmed up, then answers each line it reads:
@@ -14,7 +14,8 @@
 //! - `call`: one synchronised call after an untimed one, host clock, `{"ms": …}`;
 //! - `next`: on to the next shape.
 //!
-//! `bench/grid.py` uses it to interleave fa4's rounds with the peers'.
+//! A driver in another process can so interleave fa4's rounds with its own; `bench/peers.py`
+//! times fa4 in its own process instead, through the Python package.
 
 use std::io::BufRead;
 
@@ -55,7 +56,7 @@ pub struct CudaBenchArgs {
     /// [default: 10].
     #[arg(long)]
     pub calls: Option<usize>,
-    /// Take the rounds from stdin, for a driver that interleaves libraries (`bench/grid.py`).
+    /// Take the rounds from stdin, for a driver in another process that interleaves libraries.
     #[arg(long)]
     pub rounds_from_stdin: bool,
     /// Override the planner's tiles:

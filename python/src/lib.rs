@@ -507,6 +507,14 @@ fn with_backend<R>(
     f(&mut all[i])
 }
 
+/// The CUDA kernels' refusal of a dtype they do not compute.
+fn not_on_cuda(dt: DType) -> fa4::Error {
+    fa4::Error::invalid(
+        "q",
+        format!("the CUDA kernels compute bfloat16 and float16, got {dt}"),
+    )
+}
+
 /// A device tensor from Python: address, shape, element strides.
 type DevArg = (u64, Vec<usize>, Vec<usize>);
 
@@ -576,10 +584,7 @@ fn forward_cuda(
             match dt {
                 DType::Bf16 => fwd_dev::<bf16>(&sb.cuda, &p, &q, &k, &v, &out, lse, lse_len),
                 DType::F16 => fwd_dev::<f16>(&sb.cuda, &p, &q, &k, &v, &out, lse, lse_len),
-                _ => Err(fa4::Error::invalid(
-                    "q",
-                    format!("the CUDA kernels compute bfloat16 and float16, got {dt}"),
-                )),
+                _ => Err(not_on_cuda(dt)),
             }
         })
     })
@@ -659,10 +664,7 @@ fn backward_cuda(
             match dt {
                 DType::Bf16 => bwd_dev::<bf16>(&sb.cuda, &p, &args, deterministic),
                 DType::F16 => bwd_dev::<f16>(&sb.cuda, &p, &args, deterministic),
-                _ => Err(fa4::Error::invalid(
-                    "q",
-                    format!("the CUDA kernels compute bfloat16 and float16, got {dt}"),
-                )),
+                _ => Err(not_on_cuda(dt)),
             }
         })
     })
@@ -777,10 +779,7 @@ fn paged_cuda<'py>(
             match dt {
                 DType::Bf16 => paged_dev::<bf16>(sb, &a, &opts, splits),
                 DType::F16 => paged_dev::<f16>(sb, &a, &opts, splits),
-                _ => Err(fa4::Error::invalid(
-                    "q",
-                    format!("the CUDA kernels compute bfloat16 and float16, got {dt}"),
-                )),
+                _ => Err(not_on_cuda(dt)),
             }
         })
     })

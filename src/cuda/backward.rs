@@ -269,7 +269,6 @@ impl CudaBackend {
         let cu = self.device_offsets(p)?;
         let x = BwdDeviceInputs {
             cu_seqlens: cu.as_deref().map(|(a, b)| (a, b)),
-            d_out_layout: x.d_out_layout,
             ..*x
         };
         self.backward_device_trusted(p, &x, o, deterministic)

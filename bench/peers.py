@@ -713,8 +713,8 @@ def fwd_fn(m, lib, case):
     F = m.F
     if case.varlen:
         if lib == "fa4":
-            return lambda s: first(m.fa4.flash_attn_varlen_func(s["q"], s["k"], s["v"], s["cu"], s["cu"], s["max"], s["max"],
-                                                                causal=c))
+            return lambda s: first(m.fa4.flash_attn_varlen_func(s["q"], s["k"], s["v"], s["cu_host"], s["cu_host"],
+                                                                s["max"], s["max"], causal=c))
         if lib == "fa3":
             return lambda s: first(m.fa3.flash_attn_varlen_func(s["q"], s["k"], s["v"], s["cu"], s["cu"], s["max"], s["max"],
                                                                 causal=c))
@@ -752,6 +752,9 @@ def make_sets(m, case, n, grad):
             for q, _ in case.seqs:
                 cu.append(cu[-1] + q)
             s["cu"] = t.tensor(cu, device="cuda", dtype=t.int32)
+            # fa4 validates offsets on the host: its documented form, CPU tensors, costs no
+            # synchronisation (CUDA ones are copied back every call).
+            s["cu_host"] = s["cu"].cpu()
             s["max"] = case.seqlen_q
         else:
             b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k

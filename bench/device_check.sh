@@ -36,7 +36,8 @@
 #   FA4_CHECK_FAMILIES   sanitized families (default `sm80 sm90 decode backward`; also
 #                        `bwd-sm90`: five Hopper backward problems, three of them walking more
 #                        steps than the ring has stages; `sm90-tiles`: the Hopper forward's
-#                        longest-first, TMA-store and cross-tile switches; `none`).
+#                        longest-first, TMA-store and cross-tile switches; `sm90-dims`: the
+#                        Hopper forward at head dims off 64/128/256 and d_v < d_qk; `none`).
 #                        FA4_BWD_SM90_CTAS=N, when set, makes the Hopper backward's persistent
 #                        CTAs walk several tiles each.
 #   FA4_CHECK_TOOLS      sanitizer tools (default memcheck racecheck synccheck)
@@ -162,11 +163,18 @@ cpu_lane() {
 # that the combine runs; bwd-sm90 (from the Hopper backward's first checks, 2026-12-01): GQA
 # 150×190, window and softcap, and three that reuse the ring's stages (200 causal, 256, 200
 # causal GQA); sm90-tiles: d128, 64 sequences of 300 × 2 heads, causal, 384 tiles on 132
-# persistent CTAs, the last query block partial (the TMA store clips).
+# persistent CTAs, the last query block partial (the TMA store clips); sm90-dims: head dims
+# narrower than their tiles (d40, d80: slab maps, zero-filled columns, clipped stores), d192, and
+# V narrower than Q/K (192/128 with its own tiles, 96/64 padded to 128/64).
 san_cases() {
     cat <<'EOF'
 sm80|sm80|FA4_KERNEL=sm80|run --backend cuda --dtype bf16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 4 --heads-kv 2 --head-dim 96 --causal
 sm90|sm90|FA4_KERNEL=sm90|run --backend cuda --dtype bf16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 4 --heads-kv 2 --head-dim 128 --causal
+sm90-dims|sm90-d80|FA4_KERNEL=sm90|run --backend cuda --dtype bf16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 4 --heads-kv 2 --head-dim 80 --causal
+sm90-dims|sm90-d40|FA4_KERNEL=sm90|run --backend cuda --dtype fp16 --batch 2 --seqlen-q 300 --seqlen-k 200 --heads-q 4 --heads-kv 1 --head-dim 40
+sm90-dims|sm90-d192|FA4_KERNEL=sm90|run --backend cuda --dtype bf16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 4 --heads-kv 2 --head-dim 192 --causal
+sm90-dims|sm90-d192-v128|FA4_KERNEL=sm90|run --backend cuda --dtype bf16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 4 --heads-kv 2 --head-dim 192 --head-dim-v 128 --causal
+sm90-dims|sm90-d96-v64|FA4_KERNEL=sm90|run --backend cuda --dtype fp16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 2 --heads-kv 2 --head-dim 96 --head-dim-v 64
 decode|decode|FA4_KERNEL=auto|run --backend cuda --paged --num-splits 3 --dtype fp16 --batch 4 --seqlen-k 700 --heads-q 8 --heads-kv 2 --head-dim 128
 backward|backward|FA4_KERNEL=auto|run --backend cuda --backward --dtype bf16 --batch 1 --seqlen-q 200 --seqlen-k 200 --heads-q 2 --head-dim 64 --causal
 bwd-sm90|bwd-sm90-d64-gqa|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype bf16 --batch 2 --seqlen-q 150 --seqlen-k 190 --heads-q 4 --heads-kv 2 --head-dim 64 --causal
@@ -199,7 +207,7 @@ san_lane() {
     local fam name envs args plain t0 rc secs tool
     mkdir -p "$out/sanitize"
     for fam in $families; do
-        san_cases | grep -q "^$fam|" || { note san "sanitize $fam" FAIL 0 "unknown family (sm80 sm90 decode backward bwd-sm90 sm90-tiles)"; continue; }
+        san_cases | grep -q "^$fam|" || { note san "sanitize $fam" FAIL 0 "unknown family (sm80 sm90 decode backward bwd-sm90 sm90-tiles sm90-dims)"; continue; }
         while IFS='|' read -r _ name envs args; do
             plain=$out/sanitize/$name-plain.txt
             t0=$(date +%s)

@@ -5,7 +5,7 @@ on one stream (PyTorch's current stream).
 Passes:
     fwd      the FlashAttention grid: bf16, 16k tokens (batch = 16384 / seqlen), hidden 2048
              (heads = 2048 / d), d 64/128/256, seqlen 1k/4k/16k, causal and not;
-             --head-dims: d 32/80/96/112/160/192 and d_qk 192 / d_v 128 at batch 4 × 4096,
+             --head-dims: d 32/40/80/96/112/160/192 and d_qk 192 / d_v 128 at batch 4 × 4096,
                heads = 2048 // d (table fwd_headdims);
              --gqa: 32 query / 8 KV heads, d128, causal, 2k/4k/8k (fwd_gqa);
              --varlen: ragged lengths drawn from --seed (mean 2k, 1..8k keys, 16k tokens in
@@ -101,7 +101,7 @@ import warnings
 TOKENS, HIDDEN = 16384, 2048
 GRID_DIMS = (64, 128, 256)
 GRID_SEQLENS = (1024, 4096, 16384)
-HEADDIMS = (32, 80, 96, 112, 160, 192)
+HEADDIMS = (32, 40, 80, 96, 112, 160, 192)
 DV_CASES = ((192, 128),)  # (d_qk, d_v): DeepSeek's shape, which FA3 and FA4-CuTe run
 HEADDIM_BATCH, HEADDIM_SEQLEN = 4, 4096
 GQA_HEADS, GQA_D, GQA_SEQLENS = (32, 8), 128, (2048, 4096, 8192)

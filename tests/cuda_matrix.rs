@@ -305,8 +305,9 @@ fn two_mma_tiles_per_warp_match_the_oracle() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// The Hopper kernel, forced, on every matrix case it covers (fixed-length batches, positive
-/// scale, head dims 64/128/256; `config::sm90::uncovered` names the rest, which are listed),
+/// The Hopper kernel, forced, on every matrix case it covers (positive scale, head dims that are
+/// multiples of 8 up to 256, padded to tiles of 64/128/192/256 columns, and V narrower than Q/K:
+/// 192/128, 96/64; `config::sm90::uncovered` names the rest, which are listed),
 /// with the planner's first-choice tiles per head dim (`config::sm90::tiles`; the tiles it picks
 /// per sequence length, `tiles_for`, run through the dispatcher in
 /// `cuda_backend_passes_the_matrix`). Runs on Hopper GPUs; elsewhere it says why it was skipped.
@@ -316,7 +317,7 @@ fn hopper_kernel_matches_the_oracle() {
     let Some(cuda) = hopper("hopper_kernel_matches_the_oracle") else {
         return;
     };
-    hopper_matrix(&cuda, "first-choice tiles", |_| {});
+    hopper_matrix(&cuda, "first-choice tiles", &every_head_dim(), |_| {});
 }
 
 /// Every planner switch of the Hopper kernel, alone and together, on the same cases: the
@@ -330,7 +331,8 @@ type Switch = fn(&mut fa4::config::sm90::Tiles);
 /// Runs [`hopper_matrix`] with `switch` on a Hopper GPU (skipped, and said so, elsewhere).
 fn hopper_switch(test: &str, switch: Switch) {
     if let Some(cuda) = hopper(test) {
-        hopper_matrix(&cuda, test, switch);
+        let cases = matrix(&[DType::F16, DType::Bf16], &[64, 96, 128, 256]);
+        hopper_matrix(&cuda, test, &cases, switch);
     }
 }
 
@@ -448,20 +450,56 @@ fn hopper_switch_two_consumer_warpgroups_match_the_oracle() {
     });
 }
 
+/// The matrix at every head dim the Hopper kernel pads differently (8 to 256: within a 64-column
+/// slab, a whole slab, a slab and a part, …), fp16 and bf16, and with V narrower than Q/K: the
+/// MLA prefill shape 192/128 and 96/64 (a V width without its own tiles).
+fn every_head_dim() -> Vec<fa4::check::Case> {
+    let dtypes = [DType::F16, DType::Bf16];
+    let mut cases = matrix(&dtypes, &[8, 32, 40, 64, 80, 96, 112, 128, 160, 192, 224, 256]);
+    for (d, dv) in [(192, 128), (96, 64)] {
+        cases.extend(matrix(&dtypes, &[d]).into_iter().map(|c| fa4::check::Case {
+            head_dim_v: dv,
+            ..c
+        }));
+    }
+    cases
+}
+
+/// The padded tile widths and slab-map flags the planner gives a case's head dims.
+fn hopper_dims(d: usize, dv: usize) -> (fa4::config::sm90::Dims, bool, bool) {
+    let pad = |x| fa4::config::sm90::padded_head_dim(x).expect("a multiple of 8 up to 256");
+    let dims = fa4::config::sm90::Dims {
+        qk: pad(d),
+        v: pad(dv),
+    };
+    (dims, d != dims.qk, dv != dims.v)
+}
+
 /// Compiles, in parallel, every Hopper variant the matrix cases can plan with the planner's
-/// tiles changed by `switch` (dtype × head dim × window × softcap × varlen), into the disk
-/// cache the backend then loads them from. A variant no case plans costs a compile, not a
-/// result; one a case plans that is missing here is compiled at its launch, as without this.
-fn precompile_hopper(cuda: &CudaBackend, switch: &dyn Fn(&mut fa4::config::sm90::Tiles)) {
+/// tiles changed by `switch` (dtype × the cases' head dims × window × softcap × varlen), into
+/// the disk cache the backend then loads them from. A variant no case plans costs a compile,
+/// not a result; one a case plans that is missing here is compiled at its launch, as without
+/// this.
+fn precompile_hopper(
+    cuda: &CudaBackend,
+    cases: &[fa4::check::Case],
+    switch: &dyn Fn(&mut fa4::config::sm90::Tiles),
+) {
     use rayon::prelude::*;
     let arch = cuda.info().arch;
     let target = match cuda.info().target {
         "sm_90" => "sm_90a",
         other => other,
     };
+    let mut shapes: Vec<_> = cases
+        .iter()
+        .map(|c| hopper_dims(c.head_dim, c.head_dim_v))
+        .collect();
+    shapes.sort();
+    shapes.dedup();
     let mut specs = Vec::new();
-    for head_dim in [64, 128, 256] {
-        let Some(mut tiles) = fa4::config::sm90::tiles(&arch, head_dim) else {
+    for (dims, slab_maps_qk, slab_maps_v) in shapes {
+        let Some(mut tiles) = fa4::config::sm90::tiles(&arch, dims) else {
             continue;
         };
         switch(&mut tiles);
@@ -474,7 +512,10 @@ fn precompile_hopper(cuda: &CudaBackend, switch: &dyn Fn(&mut fa4::config::sm90:
             specs.push(fa4::config::sm90::KernelSpec {
                 target,
                 bf16: bits & 1 != 0,
-                head_dim,
+                head_dim: dims.qk,
+                head_dim_v: dims.v,
+                slab_maps_qk,
+                slab_maps_v,
                 window: bits & 2 != 0,
                 softcap: bits & 4 != 0,
                 varlen,
@@ -514,16 +555,17 @@ fn hopper(test: &str) -> Option<fa4::cuda::CudaBackend> {
 fn hopper_matrix(
     cuda: &fa4::cuda::CudaBackend,
     name: &str,
+    cases: &[fa4::check::Case],
     switch: impl Fn(&mut fa4::config::sm90::Tiles),
 ) {
     let arch = cuda.info().arch;
-    precompile_hopper(cuda, &switch);
+    precompile_hopper(cuda, cases, &switch);
     let t0 = std::time::Instant::now();
-    let cases = matrix(&[DType::F16, DType::Bf16], &[64, 128, 256]);
     let (mut ran, mut failures, mut uncovered) = (0, Vec::new(), Vec::new());
     for (i, case) in cases.iter().enumerate() {
         let features = fa4::config::sm90::Features {
             head_dim: case.head_dim,
+            head_dim_v: case.head_dim_v,
             dtype_size: 2,
             varlen: matches!(case.seqlens, fa4::check::Seqlens::Varlen { .. }),
             nonpositive_scale: case.scale.is_some_and(|s| s <= 0.0),
@@ -534,7 +576,8 @@ fn hopper_matrix(
             uncovered.push(format!("{case}: {why}"));
             continue;
         }
-        let mut tiles = fa4::config::sm90::tiles(&arch, case.head_dim).expect("covered head dim");
+        let (dims, _, _) = hopper_dims(case.head_dim, case.head_dim_v);
+        let mut tiles = fa4::config::sm90::tiles(&arch, dims).expect("covered head dims");
         switch(&mut tiles);
         // The planner refuses the persistent launch for varlen batches (not verified yet), and
         // with it the cross-tile overlap.

@@ -60,7 +60,7 @@ fn dump_every_variant_cubin() {
         issue14.tiles.persistent = true;
         issue14.tiles.cross_tile = spec.tiles.consumer_wgs == 2;
         issue14.tiles.tma_store =
-            !issue14.tiles.cross_tile || spec.tiles.q_stages(spec.head_dim) == 2;
+            !issue14.tiles.cross_tile || spec.tiles.q_stages(spec.dims()) == 2;
         for s in [spec, switched, issue14] {
             jobs.push((file_name(&s), Box::new(move || compile_uncached(&s))));
         }

@@ -40,8 +40,9 @@ const DEFAULT_CALLS: usize = 10;
 /// tell a flag given from one left out and refuse, by name, one that a pass would not read.
 #[derive(Args, Debug, Clone)]
 pub struct CudaBenchArgs {
-    /// Shapes `D,SEQLEN,CAUSAL[,BATCH,HEADS[,KV_HEADS]]` (causal 0 or 1; batch and heads default
-    /// to --tokens / SEQLEN and --hidden / D, KV heads to HEADS); repeatable [default: the
+    /// Shapes `D[/DV],SEQLEN,CAUSAL[,BATCH,HEADS[,KV_HEADS]]` (DV: V's head dim, default D;
+    /// causal 0 or 1; batch and heads default to --tokens / SEQLEN and --hidden / D, KV heads
+    /// to HEADS); repeatable [default: the
     /// FlashAttention grid, d 64/128/256 × seqlen 1k/4k/16k × causal 0/1; with --backward,
     /// the --seqlens × --head-dims grid].
     #[arg(long, num_args = 1.., value_name = "SHAPE")]
@@ -107,6 +108,8 @@ impl CudaBenchArgs {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Shape {
     pub d: usize,
+    /// Head dim of V and O (`D/DV` in `--grid`; D when left out).
+    pub dv: usize,
     pub seqlen: usize,
     pub causal: bool,
     pub batch: usize,
@@ -119,6 +122,7 @@ pub struct Shape {
 #[derive(Serialize)]
 struct Head {
     d: usize,
+    dv: usize,
     seqlen: usize,
     batch: usize,
     heads: usize,
@@ -152,23 +156,32 @@ struct Row {
 
 fn parse_shape(it: &str, tokens: usize, hidden: usize) -> Result<Shape> {
     let bad = |why: String| Error::invalid("--grid", format!("`{it}`: {why}"));
-    let f = it
-        .split(',')
+    let form = "expected D[/DV],SEQLEN,CAUSAL[,BATCH,HEADS[,KV_HEADS]] of whole numbers";
+    // The first field may be D/DV: V's head dim beside Q and K's (192/128, MLA prefill).
+    let (first, rest) = it.split_once(',').unwrap_or((it, ""));
+    let (d_field, dv) = match first.split_once('/') {
+        Some((d, dv)) => (
+            d,
+            Some(dv.trim().parse::<usize>().map_err(|_| bad(form.into()))?),
+        ),
+        None => (first, None),
+    };
+    let f = std::iter::once(d_field)
+        .chain(rest.split(',').filter(|_| !rest.is_empty()))
         .map(|x| x.trim().parse::<usize>())
         .collect::<std::result::Result<Vec<_>, _>>()
-        .map_err(|_| {
-            bad("expected D,SEQLEN,CAUSAL[,BATCH,HEADS[,KV_HEADS]] of whole numbers".into())
-        })?;
+        .map_err(|_| bad(form.into()))?;
     let (d, seqlen, c) = match f[..] {
         [d, s, c, ..] if (3..=6).contains(&f.len()) && f.len() != 4 => (d, s, c),
         _ => {
             return Err(bad(
-                "expected D,SEQLEN,CAUSAL or D,SEQLEN,CAUSAL,BATCH,HEADS[,KV_HEADS]".into(),
+                "expected D[/DV],SEQLEN,CAUSAL or D[/DV],SEQLEN,CAUSAL,BATCH,HEADS[,KV_HEADS]".into(),
             ))
         }
     };
-    if c > 1 || d == 0 || seqlen == 0 {
-        return Err(bad("D and SEQLEN must be ≥ 1 and CAUSAL 0 or 1".to_string()));
+    let dv = dv.unwrap_or(d);
+    if c > 1 || d == 0 || dv == 0 || seqlen == 0 {
+        return Err(bad("D, DV and SEQLEN must be ≥ 1 and CAUSAL 0 or 1".to_string()));
     }
     let (batch, heads) = match f[..] {
         [_, _, _, b, h, ..] => (b, h),
@@ -190,6 +203,7 @@ fn parse_shape(it: &str, tokens: usize, hidden: usize) -> Result<Shape> {
     }
     Ok(Shape {
         d,
+        dv,
         seqlen,
         causal: c == 1,
         batch,
@@ -222,12 +236,14 @@ impl Shape {
     fn problem(&self, dtype: DType) -> Result<Problem> {
         let lq = Layout::new("q", &[self.batch, self.seqlen, self.heads, self.d], None)?;
         let lk = Layout::new("k", &[self.batch, self.seqlen, self.kv_heads, self.d], None)?;
+        let lv = Layout::new("v", &[self.batch, self.seqlen, self.kv_heads, self.dv], None)?;
+        let lo = Layout::new("out", &[self.batch, self.seqlen, self.heads, self.dv], None)?;
         let opts = if self.causal {
             Options::new().causal()
         } else {
             Options::new()
         };
-        Problem::new(dtype, &lq, &lk, &lk, &lq, None, None, &opts)
+        Problem::new(dtype, &lq, &lk, &lv, &lo, None, None, &opts)
     }
 }
 
@@ -283,7 +299,7 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
             i.name, i.target, i.sm_count, calls
         );
         println!(
-            "{:>4} {:>6} {:>5} {:>9} {:>6} {:>9} {:>7} {:>8} {:>9}  kernel",
+            "{:>7} {:>6} {:>5} {:>9} {:>6} {:>9} {:>7} {:>8} {:>9}  kernel",
             "d", "seqlen", "batch", "heads", "causal", "ms", "spread", "TFLOP/s", "per-call"
         );
     }
@@ -295,8 +311,12 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
         };
         if !json {
             println!(
-                "{:>4} {:>6} {:>5} {:>9} {:>6} {:>9.3} {:>6.1}% {:>8.1} {:>9.3}  {}",
-                s.d,
+                "{:>7} {:>6} {:>5} {:>9} {:>6} {:>9.3} {:>6.1}% {:>8.1} {:>9.3}  {}",
+                if s.dv == s.d {
+                    s.d.to_string()
+                } else {
+                    format!("{}/{}", s.d, s.dv)
+                },
                 s.seqlen,
                 s.batch,
                 format!("{}/{}", s.heads, s.kv_heads),
@@ -326,6 +346,7 @@ fn prepare(cuda: &CudaBackend, s: &Shape, p: &Problem) -> Result<Head> {
     cuda.prepare(&plan)?;
     Ok(Head {
         d: s.d,
+        dv: s.dv,
         seqlen: s.seqlen,
         batch: s.batch,
         heads: s.heads,
@@ -413,7 +434,15 @@ mod tests {
         let s = parse_shape("128,2000,0,8,16", 16384, 2048).unwrap();
         assert_eq!((s.batch, s.heads, s.kv_heads, s.seqlen), (8, 16, 16, 2000));
         let s = parse_shape("128,4096,1,4,32,8", 16384, 2048).unwrap();
-        assert_eq!((s.heads, s.kv_heads), (32, 8));
+        assert_eq!((s.heads, s.kv_heads, s.dv), (32, 8, 128));
+        // D/DV: V's head dim apart (heads from D).
+        let s = parse_shape("192/128,4096,1,4,16", 16384, 2048).unwrap();
+        assert_eq!((s.d, s.dv, s.heads), (192, 128, 16));
+        let p = s.problem(DType::Bf16).unwrap();
+        assert_eq!((p.head_dim(), p.head_dim_v()), (192, 128));
+        for bad in ["192/,4096,1", "192/0,4096,1", "/128,4096,1"] {
+            assert!(parse_shape(bad, 16384, 2048).is_err(), "{bad}");
+        }
     }
 
     #[test]

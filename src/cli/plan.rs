@@ -37,9 +37,13 @@ pub struct PlanArgs {
     /// Query heads per KV head (GQA ratio, SM100); must divide --num-q-heads [default: 1].
     #[arg(long, allow_negative_numbers = true)]
     group: Option<u32>,
-    /// Head dimension.
+    /// Head dimension (of Q and K).
     #[arg(long, allow_negative_numbers = true)]
     depth: u32,
+    /// Head dimension of V and the output (`--arch sm90`), e.g. 128 beside `--depth 192` (MLA
+    /// prefill) [default: --depth].
+    #[arg(long, allow_negative_numbers = true)]
+    depth_v: Option<u32>,
     /// Element type of Q, K and V: bf16, fp16, fp8 or f32.
     #[arg(long, default_value = "bf16")]
     dtype: DType,
@@ -69,6 +73,15 @@ pub struct PlanArgs {
 }
 
 pub fn run(args: PlanArgs) -> Result<()> {
+    let sm90_forward = args.arch == Some(PlanArch::Sm90)
+        && !args.backward.wanted()
+        && !args.decode.wanted();
+    if args.depth_v.is_some() && !sm90_forward {
+        return Err(Error::invalid(
+            "--depth-v",
+            "applies to the Hopper forward plan (`--arch sm90`, without --backward or --decode)",
+        ));
+    }
     if args.backward.wanted() {
         return plan_backward::run(&args);
     }
@@ -310,14 +323,19 @@ fn run_sm90(args: &PlanArgs) -> Result<()> {
     }
     let arch = fa4::arch::H200;
     let depth = args.depth as usize;
+    let depth_v = args.depth_v.map_or(depth, |d| d as usize);
     let size = args.dtype.size_bytes() as usize;
     if depth == 0 {
         return Err(Error::invalid("--depth", "must be at least 1"));
+    }
+    if depth_v == 0 {
+        return Err(Error::invalid("--depth-v", "must be at least 1"));
     }
     let dispatch = sm90::dispatch(
         &arch,
         sm90::Features {
             head_dim: depth,
+            head_dim_v: depth_v,
             dtype_size: size,
             varlen: args.varlen,
             nonpositive_scale: false,
@@ -328,8 +346,7 @@ fn run_sm90(args: &PlanArgs) -> Result<()> {
     // A problem the Hopper kernel does not cover still gets an answer: which kernel, and why.
     let plan = match args.seqlen {
         Some(0) => return Err(Error::invalid("--seqlen", "must be at least 1")),
-        Some(sq) => Sm90Plan::for_seqlen(&arch, depth, size, sq).ok(),
-        None => Sm90Plan::new(&arch, depth, size).ok(),
+        sq => Sm90Plan::with_dims(&arch, depth, depth_v, size, sq).ok(),
     };
     let plan = plan.map(|p| if args.varlen { p.for_varlen() } else { p });
     if args.json {
@@ -345,6 +362,10 @@ fn run_sm90(args: &PlanArgs) -> Result<()> {
     } else {
         match &plan {
             Some(plan) => println!("{plan}"),
+            None if depth_v != depth => println!(
+                "no Hopper plan for head_dim {depth}, head_dim_v {depth_v}, {}",
+                args.dtype
+            ),
             None => println!("no Hopper plan for head_dim {depth}, {}", args.dtype),
         }
         println!(

@@ -275,6 +275,7 @@ fn fwd_params(p: &PagedProblem, ptrs: [u64; 6]) -> FwdParams {
         group: p.group(),
         seqlens: (q.dims[1], 0),
         head_dim: c.head_dim(),
+        head_dim_v: c.head_dim_v(),
         bounds: p.options().get_mask().bounds(),
         scale: p.scale(),
         softcap: p.softcap(),

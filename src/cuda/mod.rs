@@ -753,6 +753,7 @@ pub(crate) fn make_params(p: &Problem, ptrs: [u64; 7]) -> FwdParams {
         group: p.group(),
         seqlens: (longest(|s| s.q_len), longest(|s| s.k_len)),
         head_dim: p.head_dim(),
+        head_dim_v: p.head_dim_v(),
         bounds: p.mask().bounds(),
         scale: p.scale(),
         softcap: p.softcap(),

@@ -40,7 +40,7 @@ pub struct FwdParams {
     pub window_left: i32,
     pub window_right: i32,
     pub negate_q: i32,
-    pub pad0: i32,
+    pub head_dim_v: i32,
     pub scale_log2: f32,
     pub softcap_scale: f32,
     pub softcap: f32,
@@ -65,8 +65,10 @@ pub(crate) struct Common<'a> {
     pub group: usize,
     /// `seqlen_q`, `seqlen_k` as the kernel reads them.
     pub seqlens: (usize, usize),
-    /// Head dim.
+    /// Head dim of Q and K.
     pub head_dim: usize,
+    /// Head dim of V and the output.
+    pub head_dim_v: usize,
     /// The mask's left and right bounds.
     pub bounds: (Option<usize>, Option<usize>),
     /// The softmax scale.
@@ -128,7 +130,7 @@ impl FwdParams {
             window_left: side(c.bounds.0),
             window_right: side(c.bounds.1),
             negate_q: i32::from(scale < 0.0),
-            pad0: 0,
+            head_dim_v: c.head_dim_v as i32,
             scale_log2,
             softcap_scale,
             softcap,

@@ -22,7 +22,8 @@ pub(crate) struct MapSpec {
     pub ptr: u64,
     /// bf16 (else fp16).
     pub bf16: bool,
-    /// `[batch, rows, heads, head_dim]`; head_dim a multiple of 64.
+    /// `[batch, rows, heads, head_dim]`; head_dim a multiple of 64 for the 5-D maps, of 8 for
+    /// the slab maps.
     pub dims: [usize; 4],
     /// Element strides of batch, row and head (multiples of 8).
     pub strides: [usize; 3],
@@ -30,9 +31,11 @@ pub(crate) struct MapSpec {
     pub box_rows: usize,
 }
 
-/// Encodes the SM100 kernel's 4-D map of a tensor: dimensions (head_dim, rows, heads, batch),
-/// innermost first, boxes of (64, box_rows, 1, 1). The kernel loads a tile slab by slab; columns
-/// past `head_dim` (a padded depth such as 80 → 128) are outside the map and arrive as zeros.
+/// Encodes the 4-D map of a tensor narrower than its tiles (the sm100 kernel's, and the sm90
+/// kernel's slab maps): dimensions (head_dim, rows, heads, batch), innermost first, boxes of
+/// (64, box_rows, 1, 1). The kernel loads a tile slab by slab; columns past `head_dim` (a padded
+/// depth such as 80 → 128) are outside the map and arrive as zeros, and a store of such a box
+/// writes only the columns inside it.
 pub(crate) fn encode_slabs(name: &str, m: &MapSpec) -> Result<TmaMap> {
     let [batch, rows, heads, head_dim] = m.dims;
     let el = 2u64;

@@ -51,8 +51,10 @@ pub struct Dispatch {
 /// Problem features that decide between the Hopper kernel and the Ampere-class fallback.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Features {
-    /// Head dim of Q/K (equal to V's).
+    /// Head dim of Q/K.
     pub head_dim: usize,
+    /// Head dim of V and O.
+    pub head_dim_v: usize,
     /// Element size in bytes.
     pub dtype_size: usize,
     /// Variable-length (packed) sequences (covered; named in the dispatch reason).
@@ -83,12 +85,23 @@ pub fn uncovered_arg(arch: &GpuArch, f: Features) -> Option<(&'static str, Strin
             ),
         ));
     }
-    if !HEAD_DIMS.contains(&f.head_dim) {
+    let Some(dims) = dims_of(f) else {
+        let (arg, d) = if padded_head_dim(f.head_dim).is_none() {
+            ("q", f.head_dim)
+        } else {
+            ("v", f.head_dim_v)
+        };
         return Some((
-            "q",
+            arg,
+            format!("head_dim {d}: the Hopper kernel covers multiples of 8 up to 256"),
+        ));
+    };
+    if dims.v > dims.qk {
+        return Some((
+            "v",
             format!(
-                "head_dim {}: the Hopper kernel covers exactly {HEAD_DIMS:?} (its TMA boxes read whole 64-column slabs)",
-                f.head_dim
+                "head_dim_v {} is wider than head_dim {} (padded {} > {}): the Hopper kernel stages O in a Q slot",
+                f.head_dim_v, f.head_dim, dims.v, dims.qk
             ),
         ));
     }
@@ -113,16 +126,22 @@ pub fn uncovered_arg(arch: &GpuArch, f: Features) -> Option<(&'static str, Strin
             ),
         ));
     }
-    if tiles(arch, f.head_dim).is_none() {
+    if tiles(arch, dims).is_none() {
         return Some((
             "q",
-            format!(
-                "no Hopper tiles fit head_dim {} on {}",
-                f.head_dim, arch.name
-            ),
+            format!("no Hopper tiles fit head_dim {dims} on {}", arch.name),
         ));
     }
     None
+}
+
+/// The tile widths a problem's head dims are computed in ([`padded_head_dim`]), or `None` when
+/// either is not a multiple of 8 up to 256.
+pub fn dims_of(f: Features) -> Option<Dims> {
+    Some(Dims {
+        qk: padded_head_dim(f.head_dim)?,
+        v: padded_head_dim(f.head_dim_v)?,
+    })
 }
 
 /// Why the Hopper kernel does not cover a problem with these features on `arch`, or `None`.
@@ -133,7 +152,8 @@ pub fn uncovered(arch: &GpuArch, f: Features) -> Option<String> {
 /// The kernel choice on `arch` when the caller does not force one: `sm90`, `sm80`, or `cpu`
 /// where no CUDA kernel computes the problem (other dtypes, head dims above 256).
 pub fn dispatch(arch: &GpuArch, f: Features) -> Dispatch {
-    if f.dtype_size != 2 || f.head_dim > super::sm80::HEAD_DIMS[super::sm80::HEAD_DIMS.len() - 1] {
+    let widest = super::sm80::HEAD_DIMS[super::sm80::HEAD_DIMS.len() - 1];
+    if f.dtype_size != 2 || f.head_dim.max(f.head_dim_v) > widest {
         return Dispatch {
             kernel: KernelKind::Cpu,
             reason: format!(
@@ -154,7 +174,11 @@ pub fn dispatch(arch: &GpuArch, f: Features) -> Dispatch {
         None => Dispatch {
             kernel: KernelKind::Sm90,
             reason: format!(
-                "a Hopper GPU, fp16/bf16, head dim 64/128/256, positive scale, {} batch",
+                "a Hopper GPU, fp16/bf16, head dim {} (a multiple of 8 up to 256), positive scale, {} batch",
+                Dims {
+                    qk: f.head_dim,
+                    v: f.head_dim_v
+                },
                 if f.varlen {
                     "variable-length"
                 } else {
@@ -169,6 +193,7 @@ pub fn dispatch(arch: &GpuArch, f: Features) -> Dispatch {
 pub fn features(p: &Problem) -> Features {
     Features {
         head_dim: p.head_dim(),
+        head_dim_v: p.head_dim_v(),
         dtype_size: p.dtype().size_bytes() as usize,
         varlen: p.is_varlen(),
         nonpositive_scale: p.scale() <= 0.0,
@@ -239,17 +264,7 @@ pub fn plan(
     if let Some((name, why)) = uncovered_arg(arch, features(p)) {
         return Err(Error::invalid(name, why));
     }
-    if p.head_dim_v() != p.head_dim() {
-        return Err(Error::invalid(
-            "v",
-            format!(
-                "head_dim_v {} must equal head_dim {}",
-                p.head_dim_v(),
-                p.head_dim()
-            ),
-        ));
-    }
-    let head_dim = p.head_dim();
+    let head_dim = dims_of(features(p)).expect("covered problems have padded dims");
     for (name, axis, st) in super::strides(p) {
         if !st.is_multiple_of(8) || st >= TMA_MAX_STRIDE_BYTES / 2 {
             return Err(Error::invalid(
@@ -291,7 +306,10 @@ pub fn plan(
         spec: KernelSpec {
             target,
             bf16: p.dtype() == DType::Bf16,
-            head_dim,
+            head_dim: head_dim.qk,
+            head_dim_v: head_dim.v,
+            slab_maps_qk: p.head_dim() != head_dim.qk,
+            slab_maps_v: p.head_dim_v() != head_dim.v,
             window: p.mask().is_restrictive(),
             softcap: p.softcap().is_some(),
             varlen: p.is_varlen(),
@@ -351,7 +369,22 @@ mod tests {
         };
         assert_eq!(name(Sm90Plan::new(&H200, 0, 2).unwrap_err()), "depth");
         assert_eq!(name(Sm90Plan::new(&H200, 257, 2).unwrap_err()), "depth");
-        assert_eq!(name(Sm90Plan::new(&H200, 96, 2).unwrap_err()), "depth");
+        assert_eq!(name(Sm90Plan::new(&H200, 100, 2).unwrap_err()), "depth");
+        let wider_v = Sm90Plan::with_dims(&H200, 64, 128, 2, None).unwrap_err();
+        assert_eq!(name(wider_v), "depth-v");
+        assert_eq!(
+            name(Sm90Plan::with_dims(&H200, 128, 0, 2, None).unwrap_err()),
+            "depth-v"
+        );
+        // Every multiple of 8 plans, padded to its tile width, slab maps where narrower.
+        for d in (8..=256).step_by(8) {
+            let p = Sm90Plan::new(&H200, d, 2).unwrap();
+            assert_eq!(p.padded_head_dim, d.next_multiple_of(64));
+            assert_eq!(p.slab_maps, (d % 64 != 0, d % 64 != 0));
+        }
+        let mla = Sm90Plan::with_dims(&H200, 192, 128, 2, Some(4096)).unwrap();
+        assert_eq!((mla.padded_head_dim_v, mla.tiles.block_n), (128, 128));
+        assert!(mla.to_string().contains("head_dim 192/128"), "{mla}");
         assert_eq!(name(Sm90Plan::new(&H200, 128, 4).unwrap_err()), "dtype");
         assert_eq!(name(Sm90Plan::new(&A100, 128, 2).unwrap_err()), "arch");
         assert_eq!(name(Sm90Plan::new(&B200, 128, 2).unwrap_err()), "arch");
@@ -538,7 +571,13 @@ mod tests {
         assert!(d64(1024).tma_store && d64(16384).tma_store && d128(16384, 16384).tma_store);
         assert_eq!(tiles(&H200, 128).unwrap().block_n, 176);
         assert_eq!(tiles_for(&H200, 256, 1024, 1024).unwrap().block_n, 80);
-        assert_eq!(tiles_for(&H200, 96, 1024, 1024), None);
+        assert_eq!(tiles_for(&H200, 96, 1024, 1024), None, "96 is not a tile width");
+        assert_eq!(tiles_for(&H200, 192, 1024, 1024).unwrap().block_n, 112);
+        let mla = Dims { qk: 192, v: 128 };
+        assert_eq!(tiles_for(&H200, mla, 1024, 1024).unwrap().block_n, 128);
+        // A narrower V without its own entry takes its Q/K width's tiles.
+        let narrow = Dims { qk: 128, v: 64 };
+        assert_eq!(tiles_for(&H200, narrow, 1024, 1024).unwrap().block_n, 128);
         assert_eq!(tiles_for(&A100, 128, 1024, 1024), None);
     }
 
@@ -546,6 +585,7 @@ mod tests {
     fn dispatch_says_why() {
         let f = Features {
             head_dim: 128,
+            head_dim_v: 128,
             dtype_size: 2,
             varlen: false,
             nonpositive_scale: false,
@@ -566,9 +606,34 @@ mod tests {
         assert!(varlen.reason.contains("variable-length"), "{varlen:?}");
         assert_eq!(why(Features { dtype_size: 4, ..f }).kernel, KernelKind::Cpu);
         assert_eq!(why(Features { head_dim: 512, ..f }).kernel, KernelKind::Cpu);
-        assert!(why(Features { head_dim: 96, ..f })
+        // Every multiple of 8 up to 256, V no wider than Q/K; the rest goes to the Ampere-class
+        // planner, which says why it cannot take them either.
+        for d in (8..=256).step_by(8) {
+            let g = Features {
+                head_dim: d,
+                head_dim_v: d,
+                ..f
+            };
+            assert_eq!(why(g).kernel, KernelKind::Sm90, "{d}");
+        }
+        let mla = why(Features {
+            head_dim: 192,
+            head_dim_v: 128,
+            ..f
+        });
+        assert!(mla.kernel == KernelKind::Sm90 && mla.reason.contains("192/128"), "{mla:?}");
+        assert!(why(Features { head_dim: 100, ..f })
             .reason
-            .contains("exactly"));
+            .contains("multiples of 8"));
+        let wider_v = why(Features {
+            head_dim: 64,
+            head_dim_v: 128,
+            ..f
+        });
+        assert!(
+            wider_v.kernel == KernelKind::Sm80 && wider_v.reason.contains("wider"),
+            "{wider_v:?}"
+        );
         let scale = why(Features {
             nonpositive_scale: true,
             ..f

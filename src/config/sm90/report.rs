@@ -19,7 +19,8 @@ pub struct Role {
 /// The kernel's role table, one row per warpgroup: the planner's single list of roles, which
 /// the prelude emits as `Role` and `role_of(warp)` ([`KernelSpec::prelude`]) and the report
 /// prints.
-pub fn roles(tiles: &Tiles, padded: usize) -> Vec<Role> {
+pub fn roles(tiles: &Tiles, dims: impl Into<Dims>) -> Vec<Role> {
+    let padded = dims.into();
     let mut roles = vec![Role {
         warpgroup: 0,
         role: "producer",
@@ -35,10 +36,11 @@ pub fn roles(tiles: &Tiles, padded: usize) -> Vec<Role> {
             warpgroup: w + 1,
             role: "consumer",
             work: format!(
-                "query rows {}..{}: wgmma S = Q·Kᵀ (64×{}), softmax, wgmma O += P·V (64×{padded})",
+                "query rows {}..{}: wgmma S = Q·Kᵀ (64×{}), softmax, wgmma O += P·V (64×{})",
                 w * ROWS_PER_CONSUMER,
                 (w + 1) * ROWS_PER_CONSUMER,
-                tiles.block_n
+                tiles.block_n,
+                padded.v
             ),
             registers: tiles.consumer_regs,
         });
@@ -51,10 +53,14 @@ pub fn roles(tiles: &Tiles, padded: usize) -> Vec<Role> {
 pub struct Sm90Plan {
     /// The GPU planned for.
     pub arch: &'static str,
-    /// The problem's head dim.
+    /// The problem's head dim (of Q and K).
     pub head_dim: usize,
-    /// The head dim the kernel is compiled for.
+    /// The problem's head dim of V and O.
+    pub head_dim_v: usize,
+    /// The Q/K tile width the kernel is compiled for ([`padded_head_dim`]).
     pub padded_head_dim: usize,
+    /// The V/O tile width.
+    pub padded_head_dim_v: usize,
     /// Query rows per CTA.
     pub block_m: usize,
     /// The tiles.
@@ -73,15 +79,42 @@ pub struct Sm90Plan {
     pub accumulator_regs: u32,
     /// Registers per thread the CTA is launched with ([`Tiles::launch_regs`]).
     pub launch_regs: u32,
-    /// TMA boxes per tile: (64-element head-dim slabs, rows).
+    /// TMA boxes per tile: (64-element head-dim slabs of Q/K, rows of a K/V box).
     pub tma_box: (usize, usize),
+    /// Q/K and V/O tensors narrower than their tiles, loaded (and stored) slab by slab through
+    /// 4-D maps over their real columns.
+    pub slab_maps: (bool, bool),
     /// Planned for a varlen batch (one CTA per tile).
     pub varlen: bool,
 }
 
 impl Sm90Plan {
-    /// Plans head dim `head_dim` of 16-bit elements (`dtype_size` 2) on `arch`.
+    /// Plans head dim `head_dim` of 16-bit elements (`dtype_size` 2) on `arch`, V as wide.
     pub fn new(arch: &GpuArch, head_dim: usize, dtype_size: usize) -> Result<Sm90Plan> {
+        Self::with_dims(arch, head_dim, head_dim, dtype_size, None)
+    }
+
+    /// As [`Sm90Plan::new`], with the tiles a fixed-length problem of `seqlen_q` query rows per
+    /// sequence gets ([`tiles_for`]: the tile height and the persistent launch).
+    pub fn for_seqlen(
+        arch: &GpuArch,
+        head_dim: usize,
+        dtype_size: usize,
+        seqlen_q: usize,
+    ) -> Result<Sm90Plan> {
+        Self::with_dims(arch, head_dim, head_dim, dtype_size, Some(seqlen_q))
+    }
+
+    /// Plans head dims `head_dim` (Q, K) and `head_dim_v` (V, O) of `dtype_size`-byte elements
+    /// on `arch`, with the tiles of `seqlen_q` query rows per sequence where given. Errors name
+    /// `depth` and `depth-v` (`fa4 plan`'s flags).
+    pub fn with_dims(
+        arch: &GpuArch,
+        head_dim: usize,
+        head_dim_v: usize,
+        dtype_size: usize,
+        seqlen_q: Option<usize>,
+    ) -> Result<Sm90Plan> {
         if dtype_size != 2 {
             return Err(Error::invalid(
                 "dtype",
@@ -97,42 +130,51 @@ impl Sm90Plan {
                 ),
             ));
         }
-        if !HEAD_DIMS.contains(&head_dim) {
+        let pad = |d: usize, flag: &'static str| {
+            padded_head_dim(d).ok_or_else(|| {
+                Error::invalid(
+                    flag,
+                    format!("head dim {d}: the Hopper kernel takes multiples of 8 up to 256"),
+                )
+            })
+        };
+        let dims = Dims {
+            qk: pad(head_dim, "depth")?,
+            v: pad(head_dim_v, "depth-v")?,
+        };
+        if dims.v > dims.qk {
             return Err(Error::invalid(
-                "depth",
-                format!("head_dim {head_dim}: the Hopper kernel is planned for exactly {HEAD_DIMS:?} (its TMA boxes read whole 64-column slabs)"),
+                "depth-v",
+                format!(
+                    "head_dim_v {head_dim_v} pads to {}, wider than head_dim {head_dim}'s {}: the Hopper kernel stages O in a Q slot",
+                    dims.v, dims.qk
+                ),
             ));
         }
-        let padded = head_dim;
-        let tiles = tiles(arch, padded).ok_or_else(|| {
+        let generic = tiles(arch, dims).ok_or_else(|| {
             Error::invalid(
                 "depth",
-                format!("no Hopper tiles fit head_dim {padded} on {}", arch.name),
+                format!("no Hopper tiles fit head_dim {dims} on {}", arch.name),
             )
         })?;
-        Ok(Self::with_tiles(arch, head_dim, padded, tiles))
+        let tiles = seqlen_q
+            .and_then(|sq| tiles_for(arch, dims, sq, sq))
+            .unwrap_or(generic);
+        let mut plan = Self::with_tiles(arch, head_dim, dims, tiles);
+        plan.head_dim_v = head_dim_v;
+        plan.slab_maps = (head_dim != dims.qk, head_dim_v != dims.v);
+        Ok(plan)
     }
 
-    /// As [`Sm90Plan::new`], with the tiles a fixed-length problem of `seqlen_q` query rows per
-    /// sequence gets ([`tiles_for`]: the tile height and the persistent launch).
-    pub fn for_seqlen(
-        arch: &GpuArch,
-        head_dim: usize,
-        dtype_size: usize,
-        seqlen_q: usize,
-    ) -> Result<Sm90Plan> {
-        let generic = Self::new(arch, head_dim, dtype_size)?;
-        let tiles = tiles_for(arch, head_dim, seqlen_q, seqlen_q).unwrap_or(generic.tiles);
-        Ok(Self::with_tiles(arch, head_dim, head_dim, tiles))
-    }
-
-    fn with_tiles(arch: &GpuArch, head_dim: usize, padded: usize, tiles: Tiles) -> Sm90Plan {
+    fn with_tiles(arch: &GpuArch, head_dim: usize, padded: Dims, tiles: Tiles) -> Sm90Plan {
         let roles = roles(&tiles, padded);
         let smem = tiles.smem(padded);
         Sm90Plan {
             arch: arch.name,
             head_dim,
-            padded_head_dim: padded,
+            head_dim_v: head_dim,
+            padded_head_dim: padded.qk,
+            padded_head_dim_v: padded.v,
             block_m: tiles.block_m(),
             tiles,
             threads: tiles.threads(),
@@ -142,7 +184,8 @@ impl Sm90Plan {
             smem_limit: arch.max_smem_per_block() as usize,
             accumulator_regs: tiles.accumulator_regs(padded),
             launch_regs: tiles.launch_regs(arch),
-            tma_box: (padded / SWIZZLE_ELEMS, tiles.block_n),
+            tma_box: (padded.qk / SWIZZLE_ELEMS, tiles.block_n),
+            slab_maps: (false, false),
             varlen: false,
         }
     }
@@ -167,7 +210,17 @@ impl fmt::Display for Sm90Plan {
         writeln!(
             f,
             "  head_dim {} (compiled for {}), tile {}×{} (query rows × keys), {} K/V stages",
-            self.head_dim, self.padded_head_dim, self.block_m, t.block_n, t.stages
+            Dims {
+                qk: self.head_dim,
+                v: self.head_dim_v
+            },
+            Dims {
+                qk: self.padded_head_dim,
+                v: self.padded_head_dim_v
+            },
+            self.block_m,
+            t.block_n,
+            t.stages
         )?;
         writeln!(
             f,
@@ -207,10 +260,20 @@ impl fmt::Display for Sm90Plan {
             "  shared memory: Q {} + K {} + V {} + barriers {} + alignment {} = {} of {} bytes",
             s.q, s.k, s.v, s.barriers, s.align_slack, self.smem_total, self.smem_limit
         )?;
+        let maps = |slab: bool| {
+            if slab {
+                "a 4-D map over the real columns, one box per slab (the rest of the tile arrives as zeros)"
+            } else {
+                "a 5-D map, one box per tile"
+            }
+        };
         writeln!(
             f,
-            "  TMA: {} box(es) of 64 columns (128-byte swizzle) per tile, {} rows per K/V box",
-            self.tma_box.0, self.tma_box.1
+            "  TMA: {} slab(s) of 64 columns (128-byte swizzle) per Q/K tile, {} rows per K/V box; Q/K: {}; V/O: {}",
+            self.tma_box.0,
+            self.tma_box.1,
+            maps(self.slab_maps.0),
+            maps(self.slab_maps.1)
         )?;
         let on = |b: bool| if b { "on" } else { "off" };
         writeln!(

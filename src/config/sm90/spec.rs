@@ -13,8 +13,16 @@ pub struct KernelSpec {
     pub target: &'static str,
     /// bf16 (true) or fp16 (false) storage.
     pub bf16: bool,
-    /// Head dim (one of [`HEAD_DIMS`]).
+    /// Tile width of Q and K (one of [`HEAD_DIMS`]: the head dim, padded).
     pub head_dim: usize,
+    /// Tile width of V and O (one of [`HEAD_DIMS`], at most `head_dim`).
+    pub head_dim_v: usize,
+    /// Q and K are narrower than `head_dim`: 4-D TMA maps over their real columns, one box per
+    /// 64-column slab (the rest of the tile arrives as zeros).
+    pub slab_maps_qk: bool,
+    /// V and O are narrower than `head_dim_v`: the same for V's loads and O's TMA store (the
+    /// plain store clips at the real head dim).
+    pub slab_maps_v: bool,
     /// Causal or local window: row key bounds apply.
     pub window: bool,
     /// Softcap applied to the scores.
@@ -34,7 +42,15 @@ impl KernelSpec {
 
     /// Dynamic shared memory of a launch.
     pub fn smem_bytes(&self) -> usize {
-        self.tiles.smem(self.head_dim).total()
+        self.tiles.smem(self.dims()).total()
+    }
+
+    /// The tile widths.
+    pub fn dims(&self) -> Dims {
+        Dims {
+            qk: self.head_dim,
+            v: self.head_dim_v,
+        }
     }
 
     /// The kernel's entry point.
@@ -48,11 +64,14 @@ impl KernelSpec {
         let t = &self.tiles;
         Prelude::new("config::sm90", self)
             .int("HEAD_DIM", self.head_dim)
+            .int("HEAD_DIM_V", self.head_dim_v)
+            .flag("SLAB_MAPS_QK", self.slab_maps_qk)
+            .flag("SLAB_MAPS_V", self.slab_maps_v)
             .int("BLOCK_M", t.block_m())
             .int("BLOCK_N", t.block_n)
             .int("CONSUMER_WGS", t.consumer_wgs)
             .int("STAGES", t.stages)
-            .int("Q_STAGES", t.q_stages(self.head_dim))
+            .int("Q_STAGES", t.q_stages(self.dims()))
             .int("PRODUCER_REGS", t.producer_regs)
             .int("CONSUMER_REGS", t.consumer_regs)
             .flag("LAZY_RESCALE", t.lazy_rescale)
@@ -67,7 +86,7 @@ impl KernelSpec {
             .flag("HAS_SOFTCAP", self.softcap)
             .flag("VARLEN", self.varlen)
             .define("FA4_SMEM_BYTES", self.smem_bytes())
-            .roles(&role_warps(&roles(t, self.head_dim)))
+            .roles(&role_warps(&roles(t, self.dims())))
             .int("FIRST_CONSUMER_WARP", WARPGROUP_THREADS / 32)
             .named_barriers(&NAMED_BARRIERS)
             .finish()
@@ -75,7 +94,7 @@ impl KernelSpec {
 
     /// The `wgmma` wrappers the kernel calls ([`wgmma`]): `wgmma_ss`, S = Q·Kᵀ with
     /// N = `block_n`, both operands in shared memory; `wgmma_rs`, O += P·V with N = `head_dim`,
-    /// P from registers and V MN-major; with the cross-tile overlap also `wgmma_rs_acc`, the
+    /// P from registers and V MN-major (N = `head_dim_v`); with the cross-tile overlap also `wgmma_rs_acc`, the
     /// same with an `accumulate` argument.
     pub fn wgmma_wrappers(&self) -> String {
         let s = Wgmma {
@@ -87,7 +106,7 @@ impl KernelSpec {
         };
         let o = Wgmma {
             name: "wgmma_rs",
-            n: self.head_dim,
+            n: self.head_dim_v,
             a: OperandA::Regs,
             bf16: self.bf16,
             b_transposed: true,
@@ -147,10 +166,16 @@ impl fmt::Display for KernelSpec {
         let t = &self.tiles;
         write!(
             f,
-            "sm90-fwd {} {} d{} {}x{} c{} s{} r{}/{}{}{}{}{}{}{}{}{}{}{}{}",
+            "sm90-fwd {} {} d{}{} {}x{} c{} s{} r{}/{}{}{}{}{}{}{}{}{}{}{}{}",
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
-            self.head_dim,
+            self.dims(),
+            match (self.slab_maps_qk, self.slab_maps_v) {
+                (false, false) => "",
+                (true, false) => " slab-qk",
+                (false, true) => " slab-v",
+                (true, true) => " slab-qkv",
+            },
             t.block_m(),
             t.block_n,
             t.consumer_wgs,
@@ -180,20 +205,23 @@ impl fmt::Display for KernelSpec {
     }
 }
 
-/// Every spec the planner can emit for `arch` (for compile tests and warm-up).
+/// Every spec the planner can emit for `arch` with tensors as wide as their tiles (for compile
+/// tests and warm-up): each entry of the tile table × dtype × mask × softcap × varlen. The
+/// slab-map variants of narrower tensors differ only in the producer's loads and the epilogue's
+/// stores; [`slab_specs`] lists one per tile entry and varlen.
 pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
     let mut out = Vec::new();
     // Every fitting candidate: `tiles_for` may pick any of them for a sequence length.
-    for (head_dim, tiles) in HEAD_DIMS
-        .into_iter()
-        .flat_map(|d| fitting(arch, d).map(move |t| (d, t)))
-    {
+    for (dims, tiles) in planned_dims().flat_map(|d| fitting(arch, d).map(move |t| (d, t))) {
         out.extend(
             crate::config::feature_variants().flat_map(|(bf16, window, softcap)| {
                 [false, true].map(|varlen| KernelSpec {
                     target,
                     bf16,
-                    head_dim,
+                    head_dim: dims.qk,
+                    head_dim_v: dims.v,
+                    slab_maps_qk: false,
+                    slab_maps_v: false,
                     window,
                     softcap,
                     varlen,
@@ -207,4 +235,18 @@ pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
         );
     }
     out
+}
+
+/// The slab-map variants (tensors narrower than their tiles, Q/K and V both) of [`all_specs`]'s
+/// bf16 causal specs without softcap, fixed-length and varlen.
+pub fn slab_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
+    all_specs(arch, target)
+        .into_iter()
+        .filter(|s| s.bf16 && s.window && !s.softcap)
+        .map(|s| KernelSpec {
+            slab_maps_qk: true,
+            slab_maps_v: true,
+            ..s
+        })
+        .collect()
 }

@@ -3,8 +3,44 @@
 
 use super::*;
 
-/// Head dims the Hopper kernel is compiled for (exactly: other head dims go to the sm80 kernel).
-pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
+/// Tile widths the Hopper kernel is compiled for: every head dim that is a multiple of 8 up to
+/// 256 is padded to the next of them ([`padded_head_dim`]). The tiles are whole 64-column slabs
+/// (the 128-byte swizzle); a narrower tensor's TMA map covers its real columns and the hardware
+/// fills the rest of the tile with zeros.
+pub const HEAD_DIMS: [usize; 4] = [64, 128, 192, 256];
+
+/// The tile width a head dim is computed in: the next multiple of 64, for multiples of 8 in
+/// 8..=256 (TMA strides are multiples of 16 bytes); `None` otherwise.
+pub fn padded_head_dim(d: usize) -> Option<usize> {
+    (d > 0 && d <= 256 && d.is_multiple_of(8)).then(|| d.next_multiple_of(SWIZZLE_ELEMS))
+}
+
+/// The tile widths of one launch: Q and K's head dim (`qk`) and V and O's (`v`), each one of
+/// [`HEAD_DIMS`], `v ≤ qk` (O is staged in a Q slot for the TMA store). A plain `usize` converts
+/// to the square dims `(d, d)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+pub struct Dims {
+    /// Tile width of Q and K.
+    pub qk: usize,
+    /// Tile width of V and O.
+    pub v: usize,
+}
+
+impl From<usize> for Dims {
+    fn from(d: usize) -> Dims {
+        Dims { qk: d, v: d }
+    }
+}
+
+impl fmt::Display for Dims {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.qk == self.v {
+            write!(f, "{}", self.qk)
+        } else {
+            write!(f, "{}/{}", self.qk, self.v)
+        }
+    }
+}
 /// Threads in a warpgroup (the unit of `wgmma` and `setmaxnreg`).
 pub const WARPGROUP_THREADS: usize = 128;
 /// Query rows per consumer warpgroup: the M of `wgmma.mma_async.m64nNk16`.
@@ -130,11 +166,11 @@ impl std::str::FromStr for Tiles {
 /// The shared-memory budget of a launch, in bytes, tile by tile.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 pub struct SmemBudget {
-    /// Q, [`Tiles::q_stages`] × (block_m, head_dim).
+    /// Q, [`Tiles::q_stages`] × (block_m, qk).
     pub q: usize,
-    /// K ring, stages × (block_n, head_dim).
+    /// K ring, stages × (block_n, qk).
     pub k: usize,
-    /// V ring, stages × (block_n, head_dim).
+    /// V ring, stages × (block_n, v).
     pub v: usize,
     /// mbarriers: Q full and empty, and per stage K full, V full, K empty, V empty and V tail
     /// (varlen) (8 bytes each).
@@ -161,17 +197,18 @@ impl Tiles {
         WARPGROUP_THREADS * (1 + self.consumer_wgs)
     }
 
-    /// Shared memory, tile by tile, for a padded head dim of 16-bit elements.
-    pub fn smem(&self, head_dim: usize) -> SmemBudget {
-        self.smem_with(head_dim, self.q_stages(head_dim))
+    /// Shared memory, tile by tile, for padded head dims of 16-bit elements.
+    pub fn smem(&self, dims: impl Into<Dims>) -> SmemBudget {
+        let dims = dims.into();
+        self.smem_with(dims, self.q_stages(dims))
     }
 
-    fn smem_with(&self, head_dim: usize, q_stages: usize) -> SmemBudget {
-        let tile = |rows: usize| (rows * head_dim * 2).next_multiple_of(TILE_ALIGN);
+    fn smem_with(&self, dims: Dims, q_stages: usize) -> SmemBudget {
+        let tile = |rows: usize, width: usize| (rows * width * 2).next_multiple_of(TILE_ALIGN);
         SmemBudget {
-            q: q_stages * tile(self.block_m()),
-            k: self.stages * tile(self.block_n),
-            v: self.stages * tile(self.block_n),
+            q: q_stages * tile(self.block_m(), dims.qk),
+            k: self.stages * tile(self.block_n, dims.qk),
+            v: self.stages * tile(self.block_n, dims.v),
             barriers: 8 * (2 * q_stages + 5 * self.stages),
             align_slack: TILE_ALIGN,
         }
@@ -179,9 +216,9 @@ impl Tiles {
 
     /// Q slots: two where they fit in a Hopper block's shared memory (a persistent CTA then loads
     /// its next tile's Q during the current one), else one.
-    pub fn q_stages(&self, head_dim: usize) -> usize {
+    pub fn q_stages(&self, dims: impl Into<Dims>) -> usize {
         let limit = crate::arch::H100.max_smem_per_block() as usize;
-        if self.smem_with(head_dim, 2).total() <= limit {
+        if self.smem_with(dims.into(), 2).total() <= limit {
             2
         } else {
             1
@@ -205,20 +242,21 @@ impl Tiles {
     }
 
     /// Operand registers per consumer thread: the f32 accumulators S (64 × block_n) and O
-    /// (64 × head_dim) and the packed 16-bit P (64 × block_n), spread over 128 threads. With the
-    /// intra-warpgroup overlap all three are live at once.
-    pub fn accumulator_regs(&self, head_dim: usize) -> u32 {
-        let f32s = ROWS_PER_CONSUMER * (self.block_n + head_dim) / WARPGROUP_THREADS;
+    /// (64 × the V width) and the packed 16-bit P (64 × block_n), spread over 128 threads. With
+    /// the intra-warpgroup overlap all three are live at once.
+    pub fn accumulator_regs(&self, dims: impl Into<Dims>) -> u32 {
+        let f32s = ROWS_PER_CONSUMER * (self.block_n + dims.into().v) / WARPGROUP_THREADS;
         let p = ROWS_PER_CONSUMER * self.block_n / (2 * WARPGROUP_THREADS);
         (f32s + p) as u32
     }
 
     /// Checks the tiles against the kernel's rules and the GPU's limits, naming each violation.
-    pub fn check(&self, head_dim: usize, arch: &GpuArch) -> Result<()> {
+    pub fn check(&self, dims: impl Into<Dims>, arch: &GpuArch) -> Result<()> {
+        let dims = dims.into();
         let bad = |why: String| {
             Err(Error::invalid(
                 "tiles",
-                format!("{self:?} for head_dim {head_dim}: {why}"),
+                format!("{self:?} for head_dim {dims}: {why}"),
             ))
         };
         if arch.family != Family::Hopper {
@@ -227,8 +265,14 @@ impl Tiles {
                 arch.name
             ));
         }
-        if !HEAD_DIMS.contains(&head_dim) {
-            return bad(format!("head_dim must be one of {HEAD_DIMS:?}"));
+        if !HEAD_DIMS.contains(&dims.qk) || !HEAD_DIMS.contains(&dims.v) {
+            return bad(format!("tile widths must be among {HEAD_DIMS:?}"));
+        }
+        if dims.v > dims.qk {
+            return bad(format!(
+                "V's tile width {} must not exceed Q's {} (O is staged in a Q slot)",
+                dims.v, dims.qk
+            ));
         }
         if !(1..=3).contains(&self.consumer_wgs) {
             return bad("consumer_wgs must be 1 to 3".into());
@@ -256,9 +300,9 @@ impl Tiles {
                     .into(),
             );
         }
-        if self.cross_tile && self.tma_store && self.q_stages(head_dim) < 2 {
+        if self.cross_tile && self.tma_store && self.q_stages(dims) < 2 {
             return bad(format!(
-                "the cross-tile overlap with the TMA-store epilogue needs two Q slots (the next tile's Q loads while this tile's O sits in its slot), and head_dim {head_dim} with block_n {} fits one",
+                "the cross-tile overlap with the TMA-store epilogue needs two Q slots (the next tile's Q loads while this tile's O sits in its slot), and head_dim {dims} with block_n {} fits one",
                 self.block_n
             ));
         }
@@ -302,15 +346,15 @@ impl Tiles {
                 self.producer_regs, self.consumer_wgs, self.consumer_regs, self.launch_regs(arch)
             ));
         }
-        let need = self.accumulator_regs(head_dim) + CONSUMER_REG_MARGIN;
+        let need = self.accumulator_regs(dims) + CONSUMER_REG_MARGIN;
         if need > self.consumer_regs {
             return bad(format!(
                 "consumers need about {need} registers (S and O accumulators {} + margin {CONSUMER_REG_MARGIN}), budget {}",
-                self.accumulator_regs(head_dim),
+                self.accumulator_regs(dims),
                 self.consumer_regs
             ));
         }
-        let smem = self.smem(head_dim).total();
+        let smem = self.smem(dims).total();
         if smem > arch.max_smem_per_block() as usize {
             return bad(format!(
                 "{smem} bytes of shared memory exceed {}'s {} per block",
@@ -366,43 +410,67 @@ pub(crate) const fn t(
 /// critical path once it overlaps), so those are off.
 ///
 /// Each candidate is taken only for at least its `min_keys` keys per sequence.
-pub(crate) const CANDIDATES: [(usize, &[(Tiles, usize)]); 3] = [
+/// d192 (added 2026-12-03): 112-key blocks, the widest whose two K/V stages fit beside one
+/// 48 KiB Q slot (FlashAttention-3's choice too); the MLA prefill shape 192/128 has room for
+/// 128-key blocks, its V being narrower. A V narrower than Q/K without its own entry takes the
+/// entries of its Q/K width.
+pub(crate) const CANDIDATES: [(Dims, &[(Tiles, usize)]); 5] = [
     (
-        64,
+        sq(64),
         &[
             (t(128, 3, 2, 32, 160, false), 0),
             (t(128, 2, 2, 40, 232, false), 0),
         ],
     ),
     (
-        128,
+        sq(128),
         &[
             (t(176, 2, 2, 40, 232, true), 8192),
             (t(128, 2, 2, 40, 232, true), 0),
         ],
     ),
-    (256, &[(t(80, 2, 2, 40, 232, true), 0)]),
+    (sq(192), &[(t(112, 2, 2, 40, 232, true), 0)]),
+    (
+        Dims { qk: 192, v: 128 },
+        &[(t(128, 2, 2, 40, 232, true), 0)],
+    ),
+    (sq(256), &[(t(80, 2, 2, 40, 232, true), 0)]),
 ];
 
-/// Tiles for one padded head dim on one GPU: the first candidate that fits, or `None`.
-pub fn tiles(arch: &GpuArch, head_dim: usize) -> Option<Tiles> {
-    fitting(arch, head_dim).next()
+const fn sq(d: usize) -> Dims {
+    Dims { qk: d, v: d }
 }
 
-/// The fitting candidates of a head dim, in order, with their `min_keys`.
+/// Tiles for padded head dims on one GPU: the first candidate that fits, or `None`.
+pub fn tiles(arch: &GpuArch, dims: impl Into<Dims>) -> Option<Tiles> {
+    fitting(arch, dims.into()).next()
+}
+
+/// The fitting candidates of padded head dims, in order, with their `min_keys`: the entry of
+/// exactly these dims, else (a V narrower than Q/K) the square entry of the Q/K width.
 pub(crate) fn fitting_with_min_keys(
     arch: &GpuArch,
-    head_dim: usize,
+    dims: Dims,
 ) -> impl Iterator<Item = (Tiles, usize)> + '_ {
+    let key = if CANDIDATES.iter().any(|(d, _)| *d == dims) {
+        dims
+    } else {
+        sq(dims.qk)
+    };
     CANDIDATES
         .iter()
-        .filter(move |(d, _)| *d == head_dim)
+        .filter(move |(d, _)| *d == key)
         .flat_map(|(_, c)| c.iter().copied())
-        .filter(move |(t, _)| t.check(head_dim, arch).is_ok())
+        .filter(move |(t, _)| t.check(dims, arch).is_ok())
 }
 
-pub(crate) fn fitting(arch: &GpuArch, head_dim: usize) -> impl Iterator<Item = Tiles> + '_ {
-    fitting_with_min_keys(arch, head_dim).map(|(t, _)| t)
+pub(crate) fn fitting(arch: &GpuArch, dims: Dims) -> impl Iterator<Item = Tiles> + '_ {
+    fitting_with_min_keys(arch, dims).map(|(t, _)| t)
+}
+
+/// The padded dims of every entry of the tile table.
+pub fn planned_dims() -> impl Iterator<Item = Dims> {
+    CANDIDATES.iter().map(|(d, _)| *d)
 }
 
 /// Tiles for a problem with `seqlen_q` query rows and `seqlen_k` keys per sequence (the longest,
@@ -415,12 +483,13 @@ pub(crate) fn fitting(arch: &GpuArch, head_dim: usize) -> impl Iterator<Item = T
 /// Every choice has the TMA-store epilogue on.
 pub fn tiles_for(
     arch: &GpuArch,
-    head_dim: usize,
+    dims: impl Into<Dims>,
     seqlen_q: usize,
     seqlen_k: usize,
 ) -> Option<Tiles> {
+    let dims = dims.into();
     let taken = || {
-        fitting_with_min_keys(arch, head_dim)
+        fitting_with_min_keys(arch, dims)
             .filter(|&(_, min_keys)| seqlen_k >= min_keys)
             .map(|(t, _)| t)
     };

@@ -12,10 +12,12 @@ use crate::tensor::Layout;
 /// The family.
 pub struct Sm90;
 
-// SAFETY: `config::sm90::plan` accepted only head_dim 64/128/256 and 16-byte strides below
+// SAFETY: `config::sm90::plan` accepted only head dims that are multiples of 8 up to 256 (padded
+// to tile widths of whole 64-column slabs, V's no wider than Q's) and 16-byte strides below
 // 2^40; the TMA maps (`Sm90::params`) describe exactly the layouts' extents (reads past the end
 // are zero-filled by the hardware, not performed), and the output is written only at rows below
-// each sequence's length and columns below head_dim (a varlen batch's foreign rows are read,
+// each sequence's length and columns below head_dim_v (a narrower tensor's 4-D map ends at its real columns, and the
+// plain store checks them; a varlen batch's foreign rows are read,
 // masked and their V zeroed, never written; the TMA-store epilogue's O map, fixed-length batches
 // only, spans exactly O's layout, whose bounds clip a last block's rows past the sequence). The grid is one CTA per tile or, persistent, at
 // most one per SM; the kernel numbers the tiles from the params (the planner checked that they
@@ -53,21 +55,30 @@ impl ForwardFamily for Sm90 {
         let t = &plan.spec.tiles;
         let bf16 = plan.spec.bf16;
         // A map per tensor over its whole layout: per batch entry for fixed-length batches,
-        // the packed rows of every sequence for varlen ones.
-        let map = |name: &str, ptr: u64, l: &Layout, box_rows: usize| {
-            tma::encode(name, &super::map_spec(ptr, bf16, l, box_rows))
+        // the packed rows of every sequence for varlen ones. A tensor narrower than its tiles
+        // gets the 4-D map of one slab per box over its real columns.
+        let map = |name: &str, ptr: u64, l: &Layout, box_rows: usize, slabs: bool| {
+            let m = super::map_spec(ptr, bf16, l, box_rows);
+            if slabs {
+                tma::encode_slabs(name, &m)
+            } else {
+                tma::encode(name, &m)
+            }
         };
+        let (sqk, sv) = (plan.spec.slab_maps_qk, plan.spec.slab_maps_v);
         Ok(Sm90Params {
-            tq: map("q", common.q, p.q_layout(), t.block_m())?,
-            tk: map("k", common.k, p.k_layout(), t.block_n)?,
-            tv: map("v", common.v, p.v_layout(), t.block_n)?,
+            tq: map("q", common.q, p.q_layout(), t.block_m(), sqk)?,
+            tk: map("k", common.k, p.k_layout(), t.block_n, sqk)?,
+            tv: map("v", common.v, p.v_layout(), t.block_n, sv)?,
             // The planner keeps tma_store off for varlen batches (one packed map would not clip
             // a sequence's last block).
             to: if t.tma_store {
-                tma::encode_store(
-                    "o",
-                    &super::map_spec(common.o, bf16, p.o_layout(), sm90::ROWS_PER_CONSUMER),
-                )?
+                let m = super::map_spec(common.o, bf16, p.o_layout(), sm90::ROWS_PER_CONSUMER);
+                if sv {
+                    tma::encode_slabs("o", &m)?
+                } else {
+                    tma::encode_store("o", &m)?
+                }
             } else {
                 Default::default()
             },

@@ -89,7 +89,8 @@ __device__ __forceinline__ float exact_tanh(float x) {
     return copysignf(1.0f - __fdividef(2.0f, e + 1.0f), x);
 }
 
-// Column pairs per lane: lane l owns columns 2l + 64k and 2l + 64k + 1, k < EXACT_PAIRS.
+// Column pairs per lane: lane l owns columns 2l + 64k and 2l + 64k + 1, k < EXACT_PAIRS. HEAD_DIM
+// is the kernel's Q/K width, which bounds V's too (head_dim_v ≤ head_dim wherever they differ).
 constexpr int EXACT_PAIRS = (HEAD_DIM + 63) / 64;
 
 // Row i of sequence `s` (query head `head`, batch-axis index `bi`) by the definition, with the
@@ -106,11 +107,12 @@ __device__ __forceinline__ void exact_row(const FwdParams& p, const Seq s, int b
     const u16* gv = static_cast<const u16*>(p.v) + bi * p.v_batch_stride + s.k_start * p.v_row_stride +
                     kv_head * p.v_head_stride;
     float q[EXACT_PAIRS][2];
-    bool col_ok[EXACT_PAIRS];
+    bool col_ok[EXACT_PAIRS], v_ok[EXACT_PAIRS];  // the column pair is in Q/K, in V/O
 #pragma unroll
     for (int k = 0; k < EXACT_PAIRS; ++k) {
         const int c = 2 * lane + 64 * k;
         col_ok[k] = c < p.head_dim;
+        v_ok[k] = c < p.head_dim_v;
         q[k][0] = q[k][1] = 0.0f;
         if (col_ok[k]) load_pair(gq + c, q[k][0], q[k][1]);
         if (p.negate_q) {
@@ -149,7 +151,7 @@ __device__ __forceinline__ void exact_row(const FwdParams& p, const Seq s, int b
         const u16* vj = gv + j * p.v_row_stride;
 #pragma unroll
         for (int k = 0; k < EXACT_PAIRS; ++k) {
-            if (!col_ok[k]) continue;
+            if (!v_ok[k]) continue;
             float v0, v1;
             load_pair(vj + 2 * lane + 64 * k, v0, v1);
             o[k][0] = fmaf(pj, v0, o[k][0]);
@@ -160,7 +162,7 @@ __device__ __forceinline__ void exact_row(const FwdParams& p, const Seq s, int b
     u16* go = static_cast<u16*>(p.o) + bi * p.o_batch_stride + (s.q_start + i) * p.o_row_stride + head * p.o_head_stride;
 #pragma unroll
     for (int k = 0; k < EXACT_PAIRS; ++k)
-        if (col_ok[k]) *reinterpret_cast<u32*>(go + 2 * lane + 64 * k) = pack2(o[k][0] * inv, o[k][1] * inv);
+        if (v_ok[k]) *reinterpret_cast<u32*>(go + 2 * lane + 64 * k) = pack2(o[k][0] * inv, o[k][1] * inv);
     if (p.lse != nullptr && lane == 0) {
         // sum = 0: no key (or all −inf); NaN stays NaN; a +inf max gives sum +inf, LSE +inf.
         const float lse = sum == 0.0f ? NEG_INF : (finite_max ? mx * p.lse_scale : 0.0f) + logf(sum);
@@ -194,7 +196,7 @@ extern "C" __global__ void __launch_bounds__(EXACT_THREADS) fa4_exact_fixup(cons
         if (i < s.q_len) {
             const u16* go = static_cast<const u16*>(p.o) + bi * p.o_batch_stride + (s.q_start + i) * p.o_row_stride +
                             head * p.o_head_stride;
-            for (int c = 0; c < p.head_dim; c += 2) marked |= pair_has_nan(*reinterpret_cast<const u32*>(go + c));
+            for (int c = 0; c < p.head_dim_v; c += 2) marked |= pair_has_nan(*reinterpret_cast<const u32*>(go + c));
         }
         u32 rows = __ballot_sync(0xffffffffu, marked);
         while (rows != 0) {

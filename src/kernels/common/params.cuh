@@ -7,8 +7,8 @@
 struct FwdParams {
     const void* q;              // (rows, heads_q, head_dim) per batch entry
     const void* k;              // (rows, heads_kv, head_dim)
-    const void* v;              // (rows, heads_kv, head_dim)
-    void* o;                    // (rows, heads_q, head_dim), written
+    const void* v;              // (rows, heads_kv, head_dim_v)
+    void* o;                    // (rows, heads_q, head_dim_v), written
     float* lse;                 // [batch, heads_q, seqlen_q] or [heads_q, total_q]; null = not wanted
     const int* cu_seqlens_q;    // [batch + 1] or null (fixed-length batch)
     const int* cu_seqlens_k;    // [batch + 1] or null
@@ -28,7 +28,7 @@ struct FwdParams {
     int window_left;            // -1 = unbounded
     int window_right;           // -1 = unbounded
     int negate_q;               // 1 when the scale is negative: Q is negated, scales are |scale|
-    int pad0;
+    int head_dim_v;             // real head dim of V and O, <= head_dim, multiple of 8
     float scale_log2;           // |scale| * log2(e), or log2(e) with softcap
     float softcap_scale;        // |scale| / softcap (softcap only)
     float softcap;              // 0 = none

@@ -41,19 +41,29 @@
 //
 // Shared-memory tiles are TMA boxes with the 128-byte swizzle: a (rows, HEAD_DIM) tile is
 // stored as HEAD_DIM / 64 slabs of (rows, 64), each row 128 bytes, each slab 1024-aligned.
+//
+// Head dims: HEAD_DIM is the tile width of Q and K, HEAD_DIM_V that of V and O (≤ HEAD_DIM; the
+// MLA prefill shape is 192/128), both multiples of 64. A tensor whose head dim is narrower than
+// its tile width (d80 in 128-wide tiles, say) has a 4-D map (columns, rows, heads, batch) over its
+// real columns, loaded one 64-column slab per box (SLAB_MAPS_QK, SLAB_MAPS_V): the columns past
+// the map's extent land as zeros, which add nothing to Q·Kᵀ and give O zero columns, and the
+// stores clip them (the TMA store by the O map's extent, the plain store by p.head_dim_v). A
+// tensor as wide as its tiles keeps the 5-D map and one box per tile.
 
 constexpr int WG_THREADS = 128;
 constexpr int NUM_THREADS = WG_THREADS * (1 + CONSUMER_WGS);
 constexpr int SLAB_ELEMS = 64;                      // one 128-byte swizzle row of 16-bit values
 constexpr int SLAB_ROW_BYTES = 128;
-constexpr int SLABS = HEAD_DIM / SLAB_ELEMS;
+constexpr int SLABS = HEAD_DIM / SLAB_ELEMS;        // of a Q or K tile
+constexpr int SLABS_V = HEAD_DIM_V / SLAB_ELEMS;    // of a V or O tile
 constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2;     // (BLOCK_M, HEAD_DIM)
-constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2;    // (BLOCK_N, HEAD_DIM)
+constexpr int K_BYTES = BLOCK_N * HEAD_DIM * 2;     // (BLOCK_N, HEAD_DIM)
+constexpr int V_BYTES = BLOCK_N * HEAD_DIM_V * 2;   // (BLOCK_N, HEAD_DIM_V)
 constexpr int NUM_BARRIERS = 2 * Q_STAGES + 5 * STAGES;  // v_tail is allocated whether used or not
 constexpr int TILE_ALIGN = 1024;
-constexpr int SMEM_BYTES = Q_STAGES * Q_BYTES + 2 * STAGES * KV_BYTES + 8 * NUM_BARRIERS + TILE_ALIGN;
+constexpr int SMEM_BYTES = Q_STAGES * Q_BYTES + STAGES * (K_BYTES + V_BYTES) + 8 * NUM_BARRIERS + TILE_ALIGN;
 constexpr int S_REGS = BLOCK_N / 2;                 // f32 S accumulator per thread, (64, BLOCK_N) per warpgroup
-constexpr int O_REGS = HEAD_DIM / 2;                // f32 O accumulator per thread, (64, HEAD_DIM)
+constexpr int O_REGS = HEAD_DIM_V / 2;              // f32 O accumulator per thread, (64, HEAD_DIM_V)
 constexpr int P_REGS = BLOCK_N / 4;                 // packed 16-bit P pairs per thread
 constexpr int SBO_BYTES = 8 * SLAB_ROW_BYTES;       // 8-row core-matrix groups of a swizzle atom
 constexpr int KSTEP_K_MAJOR_BYTES = 32;             // k16 step inside a 128-byte swizzle row
@@ -61,9 +71,12 @@ constexpr int KSTEP_V_BYTES = 16 * SLAB_ROW_BYTES;  // k16 step over 16 key rows
 
 static_assert(BLOCK_M == 64 * CONSUMER_WGS, "a consumer warpgroup owns 64 query rows (the M of wgmma)");
 static_assert(FIRST_CONSUMER_WARP == WG_THREADS / 32, "warpgroup 0 produces, the others consume");
-static_assert(SLABS * SLAB_ELEMS == HEAD_DIM, "head dims are whole 64-element slabs");
+static_assert(SLABS * SLAB_ELEMS == HEAD_DIM && SLABS_V * SLAB_ELEMS == HEAD_DIM_V,
+              "tile widths are whole 64-element slabs");
+static_assert(HEAD_DIM_V <= HEAD_DIM, "O is staged in the Q slot for the TMA store, and the exact path's columns");
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "BLOCK_N is a wgmma N and a multiple of k16");
-static_assert(Q_BYTES % TILE_ALIGN == 0 && KV_BYTES % TILE_ALIGN == 0, "tiles keep 1024-byte alignment");
+static_assert(Q_BYTES % TILE_ALIGN == 0 && K_BYTES % TILE_ALIGN == 0 && V_BYTES % TILE_ALIGN == 0,
+              "tiles keep 1024-byte alignment");
 static_assert(SMEM_BYTES == FA4_SMEM_BYTES, "the planner's shared-memory count must match");
 static_assert(STAGES >= 2, "the K/V ring needs at least two stages");
 static_assert(Q_STAGES == 1 || Q_STAGES == 2, "one or two Q slots");
@@ -83,16 +96,31 @@ using QState = PipeState<Q_STAGES>;
 
 // The tiles and pipelines in shared memory.
 struct Smem {
-    u32 q, k, v;                // tiles: Q_STAGES × (BLOCK_M, HEAD_DIM), STAGES × (BLOCK_N, HEAD_DIM) each
+    u32 q, k, v;                // tiles: Q_STAGES × (BLOCK_M, HEAD_DIM), STAGES × (BLOCK_N, HEAD_DIM(_V))
     // The barriers, by edge (the table at the top), in their shared-memory order.
     Barriers load_q, release_q, load_k, load_v, release_k, release_v, load_v_tail;
     __device__ Pipeline<Q_STAGES> pipe_q() const { return {load_q, release_q}; }
     __device__ Pipeline<STAGES> pipe_k() const { return {load_k, release_k}; }
     __device__ Pipeline<STAGES> pipe_v() const { return {load_v, release_v}; }
     __device__ u32 q_slot(int t) const { return q + t * Q_BYTES; }
-    __device__ u32 k_stage(int s) const { return k + s * KV_BYTES; }
-    __device__ u32 v_stage(int s) const { return v + s * KV_BYTES; }
+    __device__ u32 k_stage(int s) const { return k + s * K_BYTES; }
+    __device__ u32 v_stage(int s) const { return v + s * V_BYTES; }
 };
+
+// One tile of `rows` rows from row `row` of (head, batch-axis index bi) into `dst`, completing on
+// `bar`: one 5-D box, or (SLABWISE: a tensor narrower than its tile) one 4-D box per 64-column
+// slab, slab s at column 64·s and `rows` · 128 bytes after slab s − 1.
+template <bool SLABWISE, int TILE_SLABS>
+__device__ __forceinline__ void tma_load_tile(u32 dst, const TmaMap* map, u32 bar, int rows, int row, int head,
+                                              int bi) {
+    if constexpr (SLABWISE) {
+#pragma unroll
+        for (int slab = 0; slab < TILE_SLABS; ++slab)
+            tma_load_4d(dst + slab * rows * SLAB_ROW_BYTES, map, bar, slab * SLAB_ELEMS, row, head, bi);
+    } else {
+        tma_load_5d(dst, map, bar, 0, row, 0, head, bi);
+    }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Producer: one thread loads, tile after tile, Q and then K and V of every key block into the
@@ -115,18 +143,20 @@ __device__ __forceinline__ void producer(const Sm90Params& P, const Smem& sm) {
         const QState qs = QState::at(VARLEN ? kq++ : k);
         sm.pipe_q().acquire(qs);  // the slot's last Q is consumed
         sm.pipe_q().expect(qs, Q_BYTES);
-        tma_load_5d(sm.q_slot(qs.stage), &P.tq, sm.load_q[qs.stage], 0, w.s.q_start + w.m0, 0, w.head, w.bi);
+        tma_load_tile<SLAB_MAPS_QK, SLABS>(sm.q_slot(qs.stage), &P.tq, sm.load_q[qs.stage], BLOCK_M,
+                                           w.s.q_start + w.m0, w.head, w.bi);
         for (int n = w.kb.n_begin; n < w.kb.n_end; ++n, ++j) {
             const KvState r = KvState::at(j);
             const int row = w.s.k_start + n * BLOCK_N;
             sm.pipe_k().acquire(r);
-            sm.pipe_k().expect(r, KV_BYTES);
-            tma_load_5d(sm.k_stage(r.stage), &P.tk, sm.load_k[r.stage], 0, row, 0, kv_head, w.bi);
+            sm.pipe_k().expect(r, K_BYTES);
+            tma_load_tile<SLAB_MAPS_QK, SLABS>(sm.k_stage(r.stage), &P.tk, sm.load_k[r.stage], BLOCK_N, row, kv_head,
+                                               w.bi);
             sm.pipe_v().acquire(r);
             // A block with foreign rows lands on load_v_tail; warp 1 completes its load_v.
             const u32 v_bar = (foreign_rows(w.s, n) ? sm.load_v_tail : sm.load_v)[r.stage];
-            mbar_expect_tx(v_bar, KV_BYTES);
-            tma_load_5d(sm.v_stage(r.stage), &P.tv, v_bar, 0, row, 0, kv_head, w.bi);
+            mbar_expect_tx(v_bar, V_BYTES);
+            tma_load_tile<SLAB_MAPS_V, SLABS_V>(sm.v_stage(r.stage), &P.tv, v_bar, BLOCK_N, row, kv_head, w.bi);
         }
     }
 }
@@ -152,7 +182,7 @@ __device__ __forceinline__ void zero_foreign_v_rows(const Sm90Params& P, const S
             tail_phase ^= 1u << r.stage;
             const int valid = w.s.k_len - n * BLOCK_N;  // ≥ 1: the block holds an allowed key
             const int chunks = (BLOCK_N - valid) * (SLAB_ROW_BYTES / 16);
-            for (int slab = 0; slab < SLABS; ++slab) {
+            for (int slab = 0; slab < SLABS_V; ++slab) {
                 const u32 base = sm.v_stage(r.stage) + slab * (BLOCK_N * SLAB_ROW_BYTES) + valid * SLAB_ROW_BYTES;
                 for (int c = lane; c < chunks; c += 32) st_shared_zero16(base + 16 * c);
             }
@@ -212,7 +242,7 @@ __device__ __forceinline__ void issue_qk(float (&rS)[S_REGS], u32 q_base, u32 k_
     wgmma_commit();
 }
 
-// Issues O += P·V for the V tile at `v_base` (one commit group). V (BLOCK_N keys, HEAD_DIM) is
+// Issues O += P·V for the V tile at `v_base` (one commit group). V (BLOCK_N keys, HEAD_DIM_V) is
 // MN-major for this product; its 64-column slabs are BLOCK_N rows apart (the leading offset).
 // `fresh` (CROSS_TILE only): O = P·V, the old O not read (the tile's first P·V).
 __device__ __forceinline__ void issue_pv(float (&rO)[O_REGS], const u32 (&rP)[P_REGS], u32 v_base,
@@ -372,7 +402,7 @@ __device__ __forceinline__ void epilogue_sync(int c) {
 // registers, or (O_VIA_TMA) through this warpgroup's rows of the tile's Q slot: each thread
 // writes its pairs where a TMA box would put them (128-byte swizzle: 16-byte chunk c of row r at
 // c ^ (r % 8); the warpgroup's rows start 1024-aligned), the writes are fenced to the async
-// proxy, and thread 0 stores the SLABS boxes of (64 rows, 64) and releases Q for its warp once
+// proxy, and thread 0 stores the SLABS_V boxes of (64 rows, 64) and releases Q for its warp once
 // the store has read them; the other warps release Q after the warpgroup's barrier, so Q's slot
 // is free only when all have. The sequence's offsets are read again here rather than kept in
 // registers through the loop. A row the fast path may have got wrong is stored as NaN, and a NaN
@@ -398,7 +428,7 @@ __device__ __forceinline__ void epilogue(const Sm90Params& P, const Smem& sm, in
     // an input is not, so they can only add a fixup pass that finds nothing on non-finite inputs.
     if constexpr (O_VIA_TMA) {
         const int tid = threadIdx.x % WG_THREADS;
-        const u32 sO = sm.q_slot(qs.stage) + 64 * c * SLAB_ROW_BYTES;  // (64, HEAD_DIM), slabs BLOCK_M rows apart
+        const u32 sO = sm.q_slot(qs.stage) + 64 * c * SLAB_ROW_BYTES;  // (64, HEAD_DIM_V), slabs BLOCK_M rows apart
         const int r0 = 16 * (tid / 32) + lane / 4;                     // this thread's first row of the 64
 #pragma unroll
         for (int i = 0; i < O_REGS; i += 2) {
@@ -415,9 +445,13 @@ __device__ __forceinline__ void epilogue(const Sm90Params& P, const Smem& sm, in
         const int first_row = w.m0 + 64 * c;
         if (tid == 0 && first_row < s.q_len) {
 #pragma unroll
-            for (int slab = 0; slab < SLABS; ++slab)
-                tma_store_5d(&P.to, sO + slab * (BLOCK_M * SLAB_ROW_BYTES), 0, s.q_start + first_row, slab, w.head,
-                             w.bi);
+            for (int slab = 0; slab < SLABS_V; ++slab) {
+                const u32 src = sO + slab * (BLOCK_M * SLAB_ROW_BYTES);
+                if constexpr (SLAB_MAPS_V)
+                    tma_store_4d(&P.to, src, slab * SLAB_ELEMS, s.q_start + first_row, w.head, w.bi);
+                else
+                    tma_store_5d(&P.to, src, 0, s.q_start + first_row, slab, w.head, w.bi);
+            }
             bulk_commit();
             bulk_wait_read<0>();
         }
@@ -428,7 +462,8 @@ __device__ __forceinline__ void epilogue(const Sm90Params& P, const Smem& sm, in
 #pragma unroll
         for (int i = 0; i < O_REGS; i += 2) {
             const int h = acc_slot(i), row = row0 + 8 * h, col = acc_col(i, lane);
-            if (row < s.q_len) {
+            // Columns come in pairs and head dims are multiples of 8: a pair is in or out.
+            if (row < s.q_len && (!SLAB_MAPS_V || col < p.head_dim_v)) {
                 const u32 v = pack2(rO[i] * inv[h], rO[i + 1] * inv[h]);
                 folded = nan_max2(folded, v);
                 st_global_b32(gO + row * p.o_row_stride + col, v);
@@ -630,9 +665,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_fwd_sm90(const 
     Smem sm;
     sm.q = (smem_u32(smem_raw) + TILE_ALIGN - 1) & ~static_cast<u32>(TILE_ALIGN - 1);
     sm.k = sm.q + Q_STAGES * Q_BYTES;
-    sm.v = sm.k + STAGES * KV_BYTES;
+    sm.v = sm.k + STAGES * K_BYTES;
     // Barriers after the tiles: load_q, release_q, load_k, load_v, release_k, release_v, load_v_tail.
-    sm.load_q.base = sm.v + STAGES * KV_BYTES;
+    sm.load_q.base = sm.v + STAGES * V_BYTES;
     sm.release_q.base = sm.load_q[Q_STAGES];
     sm.load_k.base = sm.release_q[Q_STAGES];
     sm.load_v.base = sm.load_k[STAGES];

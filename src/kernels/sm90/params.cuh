@@ -7,6 +7,8 @@
 //   (64 columns of a slab, rows, head_dim / 64 slabs, heads, batch)
 // with byte strides (row, 128, head, batch), so that one box of (64, rows, slabs, 1, 1)
 // lands in shared memory as `slabs` swizzled (rows, 64) tiles: the wgmma operand layout.
+// A tensor narrower than its tile (SLAB_MAPS_QK, SLAB_MAPS_V) is seen in 4-D instead,
+//   (head_dim columns, rows, heads, batch), with boxes of (64, rows, 1, 1), one per slab.
 struct __align__(64) TmaMap {
     u64 opaque[16];
 };
@@ -16,7 +18,7 @@ struct __align__(64) Sm90Params {
     TmaMap tk;
     TmaMap tv;
     FwdParams p;
-    TmaMap to;  // O: boxes of (64, 64 rows, 1 slab) for the TMA-store epilogue (TMA_STORE)
+    TmaMap to;  // O: boxes of (64, 64 rows, 1 slab) for the TMA-store epilogue (TMA_STORE), 4-D with SLAB_MAPS_V
 };
 
 #define FA4_SM90_PARAMS_SIZE 768

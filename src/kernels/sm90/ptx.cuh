@@ -24,7 +24,8 @@ __device__ __forceinline__ void tma_load_5d(u32 dst, const TmaMap* map, u32 bar,
 }
 
 // One TMA box of a 4-D map (coordinates innermost first) into shared memory, completing on `bar`
-// (the sm100 kernel's per-slab loads; elements past the map's extent arrive as zeros).
+// (per-slab loads of a padded head dim, sm90 and sm100: elements past the map's extent arrive as
+// zeros, and count towards the transaction bytes like any other).
 __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, u32 bar, int c0, int c1, int c2, int c3) {
     asm volatile(
         "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
@@ -40,6 +41,16 @@ __device__ __forceinline__ void tma_store_5d(const TmaMap* map, u32 src, int c0,
         "cp.async.bulk.tensor.5d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5, %6}], [%1];\n" ::"l"(
             reinterpret_cast<u64>(map)),
         "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+        : "memory");
+}
+// One TMA box of a 4-D map (coordinates innermost first) from shared memory to global memory, in
+// this thread's bulk async-group; box elements outside the map's extent (rows past a sequence,
+// columns past a padded head dim) are not written.
+__device__ __forceinline__ void tma_store_4d(const TmaMap* map, u32 src, int c0, int c1, int c2, int c3) {
+    asm volatile(
+        "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+            reinterpret_cast<u64>(map)),
+        "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
         : "memory");
 }
 // Closes this thread's bulk async-group (the stores issued since the last commit).

@@ -99,15 +99,56 @@ fn bad_arguments_are_one_line_and_exit_2() {
 
 #[test]
 fn sm90_plan_reports_roles_budgets_and_the_kernel_choice() {
-    let (code, out, err) = fa4(&["plan", "--arch", "sm90", "--depth", "96", "--json"]);
+    // Off the multiples of 8 there is no Hopper plan, and the dispatch says why.
+    let (code, out, err) = fa4(&["plan", "--arch", "sm90", "--depth", "100", "--json"]);
     assert_eq!(code, 0, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
     assert_eq!(v["dispatch"]["kernel"], "sm80");
     assert!(v["dispatch"]["reason"]
         .as_str()
         .unwrap()
-        .contains("head_dim 96"));
-    assert!(v.get("roles").is_none(), "no Hopper plan for d96: {v}");
+        .contains("head_dim 100"));
+    assert!(v.get("roles").is_none(), "no Hopper plan for d100: {v}");
+    // d96 is padded to 128-column tiles, its slabs loaded through 4-D maps.
+    let (code, out, err) = fa4(&["plan", "--arch", "sm90", "--depth", "96", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(v["dispatch"]["kernel"], "sm90", "{v}");
+    assert_eq!(
+        (v["padded_head_dim"].as_u64(), v["slab_maps"][0].as_bool()),
+        (Some(128), Some(true))
+    );
+    // MLA prefill: 192 for Q·Kᵀ, 128 for V.
+    let (code, out, err) = fa4(&[
+        "plan",
+        "--arch",
+        "sm90",
+        "--depth",
+        "192",
+        "--depth-v",
+        "128",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("head_dim 192/128") && out.contains("kernel for this problem: sm90"),
+        "{out}"
+    );
+    // --depth-v elsewhere, or wider than --depth, is named.
+    let (code, _, err) = fa4(&["plan", "--depth", "128", "--depth-v", "64"]);
+    assert!(code == 2 && err.contains("--depth-v"), "{err}");
+    let (code, out, _) = fa4(&[
+        "plan",
+        "--arch",
+        "sm90",
+        "--depth",
+        "64",
+        "--depth-v",
+        "128",
+    ]);
+    assert!(
+        code == 0 && out.contains("no Hopper plan") && out.contains("wider"),
+        "{out}"
+    );
 
     let (code, out, err) = fa4(&["plan", "--arch", "sm90", "--depth", "128", "--json"]);
     assert_eq!(code, 0, "{err}");

@@ -455,7 +455,10 @@ fn hopper_switch_two_consumer_warpgroups_match_the_oracle() {
 /// MLA prefill shape 192/128 and 96/64 (a V width without its own tiles).
 fn every_head_dim() -> Vec<fa4::check::Case> {
     let dtypes = [DType::F16, DType::Bf16];
-    let mut cases = matrix(&dtypes, &[8, 32, 40, 64, 80, 96, 112, 128, 160, 192, 224, 256]);
+    let mut cases = matrix(
+        &dtypes,
+        &[8, 32, 40, 64, 80, 96, 112, 128, 160, 192, 224, 256],
+    );
     for (d, dv) in [(192, 128), (96, 64)] {
         cases.extend(matrix(&dtypes, &[d]).into_iter().map(|c| fa4::check::Case {
             head_dim_v: dv,
@@ -465,14 +468,14 @@ fn every_head_dim() -> Vec<fa4::check::Case> {
     cases
 }
 
-/// The padded tile widths and slab-map flags the planner gives a case's head dims.
-fn hopper_dims(d: usize, dv: usize) -> (fa4::config::sm90::Dims, bool, bool) {
+/// The padded tile widths the planner gives a case's head dims, and the head dims.
+fn hopper_dims(d: usize, dv: usize) -> (fa4::config::sm90::Dims, usize, usize) {
     let pad = |x| fa4::config::sm90::padded_head_dim(x).expect("a multiple of 8 up to 256");
     let dims = fa4::config::sm90::Dims {
         qk: pad(d),
         v: pad(dv),
     };
-    (dims, d != dims.qk, dv != dims.v)
+    (dims, d, dv)
 }
 
 /// Compiles, in parallel, every Hopper variant the matrix cases can plan with the planner's
@@ -498,7 +501,7 @@ fn precompile_hopper(
     shapes.sort();
     shapes.dedup();
     let mut specs = Vec::new();
-    for (dims, slab_maps_qk, slab_maps_v) in shapes {
+    for (dims, dim, dim_v) in shapes {
         let Some(mut tiles) = fa4::config::sm90::tiles(&arch, dims) else {
             continue;
         };
@@ -514,8 +517,8 @@ fn precompile_hopper(
                 bf16: bits & 1 != 0,
                 head_dim: dims.qk,
                 head_dim_v: dims.v,
-                slab_maps_qk,
-                slab_maps_v,
+                dim,
+                dim_v,
                 window: bits & 2 != 0,
                 softcap: bits & 4 != 0,
                 varlen,

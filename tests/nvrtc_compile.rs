@@ -38,7 +38,11 @@ fn every_sm80_variant_compiles_for_every_target() {
             .into_iter()
             .filter(|s| s.bf16 && s.window && !s.softcap),
     );
-    assert!(full >= 2 * 32 && specs.len() > full, "{} specs", specs.len());
+    assert!(
+        full >= 2 * 32 && specs.len() > full,
+        "{} specs",
+        specs.len()
+    );
     let start = Instant::now();
     let failures: Vec<String> = specs
         .par_iter()
@@ -121,14 +125,17 @@ fn every_sm90_variant_compiles_without_spills_or_wgmma_serialization() {
     // launch changes only the grid; the overlap and ping-pong need two consumer warpgroups).
     // The switches change the consumer's loop, which dtype, softcap and the maps do not touch
     // (one variant per tile shape and varlen keeps CI's compile time within its budget).
-    let switched = specs.iter().filter(|s| s.bf16 && s.window && !s.softcap).map(|s| {
-        let mut s = *s;
-        s.tiles.intra_wg_overlap = s.tiles.consumer_wgs == 2;
-        s.tiles.pingpong = s.tiles.consumer_wgs == 2;
-        s.tiles.lazy_rescale = true;
-        s.tiles.poly_exp2 = 2;
-        s
-    });
+    let switched = specs
+        .iter()
+        .filter(|s| s.bf16 && s.window && !s.softcap)
+        .map(|s| {
+            let mut s = *s;
+            s.tiles.intra_wg_overlap = s.tiles.consumer_wgs == 2;
+            s.tiles.pingpong = s.tiles.consumer_wgs == 2;
+            s.tiles.lazy_rescale = true;
+            s.tiles.poly_exp2 = 2;
+            s
+        });
     // fp16 on the causal variants only: fp16 and bf16 differ in the wgmma's type and the pack
     // to 16 bits, which every mask and softcap variant shares (the full set cost CI minutes).
     let planned = specs

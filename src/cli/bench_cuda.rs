@@ -175,13 +175,16 @@ fn parse_shape(it: &str, tokens: usize, hidden: usize) -> Result<Shape> {
         [d, s, c, ..] if (3..=6).contains(&f.len()) && f.len() != 4 => (d, s, c),
         _ => {
             return Err(bad(
-                "expected D[/DV],SEQLEN,CAUSAL or D[/DV],SEQLEN,CAUSAL,BATCH,HEADS[,KV_HEADS]".into(),
+                "expected D[/DV],SEQLEN,CAUSAL or D[/DV],SEQLEN,CAUSAL,BATCH,HEADS[,KV_HEADS]"
+                    .into(),
             ))
         }
     };
     let dv = dv.unwrap_or(d);
     if c > 1 || d == 0 || dv == 0 || seqlen == 0 {
-        return Err(bad("D, DV and SEQLEN must be ≥ 1 and CAUSAL 0 or 1".to_string()));
+        return Err(bad(
+            "D, DV and SEQLEN must be ≥ 1 and CAUSAL 0 or 1".to_string()
+        ));
     }
     let (batch, heads) = match f[..] {
         [_, _, _, b, h, ..] => (b, h),
@@ -236,7 +239,11 @@ impl Shape {
     fn problem(&self, dtype: DType) -> Result<Problem> {
         let lq = Layout::new("q", &[self.batch, self.seqlen, self.heads, self.d], None)?;
         let lk = Layout::new("k", &[self.batch, self.seqlen, self.kv_heads, self.d], None)?;
-        let lv = Layout::new("v", &[self.batch, self.seqlen, self.kv_heads, self.dv], None)?;
+        let lv = Layout::new(
+            "v",
+            &[self.batch, self.seqlen, self.kv_heads, self.dv],
+            None,
+        )?;
         let lo = Layout::new("out", &[self.batch, self.seqlen, self.heads, self.dv], None)?;
         let opts = if self.causal {
             Options::new().causal()

@@ -73,9 +73,8 @@ pub struct PlanArgs {
 }
 
 pub fn run(args: PlanArgs) -> Result<()> {
-    let sm90_forward = args.arch == Some(PlanArch::Sm90)
-        && !args.backward.wanted()
-        && !args.decode.wanted();
+    let sm90_forward =
+        args.arch == Some(PlanArch::Sm90) && !args.backward.wanted() && !args.decode.wanted();
     if args.depth_v.is_some() && !sm90_forward {
         return Err(Error::invalid(
             "--depth-v",

@@ -308,8 +308,8 @@ pub fn plan(
             bf16: p.dtype() == DType::Bf16,
             head_dim: head_dim.qk,
             head_dim_v: head_dim.v,
-            slab_maps_qk: p.head_dim() != head_dim.qk,
-            slab_maps_v: p.head_dim_v() != head_dim.v,
+            dim: p.head_dim(),
+            dim_v: p.head_dim_v(),
             window: p.mask().is_restrictive(),
             softcap: p.softcap().is_some(),
             varlen: p.is_varlen(),
@@ -571,7 +571,11 @@ mod tests {
         assert!(d64(1024).tma_store && d64(16384).tma_store && d128(16384, 16384).tma_store);
         assert_eq!(tiles(&H200, 128).unwrap().block_n, 176);
         assert_eq!(tiles_for(&H200, 256, 1024, 1024).unwrap().block_n, 80);
-        assert_eq!(tiles_for(&H200, 96, 1024, 1024), None, "96 is not a tile width");
+        assert_eq!(
+            tiles_for(&H200, 96, 1024, 1024),
+            None,
+            "96 is not a tile width"
+        );
         assert_eq!(tiles_for(&H200, 192, 1024, 1024).unwrap().block_n, 112);
         let mla = Dims { qk: 192, v: 128 };
         assert_eq!(tiles_for(&H200, mla, 1024, 1024).unwrap().block_n, 128);
@@ -621,7 +625,10 @@ mod tests {
             head_dim_v: 128,
             ..f
         });
-        assert!(mla.kernel == KernelKind::Sm90 && mla.reason.contains("192/128"), "{mla:?}");
+        assert!(
+            mla.kernel == KernelKind::Sm90 && mla.reason.contains("192/128"),
+            "{mla:?}"
+        );
         assert!(why(Features { head_dim: 100, ..f })
             .reason
             .contains("multiples of 8"));

@@ -17,12 +17,15 @@ pub struct KernelSpec {
     pub head_dim: usize,
     /// Tile width of V and O (one of [`HEAD_DIMS`], at most `head_dim`).
     pub head_dim_v: usize,
-    /// Q and K are narrower than `head_dim`: 4-D TMA maps over their real columns, one box per
-    /// 64-column slab (the rest of the tile arrives as zeros).
-    pub slab_maps_qk: bool,
-    /// V and O are narrower than `head_dim_v`: the same for V's loads and O's TMA store (the
-    /// plain store clips at the real head dim).
-    pub slab_maps_v: bool,
+    /// The problem's head dim of Q and K (a multiple of 8, at most `head_dim`). Narrower than
+    /// the tile, Q and K get 4-D TMA maps over their real columns, one box per 64-column slab
+    /// (the rest of the tile arrives as zeros), and Q·Kᵀ runs over `dim` rounded up to the k16
+    /// step only.
+    pub dim: usize,
+    /// The problem's head dim of V and O (a multiple of 8, at most `head_dim_v`): the N of the
+    /// P·V product, so O's accumulator holds exactly these columns; narrower than the tile, V
+    /// and O get slab maps as Q and K do.
+    pub dim_v: usize,
     /// Causal or local window: row key bounds apply.
     pub window: bool,
     /// Softcap applied to the scores.
@@ -45,6 +48,16 @@ impl KernelSpec {
         self.tiles.smem(self.dims()).total()
     }
 
+    /// Q and K are narrower than their tiles (slab maps).
+    pub fn slab_maps_qk(&self) -> bool {
+        self.dim != self.head_dim
+    }
+
+    /// V and O are narrower than their tiles (slab maps).
+    pub fn slab_maps_v(&self) -> bool {
+        self.dim_v != self.head_dim_v
+    }
+
     /// The tile widths.
     pub fn dims(&self) -> Dims {
         Dims {
@@ -65,8 +78,10 @@ impl KernelSpec {
         Prelude::new("config::sm90", self)
             .int("HEAD_DIM", self.head_dim)
             .int("HEAD_DIM_V", self.head_dim_v)
-            .flag("SLAB_MAPS_QK", self.slab_maps_qk)
-            .flag("SLAB_MAPS_V", self.slab_maps_v)
+            .flag("SLAB_MAPS_QK", self.slab_maps_qk())
+            .flag("SLAB_MAPS_V", self.slab_maps_v())
+            .int("QK_DIM", self.dim.next_multiple_of(16))
+            .int("O_DIM", self.dim_v)
             .int("BLOCK_M", t.block_m())
             .int("BLOCK_N", t.block_n)
             .int("CONSUMER_WGS", t.consumer_wgs)
@@ -94,7 +109,7 @@ impl KernelSpec {
 
     /// The `wgmma` wrappers the kernel calls ([`wgmma`]): `wgmma_ss`, S = Q·Kᵀ with
     /// N = `block_n`, both operands in shared memory; `wgmma_rs`, O += P·V with N = `head_dim`,
-    /// P from registers and V MN-major (N = `head_dim_v`); with the cross-tile overlap also `wgmma_rs_acc`, the
+    /// P from registers and V MN-major (N = `dim_v`, V's real head dim); with the cross-tile overlap also `wgmma_rs_acc`, the
     /// same with an `accumulate` argument.
     pub fn wgmma_wrappers(&self) -> String {
         let s = Wgmma {
@@ -106,7 +121,7 @@ impl KernelSpec {
         };
         let o = Wgmma {
             name: "wgmma_rs",
-            n: self.head_dim_v,
+            n: self.dim_v,
             a: OperandA::Regs,
             bf16: self.bf16,
             b_transposed: true,
@@ -170,11 +185,16 @@ impl fmt::Display for KernelSpec {
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
             self.dims(),
-            match (self.slab_maps_qk, self.slab_maps_v) {
-                (false, false) => "",
-                (true, false) => " slab-qk",
-                (false, true) => " slab-v",
-                (true, true) => " slab-qkv",
+            if self.slab_maps_qk() || self.slab_maps_v() {
+                format!(
+                    " in {}",
+                    Dims {
+                        qk: self.dim,
+                        v: self.dim_v
+                    }
+                )
+            } else {
+                String::new()
             },
             t.block_m(),
             t.block_n,
@@ -220,8 +240,8 @@ pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
                     bf16,
                     head_dim: dims.qk,
                     head_dim_v: dims.v,
-                    slab_maps_qk: false,
-                    slab_maps_v: false,
+                    dim: dims.qk,
+                    dim_v: dims.v,
                     window,
                     softcap,
                     varlen,
@@ -237,15 +257,16 @@ pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
     out
 }
 
-/// The slab-map variants (tensors narrower than their tiles, Q/K and V both) of [`all_specs`]'s
-/// bf16 causal specs without softcap, fixed-length and varlen.
+/// The slab-map variants (tensors narrower than their tiles, Q/K and V both: 40 columns less,
+/// so that Q·Kᵀ ends inside a slab and inside a k16 step) of [`all_specs`]'s bf16 causal specs
+/// without softcap, fixed-length and varlen.
 pub fn slab_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
     all_specs(arch, target)
         .into_iter()
         .filter(|s| s.bf16 && s.window && !s.softcap)
         .map(|s| KernelSpec {
-            slab_maps_qk: true,
-            slab_maps_v: true,
+            dim: s.head_dim - 40,
+            dim_v: s.head_dim_v - 40,
             ..s
         })
         .collect()

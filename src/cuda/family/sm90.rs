@@ -65,7 +65,7 @@ impl ForwardFamily for Sm90 {
                 tma::encode(name, &m)
             }
         };
-        let (sqk, sv) = (plan.spec.slab_maps_qk, plan.spec.slab_maps_v);
+        let (sqk, sv) = (plan.spec.slab_maps_qk(), plan.spec.slab_maps_v());
         Ok(Sm90Params {
             tq: map("q", common.q, p.q_layout(), t.block_m(), sqk)?,
             tk: map("k", common.k, p.k_layout(), t.block_n, sqk)?,

@@ -48,7 +48,10 @@
 // real columns, loaded one 64-column slab per box (SLAB_MAPS_QK, SLAB_MAPS_V): the columns past
 // the map's extent land as zeros, which add nothing to Q·Kᵀ and give O zero columns, and the
 // stores clip them (the TMA store by the O map's extent, the plain store by p.head_dim_v). A
-// tensor as wide as its tiles keeps the 5-D map and one box per tile.
+// tensor as wide as its tiles keeps the 5-D map and one box per tile. The products run over the
+// real columns only: Q·Kᵀ over QK_DIM (the head dim rounded up to the k16 step; the zero-filled
+// rest of a step adds nothing) and P·V with N = O_DIM (V's head dim), so that O's accumulator
+// holds exactly the columns that are stored: a padded d80 costs its own products, not d128's.
 
 constexpr int WG_THREADS = 128;
 constexpr int NUM_THREADS = WG_THREADS * (1 + CONSUMER_WGS);
@@ -63,7 +66,7 @@ constexpr int NUM_BARRIERS = 2 * Q_STAGES + 5 * STAGES;  // v_tail is allocated 
 constexpr int TILE_ALIGN = 1024;
 constexpr int SMEM_BYTES = Q_STAGES * Q_BYTES + STAGES * (K_BYTES + V_BYTES) + 8 * NUM_BARRIERS + TILE_ALIGN;
 constexpr int S_REGS = BLOCK_N / 2;                 // f32 S accumulator per thread, (64, BLOCK_N) per warpgroup
-constexpr int O_REGS = HEAD_DIM_V / 2;              // f32 O accumulator per thread, (64, HEAD_DIM_V)
+constexpr int O_REGS = O_DIM / 2;                   // f32 O accumulator per thread, (64, O_DIM)
 constexpr int P_REGS = BLOCK_N / 4;                 // packed 16-bit P pairs per thread
 constexpr int SBO_BYTES = 8 * SLAB_ROW_BYTES;       // 8-row core-matrix groups of a swizzle atom
 constexpr int KSTEP_K_MAJOR_BYTES = 32;             // k16 step inside a 128-byte swizzle row
@@ -74,6 +77,8 @@ static_assert(FIRST_CONSUMER_WARP == WG_THREADS / 32, "warpgroup 0 produces, the
 static_assert(SLABS * SLAB_ELEMS == HEAD_DIM && SLABS_V * SLAB_ELEMS == HEAD_DIM_V,
               "tile widths are whole 64-element slabs");
 static_assert(HEAD_DIM_V <= HEAD_DIM, "O is staged in the Q slot for the TMA store, and the exact path's columns");
+static_assert(QK_DIM % 16 == 0 && QK_DIM <= HEAD_DIM && O_DIM % 8 == 0 && O_DIM <= HEAD_DIM_V,
+              "Q·Kᵀ runs over whole k16 steps of the tile, P·V over O's columns");
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "BLOCK_N is a wgmma N and a multiple of k16");
 static_assert(Q_BYTES % TILE_ALIGN == 0 && K_BYTES % TILE_ALIGN == 0 && V_BYTES % TILE_ALIGN == 0,
               "tiles keep 1024-byte alignment");
@@ -234,7 +239,7 @@ __device__ __forceinline__ void sched_pass(int c) {
 // Issues S = Q·Kᵀ for the K tile at `k_base` (one commit group).
 __device__ __forceinline__ void issue_qk(float (&rS)[S_REGS], u32 q_base, u32 k_base) {
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+    for (int kk = 0; kk < QK_DIM / 16; ++kk) {
         const u32 a = q_base + (kk / 4) * (BLOCK_M * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
         const u32 b = k_base + (kk / 4) * (BLOCK_N * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
         wgmma_ss(rS, smem_desc(a, 16, SBO_BYTES), smem_desc(b, 16, SBO_BYTES), kk > 0 ? 1 : 0);

@@ -317,7 +317,7 @@ class Cli(unittest.TestCase):
         ts = peers.tables_for(a, ["alt"])
         self.assertEqual([t.id for t, _, _ in ts], ["fwd_headdims", "fwd_gqa", "fwd_varlen"])
         self.assertEqual(ts[2][0].libs, ["fa4", "fa3", "fa4cute", "alt"])  # no SDPA for varlen
-        self.assertEqual(len(ts[0][1]), 14)
+        self.assertEqual(len(ts[0][1]), 16)
         a = peers.parse_args(["bwd"])
         self.assertEqual(peers.tables_for(a, [])[0][0].libs, ["fa4", "cudnn", "fa2", "fa4cute"])
 

@@ -508,10 +508,7 @@ fn precompile_hopper(
         switch(&mut tiles);
         for bits in 0..16u32 {
             let varlen = bits & 8 != 0;
-            let mut t = tiles;
-            t.persistent &= !varlen;
-            t.cross_tile &= t.persistent;
-            t.tma_store &= !varlen;
+            let t = tiles;
             specs.push(fa4::config::sm90::KernelSpec {
                 target,
                 bf16: bits & 1 != 0,
@@ -582,10 +579,6 @@ fn hopper_matrix(
         let (dims, _, _) = hopper_dims(case.head_dim, case.head_dim_v);
         let mut tiles = fa4::config::sm90::tiles(&arch, dims).expect("covered head dims");
         switch(&mut tiles);
-        // The planner refuses the persistent launch for varlen batches (not verified yet), and
-        // with it the cross-tile overlap.
-        tiles.persistent &= !features.varlen;
-        tiles.cross_tile &= tiles.persistent;
         let backend = Backend::Cuda(
             cuda.with_kernel(fa4::cuda::KernelChoice::Sm90)
                 .with_sm90_tiles(Some(tiles)),
@@ -739,7 +732,8 @@ fn persistent_case<T: fa4::Element>(
 
 /// Variable-length batches on the Hopper kernel: sequences longer and shorter than a tile,
 /// empty ones (no queries; no keys), GQA, every mask kind, fp16 and bf16, with one CTA per tile
-/// (the persistent launch is refused for varlen batches until it is verified), and the sm80
+/// and persistent (4 heads: about one tile per CTA; 24 heads: several, the empty ones skipped),
+/// with the TMA store (a sequence's partial last block stored plainly) and without, and the sm80
 /// kernel on the same inputs, through tensors with implicit (packed) strides. The packed tensors put the next sequence's rows behind each sequence's last
 /// key block, and here those rows hold NaN (in V) and +inf (in K): foreign scores must be masked
 /// and foreign V rows must not reach P·V (0 · NaN is NaN), so only the sequences that own them
@@ -755,16 +749,24 @@ fn varlen_batches_on_the_hopper_kernel() {
         right: Some(20),
     };
     let mut failures = Vec::new();
-    for d in [64, 128, 256] {
-        failures.extend(varlen_case::<bf16>(&cuda, d, fa4::Mask::None));
-        failures.extend(varlen_case::<half::f16>(&cuda, d, fa4::Mask::Causal));
-        failures.extend(varlen_case::<bf16>(&cuda, d, window));
+    for d in [64, 96, 128, 256] {
+        failures.extend(varlen_case::<bf16>(&cuda, d, fa4::Mask::None, 4));
+        failures.extend(varlen_case::<half::f16>(&cuda, d, fa4::Mask::Causal, 4));
+        failures.extend(varlen_case::<bf16>(&cuda, d, window, 4));
+        failures.extend(varlen_case::<bf16>(&cuda, d, fa4::Mask::Causal, 24));
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
-/// One varlen problem at head dim `d`, run with one CTA per tile and persistent; the failures.
-fn varlen_case<T: fa4::Element>(cuda: &CudaBackend, d: usize, mask: fa4::Mask) -> Vec<String> {
+/// One varlen problem at head dim `d` with `heads` query heads (half as many KV heads), run on
+/// the Hopper kernel with one CTA per tile and persistent, each with and without the TMA store
+/// (all four bit for bit equal, and against the oracle), and on the sm80 kernel; the failures.
+fn varlen_case<T: fa4::Element>(
+    cuda: &CudaBackend,
+    d: usize,
+    mask: fa4::Mask,
+    heads: usize,
+) -> Vec<String> {
     let q_lens = [300usize, 1, 0, 517, 130, 64];
     let k_lens = [300usize, 77, 5, 600, 0, 64];
     let cu = |lens: &[usize]| -> Vec<i32> {
@@ -777,7 +779,7 @@ fn varlen_case<T: fa4::Element>(cuda: &CudaBackend, d: usize, mask: fa4::Mask) -
     };
     let (cq, ck) = (cu(&q_lens), cu(&k_lens));
     let (tq, tk) = (cq[q_lens.len()] as usize, ck[k_lens.len()] as usize);
-    let (heads, heads_kv) = (4, 2);
+    let heads_kv = heads / 2;
     let mut rng = StdRng::seed_from_u64(d as u64);
     let fill = |rng: &mut StdRng, n: usize| {
         let mut x = vec![T::from_f32(0.0); n];
@@ -792,7 +794,7 @@ fn varlen_case<T: fa4::Element>(cuda: &CudaBackend, d: usize, mask: fa4::Mask) -
     // Sequence 5's K row 3 (KV head 1) is +inf: sequence 3's last key block reads it.
     k[((ck[5] as usize + 3) * heads_kv + 1) * d] = T::from_f32(f32::INFINITY);
     let dtype = T::DTYPE;
-    let what = format!("{dtype:?} d{d} {mask:?} varlen q={q_lens:?} k={k_lens:?}");
+    let what = format!("{dtype:?} d{d} h{heads} {mask:?} varlen q={q_lens:?} k={k_lens:?}");
     let (qt, kt, vt) = (
         Tensor::new(&q, &[tq, heads, d]).unwrap(),
         Tensor::new(&k, &[tk, heads_kv, d]).unwrap(),
@@ -802,11 +804,19 @@ fn varlen_case<T: fa4::Element>(cuda: &CudaBackend, d: usize, mask: fa4::Mask) -
     let arch = cuda.info().arch;
     let mut failures = Vec::new();
     let mut outs = Vec::new();
-    // The Hopper kernel (one CTA per tile: the planner refuses the persistent launch for varlen
-    // batches, asserted below), and the sm80 kernel.
-    for (kernel, persistent) in [("sm90", false), ("sm90", true), ("sm80", false)] {
-        let mut tiles = fa4::config::sm90::tiles_for(&arch, d, 517, 600).unwrap();
+    // The Hopper kernel: one CTA per tile and persistent, plain and TMA-stored O; then sm80.
+    let runs = [
+        ("sm90", false, false),
+        ("sm90", true, false),
+        ("sm90", false, true),
+        ("sm90", true, true),
+        ("sm80", false, false),
+    ];
+    let dims = fa4::config::sm90::Dims::from(fa4::config::sm90::padded_head_dim(d).unwrap());
+    for (kernel, persistent, tma_store) in runs {
+        let mut tiles = fa4::config::sm90::tiles_for(&arch, dims, 517, 600).unwrap();
         tiles.persistent = persistent;
+        tiles.tma_store = tma_store;
         let b = Backend::Cuda(if kernel == "sm80" {
             cuda.with_kernel(fa4::cuda::KernelChoice::Sm80)
         } else {
@@ -817,19 +827,11 @@ fn varlen_case<T: fa4::Element>(cuda: &CudaBackend, d: usize, mask: fa4::Mask) -
         let mut lse = vec![f32::NAN; heads * tq];
         let mut ot = TensorMut::new(&mut o, &[tq, heads, d]).unwrap();
         let run = b.forward_varlen(&qt, &kt, &vt, &cq, &ck, &mut ot, Some(&mut lse), &opts);
-        match (persistent, run) {
-            (false, Ok(())) => {}
-            (true, Err(Error::InvalidArgument { name, .. })) if name == "tiles" => continue,
-            (true, r) => {
-                failures.push(format!(
-                    "{what}: the persistent launch was not refused: {r:?}"
-                ));
-                continue;
-            }
-            (false, Err(e)) => {
-                failures.push(format!("{what} {kernel}: error {e}"));
-                continue;
-            }
+        if let Err(e) = run {
+            failures.push(format!(
+                "{what} {kernel} persistent={persistent} tma_store={tma_store}: error {e}"
+            ));
+            continue;
         }
         let p = fa4::Problem::new(
             dtype,
@@ -844,10 +846,28 @@ fn varlen_case<T: fa4::Element>(cuda: &CudaBackend, d: usize, mask: fa4::Mask) -
         .unwrap();
         let r = fa4::check::check(&p, &q, &k, &v, &o, Some(&lse)).unwrap();
         if !r.passed() {
-            failures.push(format!("{what} {kernel}: {r}"));
+            failures.push(format!(
+                "{what} {kernel} persistent={persistent} tma_store={tma_store}: {r}"
+            ));
         }
-        outs.push(o);
+        outs.push((kernel, o, lse));
     }
+    // The Hopper kernel's four launches compute every tile the same way: the same bits (NaN
+    // compared by its bits too).
+    let bits = |o: &[T]| o.iter().map(|x| x.to_f32().to_bits()).collect::<Vec<_>>();
+    let sm90: Vec<_> = outs.iter().filter(|(k, _, _)| *k == "sm90").collect();
+    for (i, (_, o, lse)) in sm90.iter().enumerate().skip(1) {
+        let same_lse = lse
+            .iter()
+            .zip(&sm90[0].2)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        if bits(o) != bits(&sm90[0].1) || !same_lse {
+            failures.push(format!(
+                "{what}: Hopper launch {i} differs from one CTA per tile with plain stores"
+            ));
+        }
+    }
+    let outs: Vec<_> = outs.into_iter().map(|(_, o, _)| o).collect();
     // The NaN really was read as a foreign row and stayed out: sequence 0 is finite.
     for o in &outs {
         if !o[..300 * heads * d].iter().all(|x| x.to_f32().is_finite()) {

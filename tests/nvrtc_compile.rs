@@ -220,12 +220,20 @@ fn issue14_switched_sm90_variants_compile_without_spills_or_wgmma_serialization(
     };
     let mut specs = Vec::new();
     for mut s in base(&|_| true) {
-        let q_slots = s.tiles.q_stages(s.dims());
+        let (q_slots, dims) = (s.tiles.q_stages(s.dims()), s.dims());
         let t = &mut s.tiles;
         t.longest_first = true;
         t.persistent = true;
         t.intra_wg_overlap = t.consumer_wgs == 2;
-        t.cross_tile = t.intra_wg_overlap;
+        // Where the tiles take it (d192 does not: `Tiles::check`).
+        t.cross_tile = t.intra_wg_overlap
+            && fa4::config::sm90::Tiles {
+                cross_tile: true,
+                tma_store: false,
+                ..*t
+            }
+            .check(dims, &H200)
+            .is_ok();
         t.tma_store = !t.cross_tile || q_slots == 2;
         specs.push(s);
     }

@@ -84,7 +84,7 @@ pub struct Sm90Plan {
     /// Q/K and V/O tensors narrower than their tiles, loaded (and stored) slab by slab through
     /// 4-D maps over their real columns.
     pub slab_maps: (bool, bool),
-    /// Planned for a varlen batch (one CTA per tile).
+    /// Planned for a varlen batch (the longest sequence's query blocks for every sequence).
     pub varlen: bool,
 }
 
@@ -190,9 +190,11 @@ impl Sm90Plan {
         }
     }
 
-    /// The plan for a varlen batch: the same tiles, one CTA per tile ([`plan`] does the same).
+    /// The plan for a varlen batch: the same tiles, one CTA per tile and plain stores ([`plan`]
+    /// does the same unless tiles are forced).
     pub fn for_varlen(mut self) -> Sm90Plan {
         self.tiles.persistent = false;
+        self.tiles.tma_store = false;
         self.varlen = true;
         self
     }
@@ -298,7 +300,7 @@ impl fmt::Display for Sm90Plan {
                 "persistent (one CTA per SM walks the tiles in pairs of equal causal cost)"
                     .to_string()
             } else if self.varlen {
-                "one CTA per tile (varlen batches: the persistent launch is not verified on them yet)"
+                "one CTA per tile (varlen batches: the persistent walk and the TMA store measured slower on a ragged batch, 2026-12-03; both can be forced)"
                     .to_string()
             } else {
                 format!(

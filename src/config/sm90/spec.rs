@@ -245,7 +245,8 @@ pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
                     window,
                     softcap,
                     varlen,
-                    // `tiles_for` turns the TMA store on, `plan` off again for varlen batches.
+                    // `tiles_for` turns the TMA store on, `plan` off again for varlen batches (the
+                    // TMA-stored varlen variant is compiled by the switched tests).
                     tiles: Tiles {
                         tma_store: !varlen,
                         ..tiles

@@ -106,8 +106,9 @@ pub struct Tiles {
     /// TMA-store epilogue: each consumer warpgroup writes its normalised O rows into its own
     /// rows of the tile's Q slot (swizzled), and one thread stores them with
     /// `cp.async.bulk.tensor`; Q is released once the store has read them. LSE stays a plain
-    /// store. Fixed-length batches only (the O map is per batch entry, so rows past a sequence
-    /// are clipped by the map's bounds); the planner turns it off for varlen batches.
+    /// store. A fixed-length batch's O map is per batch entry, so rows past a sequence are
+    /// clipped by its bounds; a varlen batch's one packed map would not clip a block's rows of
+    /// the next sequence, so there a sequence's last, partial 64-row block is stored plainly.
     pub tma_store: bool,
     /// Cross-tile overlap (persistent launch, with the intra-warpgroup overlap): the next
     /// tile's first Q·Kᵀ is issued together with the current tile's last P·V, and its softmax
@@ -297,6 +298,12 @@ impl Tiles {
         if self.cross_tile && !(self.persistent && self.intra_wg_overlap) {
             return bad(
                 "the cross-tile overlap carries the next tile's first S through the intra-warpgroup overlap's loop of a persistent CTA: it needs persistent and overlap on"
+                    .into(),
+            );
+        }
+        if self.cross_tile && dims == sq(192) {
+            return bad(
+                "the cross-tile overlap spills at d192 (the next tile's S beside this tile's 192-column O: 200 bytes and serialised wgmma with ptxas 13.0, 2026-12-03)"
                     .into(),
             );
         }
@@ -497,7 +504,7 @@ pub fn tiles_for(
     let least = taken().map(|t| pad(&t)).min()?;
     let mut t = taken().find(|t| pad(t) <= least + seqlen_q / 20)?;
     t.persistent = seqlen_q.div_ceil(t.block_m()) <= PERSISTENT_MAX_M_BLOCKS;
-    // The TMA-store epilogue (the planner turns it off for varlen batches): measured on an
+    // The TMA-store epilogue (`plan` turns it off for varlen batches): measured on an
     // H200 against the plain store (docs/perf.md, 2026-12-01, commit 657bd8e), +8 to +15% at
     // 1k tokens, +3 to +8% at 4k, +1 to +5% at d256 16k, and a tie at d64/d128 16k (within 1%).
     t.tma_store = true;

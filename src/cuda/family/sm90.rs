@@ -18,8 +18,10 @@ pub struct Sm90;
 // are zero-filled by the hardware, not performed), and the output is written only at rows below
 // each sequence's length and columns below head_dim_v (a narrower tensor's 4-D map ends at its real columns, and the
 // plain store checks them; a varlen batch's foreign rows are read,
-// masked and their V zeroed, never written; the TMA-store epilogue's O map, fixed-length batches
-// only, spans exactly O's layout, whose bounds clip a last block's rows past the sequence). The grid is one CTA per tile or, persistent, at
+// masked and their V zeroed, never written; the TMA-store epilogue's O map spans exactly O's
+// layout, whose bounds clip a fixed-length batch's last block's rows past the sequence, and a
+// varlen batch stores only blocks that end inside their sequence through it, the partial last
+// block plainly). The grid is one CTA per tile or, persistent, at
 // most one per SM; the kernel numbers the tiles from the params (the planner checked that they
 // fit in int32) and visits each exactly once (`config::sm90::schedule` mirrors the walk and
 // tests it). The planner's register split fits the CTA's launch allocation, so `setmaxnreg`
@@ -70,8 +72,8 @@ impl ForwardFamily for Sm90 {
             tq: map("q", common.q, p.q_layout(), t.block_m(), sqk)?,
             tk: map("k", common.k, p.k_layout(), t.block_n, sqk)?,
             tv: map("v", common.v, p.v_layout(), t.block_n, sv)?,
-            // The planner keeps tma_store off for varlen batches (one packed map would not clip
-            // a sequence's last block).
+            // A varlen batch's one packed map: the kernel stores only blocks that end inside
+            // their sequence through it.
             to: if t.tma_store {
                 let m = super::map_spec(common.o, bf16, p.o_layout(), sm90::ROWS_PER_CONSUMER);
                 if sv {

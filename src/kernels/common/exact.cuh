@@ -107,12 +107,13 @@ __device__ __forceinline__ void exact_row(const FwdParams& p, const Seq s, int b
     const u16* gv = static_cast<const u16*>(p.v) + bi * p.v_batch_stride + s.k_start * p.v_row_stride +
                     kv_head * p.v_head_stride;
     float q[EXACT_PAIRS][2];
-    bool col_ok[EXACT_PAIRS], v_ok[EXACT_PAIRS];  // the column pair is in Q/K, in V/O
+    bool col_ok[EXACT_PAIRS];  // the column pair is in Q/K
+    // ... and in V/O (computed where used: a second flag array made ptxas spill this kernel).
+    auto v_ok = [&](int k) { return 2 * lane + 64 * k < p.head_dim_v; };
 #pragma unroll
     for (int k = 0; k < EXACT_PAIRS; ++k) {
         const int c = 2 * lane + 64 * k;
         col_ok[k] = c < p.head_dim;
-        v_ok[k] = c < p.head_dim_v;
         q[k][0] = q[k][1] = 0.0f;
         if (col_ok[k]) load_pair(gq + c, q[k][0], q[k][1]);
         if (p.negate_q) {
@@ -151,7 +152,7 @@ __device__ __forceinline__ void exact_row(const FwdParams& p, const Seq s, int b
         const u16* vj = gv + j * p.v_row_stride;
 #pragma unroll
         for (int k = 0; k < EXACT_PAIRS; ++k) {
-            if (!v_ok[k]) continue;
+            if (!v_ok(k)) continue;
             float v0, v1;
             load_pair(vj + 2 * lane + 64 * k, v0, v1);
             o[k][0] = fmaf(pj, v0, o[k][0]);
@@ -162,7 +163,7 @@ __device__ __forceinline__ void exact_row(const FwdParams& p, const Seq s, int b
     u16* go = static_cast<u16*>(p.o) + bi * p.o_batch_stride + (s.q_start + i) * p.o_row_stride + head * p.o_head_stride;
 #pragma unroll
     for (int k = 0; k < EXACT_PAIRS; ++k)
-        if (v_ok[k]) *reinterpret_cast<u32*>(go + 2 * lane + 64 * k) = pack2(o[k][0] * inv, o[k][1] * inv);
+        if (v_ok(k)) *reinterpret_cast<u32*>(go + 2 * lane + 64 * k) = pack2(o[k][0] * inv, o[k][1] * inv);
     if (p.lse != nullptr && lane == 0) {
         // sum = 0: no key (or all −inf); NaN stays NaN; a +inf max gives sum +inf, LSE +inf.
         const float lse = sum == 0.0f ? NEG_INF : (finite_max ? mx * p.lse_scale : 0.0f) + logf(sum);

@@ -386,9 +386,11 @@ __device__ __forceinline__ void last_pv(const Smem& sm, KvState last, int lane, 
     sm.pipe_v().release(last, lane);
 }
 
-// The TMA-store epilogue writes O through the tile's Q slot; a varlen batch's packed O has one
-// map whose bounds would not clip a block's rows of the next sequence, so it keeps plain stores.
-constexpr bool O_VIA_TMA = TMA_STORE && !VARLEN;
+// The TMA-store epilogue writes O through the tile's Q slot. A varlen batch's packed O has one
+// map, whose bounds would not clip a block's rows of the next sequence: there only blocks of 64
+// rows that end inside their sequence take it, and a sequence's last, partial block is stored
+// plainly from registers (`epilogue`).
+constexpr bool O_VIA_TMA = TMA_STORE;
 static_assert(!CROSS_TILE || INTRA_WG_OVERLAP, "the cross-tile overlap runs on the intra-warpgroup overlap's loop");
 static_assert(!(CROSS_TILE && O_VIA_TMA) || Q_STAGES == 2,
               "with the cross-tile overlap the next tile's Q loads while this tile's O sits in its Q slot");
@@ -431,7 +433,11 @@ __device__ __forceinline__ void epilogue(const Sm90Params& P, const Smem& sm, in
     // raises the flag once, after its last tile: a store in the tile loop slowed the d64 causal
     // key loop). The TMA store folds rows past the sequence's end too: their O is finite unless
     // an input is not, so they can only add a fixup pass that finds nothing on non-finite inputs.
-    if constexpr (O_VIA_TMA) {
+    const int first_row = w.m0 + 64 * c;  // this warpgroup's first row in the sequence
+    // Uniform over the warpgroup: the TMA store, or (a varlen block past its sequence's end, or
+    // no TMA store) plain stores.
+    const bool via_tma = O_VIA_TMA && (!VARLEN || first_row + 64 <= s.q_len);
+    if (via_tma) {
         const int tid = threadIdx.x % WG_THREADS;
         const u32 sO = sm.q_slot(qs.stage) + 64 * c * SLAB_ROW_BYTES;  // (64, HEAD_DIM_V), slabs BLOCK_M rows apart
         const int r0 = 16 * (tid / 32) + lane / 4;                     // this thread's first row of the 64
@@ -447,7 +453,6 @@ __device__ __forceinline__ void epilogue(const Sm90Params& P, const Smem& sm, in
         }
         fence_proxy_async();
         epilogue_sync(c);
-        const int first_row = w.m0 + 64 * c;
         if (tid == 0 && first_row < s.q_len) {
 #pragma unroll
             for (int slab = 0; slab < SLABS_V; ++slab) {
@@ -474,6 +479,8 @@ __device__ __forceinline__ void epilogue(const Sm90Params& P, const Smem& sm, in
                 st_global_b32(gO + row * p.o_row_stride + col, v);
             }
         }
+        // With the TMA store compiled in, the key loop left Q to the epilogue to release.
+        if constexpr (O_VIA_TMA) sm.pipe_q().release(qs, lane);
     }
 }
 

@@ -34,8 +34,8 @@
 #                        (a tool: FA4_SASS_DUMP_DIR, bench/sass_diff.sh) and a microbenchmark
 #   FA4_CHECK_KNOWN      tests whose failure is a documented known limit: reported, not counted
 #   FA4_CHECK_FAMILIES   sanitized families (default `sm80 sm90 decode backward`; also
-#                        `bwd-sm90`: five Hopper backward problems, three of them walking more
-#                        steps than the ring has stages; `sm90-tiles`: the Hopper forward's
+#                        `bwd-sm90`: seven Hopper backward problems, five of them walking more
+#                        steps than the ring has stages, two at head dims narrower than the tiles; `sm90-tiles`: the Hopper forward's
 #                        longest-first, TMA-store and cross-tile switches; `sm90-dims`: the
 #                        Hopper forward at head dims off 64/128/256 and d_v < d_qk; `none`).
 #                        FA4_BWD_SM90_CTAS=N, when set, makes the Hopper backward's persistent
@@ -162,7 +162,8 @@ cpu_lane() {
 # family has them. sm80/sm90: 300×300; decode: 4 sequences of 700 keys in pages, 3 splits so
 # that the combine runs; bwd-sm90 (from the Hopper backward's first checks, 2026-12-01): GQA
 # 150×190, window and softcap, and three that reuse the ring's stages (200 causal, 256, 200
-# causal GQA); sm90-tiles: d128, 64 sequences of 300 × 2 heads, causal, 384 tiles on 132
+# causal GQA), and d40 and d96 (narrower than their tiles: slab maps, clipped dK/dV stores) over
+# several query blocks; sm90-tiles: d128, 64 sequences of 300 × 2 heads, causal, 384 tiles on 132
 # persistent CTAs, the last query block partial (the TMA store clips); sm90-dims: head dims
 # narrower than their tiles (d40, d80: slab maps, zero-filled columns, clipped stores), d192, and
 # V narrower than Q/K (192/128 with its own tiles, 96/64 padded to 128/64).
@@ -182,6 +183,8 @@ bwd-sm90|bwd-sm90-d128-window|FA4_BWD_KERNEL=sm90|run --backend cuda --backward 
 bwd-sm90|bwd-sm90-d64-causal-200|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype bf16 --batch 1 --seqlen-q 200 --seqlen-k 200 --heads-q 2 --heads-kv 2 --head-dim 64 --causal
 bwd-sm90|bwd-sm90-d64-256|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype bf16 --batch 1 --seqlen-q 256 --seqlen-k 256 --heads-q 2 --heads-kv 2 --head-dim 64
 bwd-sm90|bwd-sm90-d128-causal-gqa-200|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype bf16 --batch 1 --seqlen-q 200 --seqlen-k 200 --heads-q 2 --heads-kv 1 --head-dim 128 --causal
+bwd-sm90|bwd-sm90-d40-causal-gqa|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype bf16 --batch 2 --seqlen-q 300 --seqlen-k 190 --heads-q 4 --heads-kv 2 --head-dim 40 --causal
+bwd-sm90|bwd-sm90-d96-window|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype fp16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 2 --heads-kv 1 --head-dim 96 --window 80,20 --softcap 8
 sm90-tiles|sm90-tiles-longest-first|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,1,0,0
 sm90-tiles|sm90-tiles-tma-store|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,1,0
 sm90-tiles|sm90-tiles-cross-tile|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,0,1

@@ -252,13 +252,13 @@ def fwd_cases(quick):
             for d in dims for s in GRID_SEQLENS for c in (False, True)]
 
 
-def headdim_cases(quick):
+def headdim_cases(quick, dv_cases=True):
     dims = (80, 192) if quick else HEADDIMS
     s, b = HEADDIM_SEQLEN, HEADDIM_BATCH
     out = [Case(f"d{d} {kilo(s)}{' causal' if c else ''}", d, HIDDEN // d, HIDDEN // d, [(s, s)] * b, c)
            for d in dims for c in (False, True)]
     out += [Case(f"d{d}/{dv} {kilo(s)}{' causal' if c else ''}", d, HIDDEN // d, HIDDEN // d, [(s, s)] * b, c, dv=dv)
-            for d, dv in DV_CASES for c in (False, True)]
+            for d, dv in (DV_CASES if dv_cases else ()) for c in (False, True)]
     return out
 
 
@@ -1117,7 +1117,10 @@ def parse_args(argv=None):
     f.add_argument("--varlen", action="store_true", help="ragged lengths (mean 2k, 1..8k) from --seed")
     f.add_argument("--extras", action="store_true", help="--head-dims --gqa --varlen")
     f.add_argument("--no-grid", dest="grid", action="store_false", help="the extras only")
-    sub.add_parser("bwd", parents=[common], help="backward grid")
+    b = sub.add_parser("bwd", parents=[common], help="backward grid")
+    b.add_argument("--head-dims", action="store_true",
+                   help="d 32/80/96/112/160/192 at 4×4096 (d_v = d: fa4's backward needs it)")
+    b.add_argument("--no-grid", dest="grid", action="store_false", help="the head dims only")
     dp = sub.add_parser("decode", parents=[common], help="paged decode")
     dp.add_argument("--pages", default=",".join(map(str, DECODE_PAGES)), help="page sizes")
     nt = sub.add_parser("ncu-table", help="kernel-only durations from a profiled --profile run")
@@ -1174,8 +1177,13 @@ def tables_for(a, env_names):
                               f"(mean {TOKENS // len(lengths)}, seed {a.seed}), 16k tokens, hidden 2048", "TFLOP/s", vl),
                         varlen_cases(a.seed, a.quick), "fwd"))
     elif a.pass_ == "bwd":
-        out.append((Table("bwd_grid", "Backward, bf16, 16k tokens, hidden 2048 (FLOPs 2.5 × forward)", "TFLOP/s",
-                          libs("bwd")), fwd_cases(a.quick), "bwd"))
+        if a.grid:
+            out.append((Table("bwd_grid", "Backward, bf16, 16k tokens, hidden 2048 (FLOPs 2.5 × forward)", "TFLOP/s",
+                              libs("bwd")), fwd_cases(a.quick), "bwd"))
+        if a.head_dims:
+            out.append((Table("bwd_headdims", f"Backward, bf16, other head dims, batch {HEADDIM_BATCH} × "
+                              f"{HEADDIM_SEQLEN}, heads 2048 // d (FLOPs 2.5 × forward)", "TFLOP/s", libs("bwd")),
+                        headdim_cases(a.quick, dv_cases=False), "bwd"))
     return out
 
 

@@ -103,6 +103,15 @@ fn hopper_gradient_matrix_passes_the_rule() {
     matrix_for(KernelChoice::Sm90, &[64, 128], 40);
 }
 
+/// The Hopper kernel, forced, at head dims narrower than its tiles (8, 40 in tiles of 64; 80,
+/// 96, 112 in tiles of 128): the slab maps' zero fill, Sᵀ/dPᵀ over the head dim rounded to 16,
+/// the clipped dK/dV stores and the padded dQ accumulator, on the same 11 cases per dtype.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_gradient_matrix_at_narrower_head_dims_passes_the_rule() {
+    matrix_for(KernelChoice::Sm90, &[8, 40, 80, 96, 112], 100);
+}
+
 /// A fixed-length problem with random inputs, its forward on the CPU (O, LSE) and dO.
 fn fixed_inputs<T: Element>(
     [b, sq, sk, hq, hk, d]: [usize; 6],
@@ -188,6 +197,8 @@ fn hopper_backward_on_long_problems_passes_the_rule_as_the_ampere_one() {
         ([1, 513, 777, 2, 2, 128], window, Some(10.0), true),
         ([2, 300, 300, 6, 3, 64], Mask::None, None, true),
         ([1, 900, 333, 2, 1, 64], window, None, true),
+        ([1, 700, 700, 4, 2, 96], Mask::Causal, None, true),
+        ([1, 513, 600, 4, 1, 40], window, Some(10.0), false),
     ] {
         let what = format!("{shape:?} {mask:?} softcap {cap:?}");
         if bf {
@@ -236,8 +247,9 @@ fn hopper_backward_refusals_name_the_argument_and_auto_falls_back() {
 }
 
 /// A small fixed-length problem on the Hopper backward, for the sanitizers (memcheck,
-/// racecheck, synccheck): causal GQA 4/2 at d64 and a window with softcap at d128, lengths off
-/// the block sizes (two key blocks, the second partial; three query blocks).
+/// racecheck, synccheck): causal GQA 4/2 at d64, a window with softcap at d128, and d40 and d96
+/// (narrower than their tiles), lengths off the block sizes (two key blocks, the second
+/// partial; three query blocks).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn small_hopper_problem_for_the_sanitizers() {
@@ -254,6 +266,11 @@ fn small_hopper_problem_for_the_sanitizers() {
         &backward_fixed(&backend, &x),
         "small sm90 d128 window softcap",
     );
+    // Narrower than the tiles: slab maps (d40 in tiles of 64, d96 in tiles of 128).
+    let x = fixed_inputs::<bf16>([1, 150, 190, 2, 2, 40], Mask::Causal, None, 7);
+    judge(&x, &backward_fixed(&backend, &x), "small sm90 d40 causal");
+    let x = fixed_inputs::<f16>([2, 150, 190, 4, 2, 96], window, None, 8);
+    judge(&x, &backward_fixed(&backend, &x), "small sm90 d96 window");
 }
 
 /// A GQA 8/2 varlen batch with a zero-length sequence, inputs drawn from `seed`.

@@ -480,8 +480,9 @@ fn backward_variants_compile_without_spills() {
 
 /// The Hopper backward's main kernel (`kernels/bwd_sm90/`) compiles for sm_90a without spills,
 /// without ptxas serialising its wgmma groups, and with the launch's whole register share (its
-/// `setmaxnreg` split counts on it). Four variants cover both head dims, both dtypes, the
-/// window and the softcap (CI time); `FA4_BWD_SM90_ALL=1` compiles all sixteen, and
+/// `setmaxnreg` split counts on it). Six variants cover both tile widths, a head dim narrower
+/// than each (40, 96), both dtypes, the window and the softcap (CI time); `FA4_BWD_SM90_ALL=1`
+/// compiles all 32, and
 /// `FA4_BWD_SM90_SOURCE_DIR=DIR` also writes each variant's full source there (to iterate on a
 /// kernel with nvcc).
 #[test]
@@ -501,18 +502,22 @@ fn hopper_backward_variants_compile_without_spills_or_wgmma_serialization() {
         let _ = writeln!(std::io::stderr(), "nvrtc_compile (bwd sm90): skipped: {e}");
         return;
     }
-    let spec = |bf16, head_dim, window, softcap| Spec {
-        target: "sm_90a",
-        bf16,
-        head_dim,
-        window,
-        softcap,
-        tiles: bwd_sm90::tiles(head_dim),
+    let spec = |bf16, dim: usize, window, softcap| {
+        let head_dim = bwd_sm90::padded_head_dim(dim).unwrap();
+        Spec {
+            target: "sm_90a",
+            bf16,
+            head_dim,
+            dim,
+            window,
+            softcap,
+            tiles: bwd_sm90::tiles(head_dim),
+        }
     };
     let specs: Vec<Spec> = if std::env::var("FA4_BWD_SM90_ALL").is_ok_and(|v| v == "1") {
         let mut all = Vec::new();
         for bf16 in [false, true] {
-            for d in bwd_sm90::HEAD_DIMS {
+            for d in [64, 128, 40, 96] {
                 for window in [false, true] {
                     for softcap in [false, true] {
                         all.push(spec(bf16, d, window, softcap));
@@ -527,6 +532,9 @@ fn hopper_backward_variants_compile_without_spills_or_wgmma_serialization() {
             spec(false, 64, false, true),
             spec(true, 128, true, true),
             spec(false, 128, false, false),
+            // Narrower than the tile: slab maps, Sᵀ/dPᵀ over QK_DIM, clipped dK/dV stores.
+            spec(true, 40, true, false),
+            spec(false, 96, false, true),
         ]
     };
     if let Some(dir) = std::env::var_os("FA4_BWD_SM90_SOURCE_DIR") {

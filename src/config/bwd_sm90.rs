@@ -23,8 +23,22 @@ use crate::arch::{Family, GpuArch};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 
-/// Head dims the Hopper backward is compiled for (exactly; others run the Ampere-class one).
+/// Tile widths of the Hopper backward: a head dim that is a multiple of 8 up to 128 runs in the
+/// first that holds it ([`padded_head_dim`]); larger ones run the Ampere-class backward.
 pub const HEAD_DIMS: [usize; 2] = [64, 128];
+
+/// The tile width a head dim runs in: the first of [`HEAD_DIMS`] that holds it, for multiples
+/// of 8 (the TMA maps' 16-byte row rule), else `None`. Q, K, V and dO narrower than the tile
+/// come through per-slab maps over their real columns, the rest of the tile zero-filled by the
+/// hardware; Sᵀ and dPᵀ run over the head dim rounded up to 16 (`QK_DIM`), dK, dV and dQ over
+/// the whole tile, and only the real columns are stored. Measured against the Ampere-class
+/// backward on the H200: docs/perf.md, "Backward".
+pub fn padded_head_dim(head_dim: usize) -> Option<usize> {
+    if head_dim == 0 || !head_dim.is_multiple_of(8) {
+        return None;
+    }
+    HEAD_DIMS.into_iter().find(|&t| head_dim <= t)
+}
 /// Threads of a warpgroup (the unit of `wgmma` and `setmaxnreg`).
 pub const WARPGROUP_THREADS: usize = 128;
 /// Keys per consumer warpgroup: the M of `wgmma`.
@@ -169,8 +183,10 @@ pub struct Spec {
     pub target: &'static str,
     /// bf16 (else fp16).
     pub bf16: bool,
-    /// Head dim (one of [`HEAD_DIMS`]).
+    /// Tile width (one of [`HEAD_DIMS`]).
     pub head_dim: usize,
+    /// The problem's head dim (Q, K, V and dO): at most `head_dim`, a multiple of 8.
+    pub dim: usize,
     /// A window (or causal) mask.
     pub window: bool,
     /// Softcap.
@@ -202,6 +218,9 @@ impl Spec {
         let consumer_warps = WARPGROUP_THREADS / 32;
         Prelude::new("config::bwd_sm90", self)
             .int("HEAD_DIM", self.head_dim)
+            .int("DIM", self.dim)
+            .int("QK_DIM", self.dim.next_multiple_of(16))
+            .flag("SLAB_MAPS", self.slab_maps())
             .int("BLOCK_M", t.block_m)
             .int("BLOCK_N", BLOCK_N)
             .int("CONSUMER_WGS", CONSUMER_WGS)
@@ -267,6 +286,12 @@ impl Spec {
         )
     }
 
+    /// Whether Q, K, V and dO are narrower than the tile: loaded slab by slab through 4-D maps
+    /// over their real columns (`tma::encode_slabs`) instead of one 5-D box.
+    pub fn slab_maps(&self) -> bool {
+        self.dim != self.head_dim
+    }
+
     /// N of the dQ product: head_dim over the dQ tile's column groups.
     pub fn dq_n(&self) -> usize {
         self.head_dim / dq_col_groups(self.tiles.block_m, self.head_dim)
@@ -290,10 +315,15 @@ impl fmt::Display for Spec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "bwd sm90 {} {} d{} {}x{} {}+{}x{} regs{}{}",
+            "bwd sm90 {} {} d{}{} {}x{} {}+{}x{} regs{}{}",
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
-            self.head_dim,
+            self.dim,
+            if self.slab_maps() {
+                format!(" (tiles d{})", self.head_dim)
+            } else {
+                String::new()
+            },
             BLOCK_N,
             self.tiles.block_m,
             self.tiles.producer_regs,
@@ -318,11 +348,11 @@ pub fn uncovered(
     if p.dtype().size_bytes() != 2 {
         return Some(("dtype", "the Hopper backward computes fp16 and bf16".into()));
     }
-    if !HEAD_DIMS.contains(&p.head_dim()) || p.head_dim_v() != p.head_dim() {
+    if padded_head_dim(p.head_dim()).is_none() || p.head_dim_v() != p.head_dim() {
         return Some((
             "q",
             format!(
-                "head_dim {} (v: {}): the Hopper backward covers exactly {HEAD_DIMS:?}, equal for q and v",
+                "head_dim {} (v: {}): the Hopper backward covers multiples of 8 up to 128, equal for q and v",
                 p.head_dim(),
                 p.head_dim_v()
             ),
@@ -423,13 +453,26 @@ pub fn plan(p: &Problem, arch: &GpuArch, target: &'static str) -> Result<Plan> {
             ))
         }
     };
-    let head_dim = p.head_dim();
+    let dim = p.head_dim();
+    let head_dim = padded_head_dim(dim).expect("covered above");
+    // The row kernels pad to the same width: the dQ accumulator's rows are `head_dim` wide
+    // for all three kernels.
+    if pre.0.head_dim != head_dim || convert.0.head_dim != head_dim {
+        return Err(Error::invalid(
+            "q",
+            format!(
+                "head_dim {dim}: the row kernels' width {} is not the Hopper tile's {head_dim}",
+                pre.0.head_dim
+            ),
+        ));
+    }
     let tiles = tiles(head_dim);
     tiles.check(head_dim)?;
     let spec = Spec {
         target: if target == "sm_90" { "sm_90a" } else { target },
         bf16: pre.0.bf16,
         head_dim,
+        dim,
         window: p.mask().is_restrictive(),
         softcap: p.softcap().is_some(),
         tiles,
@@ -558,6 +601,53 @@ mod tests {
     }
 
     #[test]
+    fn head_dims_below_a_tile_width_run_in_it_through_slab_maps() {
+        assert_eq!(padded_head_dim(8), Some(64));
+        assert_eq!(padded_head_dim(64), Some(64));
+        assert_eq!(padded_head_dim(72), Some(128));
+        assert_eq!(padded_head_dim(128), Some(128));
+        assert_eq!(padded_head_dim(136), None);
+        assert_eq!(padded_head_dim(20), None);
+        assert_eq!(padded_head_dim(0), None);
+        for (d, tile, qk) in [
+            (8, 64, 16),
+            (40, 64, 48),
+            (80, 128, 80),
+            (96, 128, 96),
+            (120, 128, 128),
+        ] {
+            let p = plan(&problem(d, Options::new()), &arch::H100, "sm_90").unwrap();
+            let s = &p.spec;
+            assert_eq!((s.head_dim, s.dim, s.slab_maps()), (tile, d, true), "d{d}");
+            assert_eq!(s.tiles, tiles(tile), "d{d}");
+            // The accumulator's rows are the tile's width, as the row kernels' (padded alike).
+            assert_eq!(p.pre.0.head_dim, tile);
+            assert_eq!(p.base.accum_len, 2 * 8 * p.stats_rows * tile);
+            let prelude = s.prelude();
+            assert!(
+                prelude.contains(&format!("constexpr int DIM = {d};")),
+                "{prelude}"
+            );
+            assert!(
+                prelude.contains(&format!("constexpr int QK_DIM = {qk};")),
+                "{prelude}"
+            );
+            assert!(
+                prelude.contains("constexpr bool SLAB_MAPS = true;"),
+                "{prelude}"
+            );
+            assert!(
+                s.to_string().contains(&format!("d{d} (tiles d{tile})")),
+                "{s}"
+            );
+        }
+        let s = plan(&problem(128, Options::new()), &arch::H100, "sm_90")
+            .unwrap()
+            .spec;
+        assert!(!s.slab_maps() && s.prelude().contains("constexpr bool SLAB_MAPS = false;"));
+    }
+
+    #[test]
     fn the_dq_wrapper_reads_both_operands_mn_major() {
         let p = plan(&problem(128, Options::new()), &arch::H100, "sm_90").unwrap();
         let w = p.spec.wgmma_wrappers();
@@ -582,12 +672,15 @@ mod tests {
                 .0,
             "q"
         );
-        assert_eq!(
-            uncovered(&problem(96, Options::new()), &arch::H100, false)
-                .unwrap()
-                .0,
-            "q"
-        );
+        for d in [136, 100] {
+            assert_eq!(
+                uncovered(&problem(d, Options::new()), &arch::H100, false)
+                    .unwrap()
+                    .0,
+                "q",
+                "d{d}"
+            );
+        }
         let ql = Layout::new("q", &[40, 2, 64], None).unwrap();
         let varlen = Problem::new(
             DType::F16,

@@ -161,12 +161,13 @@ fn with_ctas_from_env(mut plan: Plan) -> Result<Plan> {
 struct MainLaunch<'a>(&'a Plan);
 
 // SAFETY: built only by `launch_bwd_sm90` from a plan of `bwd_sm90::plan`, which accepted only
-// fixed-length problems with head_dim 64 or 128 (equal for V) and at least one query row and
-// key per sequence, on the path of `backward_device_trusted`: the problem was validated, every
+// fixed-length problems with a head_dim that is a multiple of 8 up to 128 (equal for V; the
+// tile width 64 or 128 at least that) and at least one query row and key per sequence, on the path of `backward_device_trusted`: the problem was validated, every
 // input buffer holds its layout's extent, is 16-byte aligned with strides of multiples of 8
 // elements (checked there), so the four TMA maps describe exactly those extents (reads past a
-// sequence's rows are zero-filled by the hardware, not performed). The kernel writes dK, dV
-// only at rows below the sequence's keys (columns below head_dim = HEAD_DIM) through the
+// sequence's rows, and with slab maps past head_dim's columns, are zero-filled by the hardware,
+// not performed). The kernel writes dK, dV only at rows below the sequence's keys and columns
+// below head_dim (DIM) through the
 // checked gradient layouts, and reduces into the dQ accumulator at rows below the sequence's
 // queries, which the plan's workspace length covers. The grid is persistent CTAs, each
 // walking tiles (key block, KV head, batch entry) below the kernel's own count of them, taken
@@ -180,18 +181,29 @@ unsafe impl Launchable for MainLaunch<'_> {
     }
 }
 
-/// The TMA map of one tensor: `[batch, rows, heads, head_dim]` boxes of `box_rows` rows.
-fn map(name: &str, ptr: u64, bf16: bool, l: &Layout, box_rows: usize) -> Result<TmaMap> {
-    tma::encode(
-        name,
-        &MapSpec {
-            ptr,
-            bf16,
-            dims: l.dims,
-            strides: l.strides,
-            box_rows,
-        },
-    )
+/// The TMA map of one tensor: `[batch, rows, heads, head_dim]` boxes of `box_rows` rows, one
+/// 5-D box per tile, or (`slabs`: the head dim is narrower than the tile) 4-D boxes of one
+/// 64-column slab over the tensor's real columns.
+fn map(
+    name: &str,
+    ptr: u64,
+    bf16: bool,
+    l: &Layout,
+    box_rows: usize,
+    slabs: bool,
+) -> Result<TmaMap> {
+    let m = MapSpec {
+        ptr,
+        bf16,
+        dims: l.dims,
+        strides: l.strides,
+        box_rows,
+    };
+    if slabs {
+        tma::encode_slabs(name, &m)
+    } else {
+        tma::encode(name, &m)
+    }
 }
 
 impl CudaBackend {
@@ -240,12 +252,14 @@ impl CudaBackend {
             return Ok(());
         }
         let (bf16, rows_m) = (plan.spec.bf16, plan.spec.tiles.block_m);
+        let slabs = plan.spec.slab_maps();
         let f = &params.f;
+        let n = bwd_sm90::BLOCK_N;
         let args = Sm90BwdParams {
-            tq: map("q", f.q, bf16, p.q_layout(), rows_m)?,
-            tk: map("k", f.k, bf16, p.k_layout(), bwd_sm90::BLOCK_N)?,
-            tv: map("v", f.v, bf16, p.v_layout(), bwd_sm90::BLOCK_N)?,
-            tdo: map("d_out", params.d_out, bf16, d_out_layout, rows_m)?,
+            tq: map("q", f.q, bf16, p.q_layout(), rows_m, slabs)?,
+            tk: map("k", f.k, bf16, p.k_layout(), n, slabs)?,
+            tv: map("v", f.v, bf16, p.v_layout(), n, slabs)?,
+            tdo: map("d_out", params.d_out, bf16, d_out_layout, rows_m, slabs)?,
             b: *params,
         };
         self.launch(&MainLaunch(plan), &args)
@@ -281,6 +295,7 @@ mod tests {
                 target: "sm_90a",
                 bf16: true,
                 head_dim,
+                dim: head_dim,
                 window: true,
                 softcap: false,
                 tiles: crate::config::bwd_sm90::tiles(head_dim),

@@ -88,6 +88,13 @@
 // Shared-memory tiles are TMA boxes with the 128-byte swizzle, as the forward's: a (rows,
 // HEAD_DIM) tile is HEAD_DIM / 64 slabs of (rows, 64), each row 128 bytes, each slab
 // 1024-aligned. dSᵀ (BLOCK_N, BLOCK_M) is stored the same way, written by the consumers.
+//
+// Head dims below the tile width (DIM < HEAD_DIM, SLAB_MAPS: 8 … 56 in tiles of 64, 72 … 120 in
+// tiles of 128): Q, K, V and dO come slab by slab through 4-D maps over their DIM real columns,
+// and the hardware fills the columns past them with zeros. Sᵀ and dPᵀ sum over QK_DIM (DIM
+// rounded up to the k16 step) only; dV, dK and dQ are computed over the whole tile (their
+// padded columns are zeros) and stored at the DIM real columns only (`convert` skips the dQ
+// accumulator's others).
 
 constexpr int WG_THREADS = 128;
 constexpr int CONSUMER_THREADS = WG_THREADS * CONSUMER_WGS;
@@ -124,7 +131,10 @@ constexpr int KSTEP_ROWS_BYTES = 16 * SLAB_ROW_BYTES;  // k16 step over 16 rows 
 
 static_assert(BLOCK_N == KEYS_PER_WG * CONSUMER_WGS, "a consumer warpgroup owns 64 keys");
 static_assert(FIRST_CONSUMER_WARP == WG_THREADS / 32, "warpgroup 0 produces, the others consume");
-static_assert(HEAD_DIM % SLAB_ELEMS == 0, "head dims are whole 64-element slabs");
+static_assert(HEAD_DIM % SLAB_ELEMS == 0, "tile widths are whole 64-element slabs");
+static_assert(DIM % 8 == 0 && DIM <= HEAD_DIM && SLAB_MAPS == (DIM != HEAD_DIM),
+              "the head dim is a multiple of 8 within the tile, loaded per slab where narrower");
+static_assert(QK_DIM % 16 == 0 && QK_DIM >= DIM && QK_DIM <= HEAD_DIM, "Sᵀ and dPᵀ sum whole k16 steps");
 static_assert(BLOCK_M % 64 == 0 && BLOCK_M <= 256, "BLOCK_M is a wgmma N and a multiple of the dQ M");
 static_assert(CONSUMER_WGS % DQ_ROW_GROUPS == 0 && SLABS % DQ_COL_GROUPS == 0 && DQ_PARTS <= CONSUMER_WGS,
               "the dQ tile splits into at most CONSUMER_WGS parts: 64-row groups × whole column slabs");
@@ -196,6 +206,19 @@ __device__ __forceinline__ Work work_of(const FwdParams& p, int t) {
     return w;
 }
 
+// A (rows, HEAD_DIM) tile of Q, K, V or dO at `row` of (head, batch): one 5-D box, or with
+// SLAB_MAPS one 4-D box per 64-column slab (columns past DIM arrive as zeros and count towards
+// the transaction bytes like the rest, so the expected bytes are the tile's either way).
+__device__ __forceinline__ void load_tile(u32 dst, const TmaMap* map, u32 bar, int rows, int row, int head, int batch) {
+    if constexpr (SLAB_MAPS) {
+#pragma unroll
+        for (int slab = 0; slab < SLABS; ++slab)
+            tma_load_4d(dst + slab * rows * SLAB_ROW_BYTES, map, bar, slab * SLAB_ELEMS, row, head, batch);
+    } else {
+        tma_load_5d(dst, map, bar, 0, row, 0, head, batch);
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Producer. Warp 0 (lane 0 issues): K and V once, then Q, dO and the row statistics of every
 // step into the ring.
@@ -262,8 +285,8 @@ __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm,
             ++loaded;
             if (lane == 0) {
                 mbar_expect_tx(sm.load_kv[0], 2 * KV_BYTES);
-                tma_load_5d(sm.k, &P.tk, sm.load_kv[0], 0, w.n0, 0, w.kv_head, w.batch);
-                tma_load_5d(sm.v, &P.tv, sm.load_kv[0], 0, w.n0, 0, w.kv_head, w.batch);
+                load_tile(sm.k, &P.tk, sm.load_kv[0], BLOCK_N, w.n0, w.kv_head, w.batch);
+                load_tile(sm.v, &P.tv, sm.load_kv[0], BLOCK_N, w.n0, w.kv_head, w.batch);
             }
         }
         for (int it = 0; it < w.trips; ++it, ++g) {
@@ -273,8 +296,8 @@ __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm,
             if (g >= STAGES) stats_free_sync(st.stage);
             if (lane != 0) continue;
             sm.pipe_q().expect(st, 2 * QO_BYTES + ROW_STATS * 4);
-            tma_load_5d(sm.q_stage(st.stage), &P.tq, sm.load_q[st.stage], 0, r0, 0, head, w.batch);
-            tma_load_5d(sm.do_stage(st.stage), &P.tdo, sm.load_q[st.stage], 0, r0, 0, head, w.batch);
+            load_tile(sm.q_stage(st.stage), &P.tq, sm.load_q[st.stage], BLOCK_M, r0, head, w.batch);
+            load_tile(sm.do_stage(st.stage), &P.tdo, sm.load_q[st.stage], BLOCK_M, r0, head, w.batch);
             // The padded statistics of (batch, head): D at `dsum`, LSE·LOG2E half a workspace later.
             const long long half = static_cast<long long>(bp.f.batch) * bp.f.heads_q * bp.stats_rows;
             const float* dsum = bp.dpsum + (static_cast<long long>(w.batch) * bp.f.heads_q + head) * bp.stats_rows + r0;
@@ -322,7 +345,7 @@ __device__ __forceinline__ void clean_nonfinite(u32 base, int ctid) {
 }
 
 // Sᵀ = K_c·Qᵀ and dPᵀ = V_c·dOᵀ (one commit group): A is the warpgroup's 64 rows of K (V),
-// K-major; B is Q (dO), K-major, N = BLOCK_M.
+// K-major; B is Q (dO), K-major, N = BLOCK_M; the sum over QK_DIM (the columns past it are zeros).
 __device__ __forceinline__ void issue_st_dpt(float (&rS)[ST_REGS], float (&rdP)[ST_REGS], const Smem& sm, int stage,
                                              int c) {
     const u32 wg_off = KEYS_PER_WG * c * SLAB_ROW_BYTES;
@@ -330,7 +353,7 @@ __device__ __forceinline__ void issue_st_dpt(float (&rS)[ST_REGS], float (&rdP)[
     const u64 q_desc = smem_desc(sm.q_stage(stage), 16, SBO_BYTES);
     const u64 do_desc = smem_desc(sm.do_stage(stage), 16, SBO_BYTES);
 #pragma unroll
-    for (int kk = 0; kk < HEAD_DIM / 16; ++kk) {
+    for (int kk = 0; kk < QK_DIM / 16; ++kk) {
         const u32 a_off = (kk / 4) * (BLOCK_N * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
         const u32 b_off = (kk / 4) * (BLOCK_M * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
         wgmma_st(rS, desc_plus(k_desc, a_off), desc_plus(q_desc, b_off), kk > 0 ? 1 : 0);
@@ -552,7 +575,8 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             if (lane == 0) mbar_arrive(sm.kv_free[0]);
         }
 
-        // dK = scale · Σ dSᵀ·Q and dV, rounded, rows below the keys' end (head_dim == HEAD_DIM).
+        // dK = scale · Σ dSᵀ·Q and dV, rounded, rows below the keys' end, the DIM real columns (a
+        // register pair's two columns are both below DIM or both past it: DIM is even).
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int j = key_row + 8 * h;
@@ -565,6 +589,7 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
 #pragma unroll
             for (int i = 0; i < DKV_REGS; i += 4) {
                 const int col = acc_col(i, lane);
+                if (SLAB_MAPS && col >= DIM) continue;
                 st_global_b32(gdK + col, pack2(rdK[i + 2 * h] * bp.scale, rdK[i + 2 * h + 1] * bp.scale));
                 st_global_b32(gdV + col, pack2(rdV[i + 2 * h], rdV[i + 2 * h + 1]));
             }

@@ -50,7 +50,8 @@ pub struct PlanArgs {
     /// TMA swizzle (SM100): none, 32B, 64B or 128B [default: 128B].
     #[arg(long)]
     swizzle: Option<Swizzle>,
-    /// Variable-length (packed) batches (`--arch sm90`: decides the kernel).
+    /// Variable-length (packed) batches (`--arch sm90`: decides the kernel; with --backward: a
+    /// packed batch of --batch sequences of --seqlen-q x --seqlen-k, the longest of a ragged one).
     #[arg(long)]
     varlen: bool,
     /// Query rows per sequence (`--arch sm90`: the tiles and launch a problem of this length

@@ -72,16 +72,11 @@ impl BackwardPlanArgs {
 /// Prints the backward's plan.
 pub fn run(args: &PlanArgs) -> Result<()> {
     // Flags that would change nothing here are refused rather than ignored.
-    let refused: [(&str, bool, &str); 8] = [
+    let refused: [(&str, bool, &str); 7] = [
         ("--num-q-heads", args.num_q_heads.is_some(), "use --heads-q"),
         ("--group", args.group.is_some(), "use --heads-kv"),
         ("--seqlen", args.seqlen.is_some(), "use --seqlen-q (and --seqlen-k)"),
         ("--swizzle", args.swizzle.is_some(), "the backward kernels take no TMA swizzle"),
-        (
-            "--varlen",
-            args.varlen,
-            "a packed batch gets the plan of its longest sequence; give that as --seqlen-q/--seqlen-k",
-        ),
         ("--compile", args.compile, "compiles the SM100 forward kernel only"),
         ("--decode", args.decode.wanted(), "plans a decode call, not a backward"),
         ("--arch", args.arch == Some(PlanArch::Sm100), "fa4 has no Blackwell backward; the Ampere-class kernels run there: use --arch sm80 or sm90"),
@@ -181,6 +176,24 @@ fn problem(args: &PlanArgs) -> Result<Problem> {
     if let Some(c) = b.softcap {
         opts = opts.softcap(c);
     }
+    if args.varlen {
+        // A packed batch of `batch` sequences of sq query rows and sk keys each: the plan of a
+        // ragged batch is that of its longest sequence (the grid covers it for every one).
+        let cu = |n: usize, flag: &'static str| -> Result<Vec<i32>> {
+            (0..=batch)
+                .map(|b| {
+                    i32::try_from(b * n).map_err(|_| {
+                        Error::invalid(flag, "a packed batch's rows must fit in int32")
+                    })
+                })
+                .collect()
+        };
+        let (cq, ck) = (cu(sq, "--seqlen-q")?, cu(sk, "--seqlen-k")?);
+        let lq = Layout::new("q", &[batch * sq, hq, depth], None)?;
+        let lk = Layout::new("k", &[batch * sk, hkv, depth], None)?;
+        return Problem::new(args.dtype, &lq, &lk, &lk, &lq, Some(&cq), Some(&ck), &opts)
+            .map_err(flag_error);
+    }
     let lq = Layout::new("q", &[batch, sq, hq, depth], None)?;
     let lk = Layout::new("k", &[batch, sk, hkv, depth], None)?;
     Problem::new(args.dtype, &lq, &lk, &lk, &lq, None, None, &opts).map_err(flag_error)
@@ -231,6 +244,19 @@ impl Gpu {
                 arch: fa4::arch::H200,
                 target: "sm_90",
             },
+        }
+    }
+
+    /// The kernel family of the main backward: `sm90` where the Hopper kernel covers the problem
+    /// on an sm90 target, else `sm80` (the Ampere-class kernels).
+    fn family(&self, p: &Problem, deterministic: bool) -> &'static str {
+        let hopper = self.flag == "sm90"
+            && fa4::config::bwd_sm90::uncovered(p, &self.arch, deterministic).is_none()
+            && fa4::config::bwd_sm90::plan(p, &self.arch, self.target).is_ok();
+        if hopper {
+            "sm90"
+        } else {
+            "sm80"
         }
     }
 
@@ -393,9 +419,14 @@ fn describe(p: &Problem) -> String {
         }
     };
     format!(
-        "{}, batch {}, seqlen {} x {} (q x k), heads {}/{} (q/kv), head_dim {}, {mask}{}",
+        "{}, batch {}{}, seqlen {} x {} (q x k), heads {}/{} (q/kv), head_dim {}, {mask}{}",
         p.dtype(),
         p.sequences().len(),
+        if p.is_varlen() {
+            " packed (varlen)"
+        } else {
+            ""
+        },
         s.q_len,
         s.k_len,
         p.heads_q(),
@@ -535,6 +566,7 @@ fn gpu_json(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) -> serde_js
         "target": gpu.target,
         "problem": describe(p),
         "padded_head_dim": main.head_dim,
+        "family": gpu.family(p, det),
         "kernels": gpu.family_note(p, det),
         "deterministic": det,
         "dq_accumulation": if det { "deterministic".to_string() } else { gpu.reduction(p) },
@@ -608,6 +640,7 @@ fn cpu_json(p: &Problem, det_asked: bool) -> serde_json::Value {
     let (kv, q) = cpu_items(p, t);
     serde_json::json!({
         "arch": "cpu",
+        "family": "cpu",
         "problem": describe(p),
         "block_m": t.block_m,
         "block_n": t.block_n,

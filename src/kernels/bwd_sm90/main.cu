@@ -206,19 +206,6 @@ __device__ __forceinline__ Work work_of(const FwdParams& p, int t) {
     return w;
 }
 
-// A (rows, HEAD_DIM) tile of Q, K, V or dO at `row` of (head, batch): one 5-D box, or with
-// SLAB_MAPS one 4-D box per 64-column slab (columns past DIM arrive as zeros and count towards
-// the transaction bytes like the rest, so the expected bytes are the tile's either way).
-__device__ __forceinline__ void load_tile(u32 dst, const TmaMap* map, u32 bar, int rows, int row, int head, int batch) {
-    if constexpr (SLAB_MAPS) {
-#pragma unroll
-        for (int slab = 0; slab < SLABS; ++slab)
-            tma_load_4d(dst + slab * rows * SLAB_ROW_BYTES, map, bar, slab * SLAB_ELEMS, row, head, batch);
-    } else {
-        tma_load_5d(dst, map, bar, 0, row, 0, head, batch);
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Producer. Warp 0 (lane 0 issues): K and V once, then Q, dO and the row statistics of every
 // step into the ring.
@@ -285,8 +272,8 @@ __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm,
             ++loaded;
             if (lane == 0) {
                 mbar_expect_tx(sm.load_kv[0], 2 * KV_BYTES);
-                load_tile(sm.k, &P.tk, sm.load_kv[0], BLOCK_N, w.n0, w.kv_head, w.batch);
-                load_tile(sm.v, &P.tv, sm.load_kv[0], BLOCK_N, w.n0, w.kv_head, w.batch);
+                tma_load_tile<SLAB_MAPS, SLABS>(sm.k, &P.tk, sm.load_kv[0], BLOCK_N, w.n0, w.kv_head, w.batch);
+                tma_load_tile<SLAB_MAPS, SLABS>(sm.v, &P.tv, sm.load_kv[0], BLOCK_N, w.n0, w.kv_head, w.batch);
             }
         }
         for (int it = 0; it < w.trips; ++it, ++g) {
@@ -296,8 +283,8 @@ __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm,
             if (g >= STAGES) stats_free_sync(st.stage);
             if (lane != 0) continue;
             sm.pipe_q().expect(st, 2 * QO_BYTES + ROW_STATS * 4);
-            load_tile(sm.q_stage(st.stage), &P.tq, sm.load_q[st.stage], BLOCK_M, r0, head, w.batch);
-            load_tile(sm.do_stage(st.stage), &P.tdo, sm.load_q[st.stage], BLOCK_M, r0, head, w.batch);
+            tma_load_tile<SLAB_MAPS, SLABS>(sm.q_stage(st.stage), &P.tq, sm.load_q[st.stage], BLOCK_M, r0, head, w.batch);
+            tma_load_tile<SLAB_MAPS, SLABS>(sm.do_stage(st.stage), &P.tdo, sm.load_q[st.stage], BLOCK_M, r0, head, w.batch);
             // The padded statistics of (batch, head): D at `dsum`, LSE·LOG2E half a workspace later.
             const long long half = static_cast<long long>(bp.f.batch) * bp.f.heads_q * bp.stats_rows;
             const float* dsum = bp.dpsum + (static_cast<long long>(w.batch) * bp.f.heads_q + head) * bp.stats_rows + r0;

@@ -112,21 +112,6 @@ struct Smem {
     __device__ u32 v_stage(int s) const { return v + s * V_BYTES; }
 };
 
-// One tile of `rows` rows from row `row` of (head, batch-axis index bi) into `dst`, completing on
-// `bar`: one 5-D box, or (SLABWISE: a tensor narrower than its tile) one 4-D box per 64-column
-// slab, slab s at column 64·s and `rows` · 128 bytes after slab s − 1.
-template <bool SLABWISE, int TILE_SLABS>
-__device__ __forceinline__ void tma_load_tile(u32 dst, const TmaMap* map, u32 bar, int rows, int row, int head,
-                                              int bi) {
-    if constexpr (SLABWISE) {
-#pragma unroll
-        for (int slab = 0; slab < TILE_SLABS; ++slab)
-            tma_load_4d(dst + slab * rows * SLAB_ROW_BYTES, map, bar, slab * SLAB_ELEMS, row, head, bi);
-    } else {
-        tma_load_5d(dst, map, bar, 0, row, 0, head, bi);
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Producer: one thread loads, tile after tile, Q and then K and V of every key block into the
 // ring (whose position runs on across tiles).

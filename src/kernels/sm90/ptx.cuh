@@ -34,6 +34,21 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, u32 bar,
         : "memory");
 }
 
+// One tile of `rows` rows from row `row` of (head, batch-axis index bi) into `dst`, completing on
+// `bar` (the Hopper forward's and backward's Q, K, V, dO): one 5-D box, or (SLABWISE: a tensor
+// narrower than its tile) one 4-D box per 64-column slab of the 128-byte swizzle, slab s at
+// column 64·s and `rows` · 128 bytes after slab s − 1.
+template <bool SLABWISE, int TILE_SLABS>
+__device__ __forceinline__ void tma_load_tile(u32 dst, const TmaMap* map, u32 bar, int rows, int row, int head,
+                                              int bi) {
+    if constexpr (SLABWISE) {
+#pragma unroll
+        for (int slab = 0; slab < TILE_SLABS; ++slab) tma_load_4d(dst + slab * rows * 128, map, bar, slab * 64, row, head, bi);
+    } else {
+        tma_load_5d(dst, map, bar, 0, row, 0, head, bi);
+    }
+}
+
 // One TMA box of a 5-D map (coordinates innermost first) from shared memory to global memory, in
 // this thread's bulk async-group; box elements outside the map's extent are not written.
 __device__ __forceinline__ void tma_store_5d(const TmaMap* map, u32 src, int c0, int c1, int c2, int c3, int c4) {

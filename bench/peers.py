@@ -15,7 +15,10 @@ Passes:
              FlashAttention-3's Hopper forward (fa3, wheel fa3-fwd), FlashAttention-4 CuTe
              (fa4cute, wheel flash-attn-4).
     bwd      the grid's backward only: torch.autograd.grad(out, (q, k, v), dout) on a forward
-             recorded once outside the timed region (retain_graph); fa4, cudnn, fa2, fa4cute.
+             recorded once outside the timed region (retain_graph); fa4, cudnn, fa2, fa4cute;
+             --head-dims: d 32/40/80/96/112/160/192 at batch 4 × 4096 (bwd_headdims);
+             --varlen: the fwd pass's ragged lengths, each row beside the same tokens as a
+               fixed-length batch of the mean length (bwd_varlen; fa4 and fa4cute).
     decode   bf16, 32 query / 8 KV heads, d128, one query row, (batch, keys) = (1, 32k),
              (8, 8k), (8, 32k), (32, 4k), (4, 128k), pages of --pages (16, 64, 256, 1): fa4
              through flash_attn_with_kvcache with a block table over a random page permutation,
@@ -56,7 +59,7 @@ Method, the same for every library:
 A library that raises on a shape gets null and a one-line note; the run goes on.
 
     python3 bench/peers.py fwd [--extras | --head-dims --gqa --varlen] [--no-grid]
-    python3 bench/peers.py bwd
+    python3 bench/peers.py bwd [--head-dims] [--varlen] [--no-grid]
     python3 bench/peers.py decode [--pages 16,64,256,1]
       common: [--only fa4,cudnn,...] [--quick] [--rounds 9] [--calls 10] [--warmup 3]
               [--seed 0] [--json DIR] [--budget SECONDS] [--no-head-start]
@@ -66,7 +69,7 @@ A library that raises on a shape gets null and a one-line note; the run goes on.
               cudaProfilerStart/Stop, each followed by a marker kernel, for Nsight Compute)
 
 --json DIR writes one file per table, DIR/<id>.json (fwd_grid, fwd_headdims, fwd_gqa,
-fwd_varlen, bwd_grid, decode_p16, decode_p64, decode_p256, decode_p1), in the schema
+fwd_varlen, bwd_grid, bwd_headdims, bwd_varlen, decode_p16, decode_p64, decode_p256, decode_p1), in the schema
 bench/plot_perf.py reads (docs/data/<id>.json): id, title, date, gpu, driver, versions, method,
 unit, higher_is_better, libs, lib_names, rows of {case, values, spread, rounds (ms per call)}.
 
@@ -266,6 +269,23 @@ def gqa_cases(quick):
     hq, hkv = GQA_HEADS
     seqlens = (4096,) if quick else GQA_SEQLENS
     return [Case(f"{hq}/{hkv} {kilo(s)} causal", GQA_D, hq, hkv, [(s, s)] * (TOKENS // s), True) for s in seqlens]
+
+
+def bwd_varlen_cases(seed, quick):
+    """The varlen backward beside the same tokens at fixed length: per head dim (64, 128 and
+    the grid's 256) and mask, the ragged batch, then as many sequences of its mean length."""
+    lengths = varlen_lengths(seed)
+    dims = (128,) if quick else GRID_DIMS
+    causals = (True,) if quick else (False, True)
+    mean = TOKENS // len(lengths)
+    out = []
+    for d in dims:
+        for c in causals:
+            tag = f"d{d}{' causal' if c else ''}"
+            h = HIDDEN // d
+            out.append(Case(f"varlen {tag}", d, h, h, [(n, n) for n in lengths], c, varlen=True))
+            out.append(Case(f"fixed {len(lengths)}x{mean} {tag}", d, h, h, [(mean, mean)] * len(lengths), c))
+    return out
 
 
 def varlen_cases(seed, quick):
@@ -822,14 +842,23 @@ def check_fwd(m, case, s, out):
 
 
 def check_bwd(m, case, s, out, grads):
-    """fa4's gradients against float32 autograd through the reference, batch 0, head 0."""
+    """fa4's gradients against float32 autograd through the reference, batch 0 (varlen:
+    sequence 0), head 0."""
     t = m.torch
     sq, sk = case.seqs[0]
-    q, k, v = (s[x][0:1, :, 0:1].detach().float().transpose(1, 2).contiguous().requires_grad_()
+    if case.varlen:
+        # Packed (total, heads, d): sequence 0's rows, as a batch of one.
+        rows = {"q": sq, "k": sk, "v": sk, "do": sq}
+        view = lambda x, name: x[:rows[name]].unsqueeze(0)
+    else:
+        view = lambda x, name: x
+    q, k, v = (view(s[x], x)[0:1, :, 0:1].detach().float().transpose(1, 2).contiguous().requires_grad_()
                for x in ("q", "k", "v"))
     ref = reference(m, q[0], k[0], v[0], case.causal, sq, sk)
-    do = s["do"][0:1, :, 0:1].float().transpose(1, 2)[0]
+    do = view(s["do"], "do")[0:1, :, 0:1].float().transpose(1, 2)[0]
     rq, rk, rv = t.autograd.grad(ref, (q, k, v), do)
+    if case.varlen:
+        out, grads = view(out, "do"), [view(g, x) for g, x in zip(grads, ("q", "k", "v"))]
     pick = lambda g: g[0:1, :, 0:1].transpose(1, 2)[0]
     return check_line("fa4 bwd", [("O", out[0:1, :, 0:1].transpose(1, 2)[0], ref),
                                   ("dQ", pick(grads[0]), rq[0]), ("dK", pick(grads[1]), rk[0]),
@@ -1120,7 +1149,9 @@ def parse_args(argv=None):
     b = sub.add_parser("bwd", parents=[common], help="backward grid")
     b.add_argument("--head-dims", action="store_true",
                    help="d 32/80/96/112/160/192 at 4×4096 (d_v = d: fa4's backward needs it)")
-    b.add_argument("--no-grid", dest="grid", action="store_false", help="the head dims only")
+    b.add_argument("--varlen", action="store_true",
+                   help="ragged lengths (mean 2k, 1..8k) from --seed, beside the same tokens at fixed length")
+    b.add_argument("--no-grid", dest="grid", action="store_false", help="the head dims and varlen only")
     dp = sub.add_parser("decode", parents=[common], help="paged decode")
     dp.add_argument("--pages", default=",".join(map(str, DECODE_PAGES)), help="page sizes")
     nt = sub.add_parser("ncu-table", help="kernel-only durations from a profiled --profile run")
@@ -1184,6 +1215,13 @@ def tables_for(a, env_names):
             out.append((Table("bwd_headdims", f"Backward, bf16, other head dims, batch {HEADDIM_BATCH} × "
                               f"{HEADDIM_SEQLEN}, heads 2048 // d (FLOPs 2.5 × forward)", "TFLOP/s", libs("bwd")),
                         headdim_cases(a.quick, dv_cases=False), "bwd"))
+        if a.varlen:
+            vl = [n for n in libs("bwd") if n in VARLEN_LIBS or n in env_names]
+            lengths = varlen_lengths(a.seed)
+            out.append((Table("bwd_varlen", f"Backward, bf16, varlen: {len(lengths)} sequences of 1..8k tokens "
+                              f"(mean {TOKENS // len(lengths)}, seed {a.seed}) and the same tokens at fixed length, "
+                              "hidden 2048 (FLOPs 2.5 × forward)", "TFLOP/s", vl),
+                        bwd_varlen_cases(a.seed, a.quick), "bwd"))
     return out
 
 

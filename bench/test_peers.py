@@ -143,6 +143,17 @@ class Varlen(unittest.TestCase):
         self.assertEqual(len(cs), 6)
         self.assertTrue(all(c.varlen and sum(q for q, _ in c.seqs) == 16384 for c in cs))
 
+    def test_backward_varlen_rows_pair_with_the_same_tokens_at_fixed_length(self):
+        cs = peers.bwd_varlen_cases(0, False)
+        self.assertEqual(len(cs), 12)
+        n = len(peers.varlen_lengths(0))
+        for ragged, fixed in zip(cs[::2], cs[1::2]):
+            self.assertTrue(ragged.varlen and not fixed.varlen)
+            self.assertEqual((ragged.d, ragged.causal, ragged.heads_q), (fixed.d, fixed.causal, fixed.heads_q))
+            self.assertEqual(fixed.batch, n)
+            self.assertEqual(fixed.seqlen_q, 16384 // n)
+            self.assertLessEqual(abs(sum(q for q, _ in fixed.seqs) - 16384), n)
+
 
 class FakeTorch:
     """Just what Gpu touches: events with a fixed elapsed time, synchronize, _sleep."""
@@ -320,6 +331,10 @@ class Cli(unittest.TestCase):
         self.assertEqual(len(ts[0][1]), 16)
         a = peers.parse_args(["bwd"])
         self.assertEqual(peers.tables_for(a, [])[0][0].libs, ["fa4", "cudnn", "fa2", "fa4cute"])
+        a = peers.parse_args(["bwd", "--varlen", "--no-grid"])
+        ts = peers.tables_for(a, [])
+        self.assertEqual([t.id for t, _, _ in ts], ["bwd_varlen"])
+        self.assertEqual(ts[0][0].libs, ["fa4", "fa4cute"])
 
 
 class Ncu(unittest.TestCase):

@@ -305,9 +305,9 @@ fn json(args: &[&str]) -> serde_json::Value {
 }
 
 /// `fa4 plan --backward --json` names the main kernel's family (`sm90`, `sm80`, `cpu`) beside
-/// the prose, and plans packed (`--varlen`) batches: on sm90 the Ampere-class kernels run them,
-/// as they run d256, the deterministic mode and everything on sm80; d96 runs the Hopper kernel
-/// in tiles of 128.
+/// the prose, and plans packed (`--varlen`) batches: on sm90 the Hopper kernel runs them (its
+/// `varlen` variant), the Ampere-class kernels d256, the deterministic mode and everything on
+/// sm80; d96 runs the Hopper kernel in tiles of 128.
 #[test]
 fn backward_plan_names_its_family_and_plans_packed_batches() {
     let family = |extra: &[&str]| {
@@ -336,9 +336,15 @@ fn backward_plan_names_its_family_and_plans_packed_batches() {
         "--seqlen-k",
         "700",
     ]);
-    assert_eq!(f, "sm80", "{v}");
+    assert_eq!(f, "sm90", "{v}");
     let kernels = v["kernels"].as_str().unwrap();
-    assert!(kernels.contains("varlen"), "{kernels}");
+    assert!(
+        kernels.contains("d64 128x128 24+2x240 regs varlen"),
+        "{kernels}"
+    );
+    // Each sequence padded to whole blocks of 128 rows in one packed entry: 3 · 500 + 3 · 128
+    // rounded down to a block.
+    assert!(kernels.contains("1792 padded rows"), "{kernels}");
     assert!(
         v["problem"]
             .as_str()

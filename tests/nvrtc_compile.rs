@@ -480,9 +480,9 @@ fn backward_variants_compile_without_spills() {
 
 /// The Hopper backward's main kernel (`kernels/bwd_sm90/`) compiles for sm_90a without spills,
 /// without ptxas serialising its wgmma groups, and with the launch's whole register share (its
-/// `setmaxnreg` split counts on it). Six variants cover both tile widths, a head dim narrower
-/// than each (40, 96), both dtypes, the window and the softcap (CI time); `FA4_BWD_SM90_ALL=1`
-/// compiles all 32, and
+/// `setmaxnreg` split counts on it). Eight variants cover both tile widths, a head dim narrower
+/// than each (40, 96), both dtypes, the window, the softcap and varlen (CI time);
+/// `FA4_BWD_SM90_ALL=1` compiles all 64, and
 /// `FA4_BWD_SM90_SOURCE_DIR=DIR` also writes each variant's full source there (to iterate on a
 /// kernel with nvcc).
 #[test]
@@ -502,7 +502,7 @@ fn hopper_backward_variants_compile_without_spills_or_wgmma_serialization() {
         let _ = writeln!(std::io::stderr(), "nvrtc_compile (bwd sm90): skipped: {e}");
         return;
     }
-    let spec = |bf16, dim: usize, window, softcap| {
+    let spec = |bf16, dim: usize, window, softcap, varlen| {
         let head_dim = bwd_sm90::padded_head_dim(dim).unwrap();
         Spec {
             target: "sm_90a",
@@ -511,6 +511,7 @@ fn hopper_backward_variants_compile_without_spills_or_wgmma_serialization() {
             dim,
             window,
             softcap,
+            varlen,
             tiles: bwd_sm90::tiles(head_dim),
         }
     };
@@ -520,7 +521,9 @@ fn hopper_backward_variants_compile_without_spills_or_wgmma_serialization() {
             for d in [64, 128, 40, 96] {
                 for window in [false, true] {
                     for softcap in [false, true] {
-                        all.push(spec(bf16, d, window, softcap));
+                        for varlen in [false, true] {
+                            all.push(spec(bf16, d, window, softcap, varlen));
+                        }
                     }
                 }
             }
@@ -528,13 +531,17 @@ fn hopper_backward_variants_compile_without_spills_or_wgmma_serialization() {
         all
     } else {
         vec![
-            spec(true, 64, true, false),
-            spec(false, 64, false, true),
-            spec(true, 128, true, true),
-            spec(false, 128, false, false),
+            spec(true, 64, true, false, false),
+            spec(false, 64, false, true, false),
+            spec(true, 128, true, true, false),
+            spec(false, 128, false, false, false),
             // Narrower than the tile: slab maps, Sᵀ/dPᵀ over QK_DIM, clipped dK/dV stores.
-            spec(true, 40, true, false),
-            spec(false, 96, false, true),
+            spec(true, 40, true, false, false),
+            spec(false, 96, false, true, false),
+            // Varlen: packed maps, the next sequence's rows zeroed in masked steps (the window
+            // and softcap d64 variant has the fewest registers to spare).
+            spec(true, 64, true, true, true),
+            spec(false, 128, true, false, true),
         ]
     };
     if let Some(dir) = std::env::var_os("FA4_BWD_SM90_SOURCE_DIR") {

@@ -277,7 +277,7 @@ impl Gpu {
                      warpgroups, wgmma) replaces launch 2 below with {}: {} persistent CTAs \
                      (at most one per SM) taking {} tiles (128 keys, KV head, sequence) from a \
                      counter, {} threads, {} B shared memory; launches 1 and 3 are as listed, \
-                     except that launch 1 covers {} rows per sequence (whole query blocks; grid \
+                     except that launch 1 covers {} (grid \
                      {}x{}x{}) and writes D and LSE·log2e padded to them ({} B in place of the D \
                      workspace below, the tile counter included), which the Hopper kernel \
                      bulk-copies per step, and zeroes a dQ accumulator of {} B laid out in 64 x \
@@ -290,7 +290,15 @@ impl Gpu {
                     h.tiles,
                     h.spec.threads(),
                     h.spec.smem_bytes(),
-                    h.stats_rows,
+                    if p.is_varlen() {
+                        format!(
+                            "each sequence's rows rounded up to whole query blocks, {} padded \
+                             rows in one packed entry",
+                            h.stats_rows
+                        )
+                    } else {
+                        format!("{} rows per sequence (whole query blocks)", h.stats_rows)
+                    },
                     h.pre.1 .0,
                     h.pre.1 .1,
                     h.pre.1 .2,

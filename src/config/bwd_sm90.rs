@@ -191,6 +191,9 @@ pub struct Spec {
     pub window: bool,
     /// Softcap.
     pub softcap: bool,
+    /// A varlen batch: packed maps, a sequence's blocks from its first row, the rows of the
+    /// next sequence zeroed where a query block crosses its end.
+    pub varlen: bool,
     /// Tiles and registers.
     pub tiles: Tiles,
 }
@@ -230,6 +233,7 @@ impl Spec {
             .flag("IS_BF16", self.bf16)
             .flag("HAS_WINDOW", self.window)
             .flag("HAS_SOFTCAP", self.softcap)
+            .flag("VARLEN", self.varlen)
             .flag("LAZY_RESCALE", false)
             .define("FA4_SMEM_BYTES", self.smem_bytes())
             .roles(&[
@@ -315,7 +319,7 @@ impl fmt::Display for Spec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "bwd sm90 {} {} d{}{} {}x{} {}+{}x{} regs{}{}",
+            "bwd sm90 {} {} d{}{} {}x{} {}+{}x{} regs{}{}{}",
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
             self.dim,
@@ -331,6 +335,7 @@ impl fmt::Display for Spec {
             self.tiles.consumer_regs,
             if self.window { " window" } else { "" },
             if self.softcap { " softcap" } else { "" },
+            if self.varlen { " varlen" } else { "" },
         )
     }
 }
@@ -364,17 +369,15 @@ pub fn uncovered(
             "the Hopper backward adds dQ with atomics; the deterministic mode runs the Ampere-class one".into(),
         ));
     }
-    if p.is_varlen() {
-        // Packed maps would load the next sequence's rows into a block, whose non-finite
-        // values would meet dS = 0 in the products; the Ampere-class kernel zero-fills them.
-        return Some((
-            "cu_seqlens_q",
-            "varlen batches run the Ampere-class backward".into(),
-        ));
-    }
+    // A TMA map may not have an empty dimension: a fixed-length batch's every sequence, a
+    // packed one's total rows.
     let seqs = p.sequences();
-    if seqs.iter().any(|s| s.q_len == 0 || s.k_len == 0) {
-        // A TMA map may not have an empty dimension.
+    let empty = if p.is_varlen() {
+        seqs.iter().all(|s| s.q_len == 0) || seqs.iter().all(|s| s.k_len == 0)
+    } else {
+        seqs.iter().any(|s| s.q_len == 0 || s.k_len == 0)
+    };
+    if empty {
         return Some(("q", "a batch without query rows or keys".into()));
     }
     None
@@ -398,9 +401,10 @@ pub struct Plan {
     /// counter after the statistics in the D workspace.
     pub grid: (u32, u32, u32),
     /// Rows per (batch entry, head) of the padded row statistics the `pre` kernel writes for
-    /// the main kernel (`BwdParams::stats_rows`): the query rows rounded up to whole query
-    /// blocks. The D workspace (`base.dpsum_len`) holds D, then LSE·log2e, each
-    /// `[batch][heads_q][stats_rows]`, so that a step's rows are one bulk copy each.
+    /// the main kernel (`BwdParams::stats_rows`, [`stats_layout`]): the query rows rounded up
+    /// to whole query blocks, or a varlen batch's packed and padded rows. The D workspace
+    /// (`base.dpsum_len`) holds D, then LSE·log2e, each `[entries][heads_q][stats_rows]`, so that
+    /// a step's rows are one bulk copy each.
     pub stats_rows: usize,
 }
 
@@ -429,6 +433,23 @@ impl fmt::Display for Plan {
             "{conv}: grid {}x{}x{}",
             conv_grid.0, conv_grid.1, conv_grid.2
         )
+    }
+}
+
+/// The layout of the padded row statistics and dQ accumulator (`stats_base` in
+/// `kernels/bwd/params.cuh`): (entries, rows per entry and head). A fixed-length batch has an
+/// entry per sequence of its query rows rounded up to whole blocks of `block_m`; a varlen one
+/// a single entry in which sequence b starts at row `block_m · ⌊(cu_q[b] + b · block_m) /
+/// block_m⌋`, `stats_rows` that start for b = batch (each sequence its rows rounded up to whole
+/// blocks, at most a block more per sequence than the packed rows).
+pub fn stats_layout(p: &Problem, block_m: usize) -> (usize, usize) {
+    let seqs = p.sequences();
+    if p.is_varlen() {
+        let total: usize = seqs.iter().map(|s| s.q_len).sum();
+        (1, (total + seqs.len() * block_m) / block_m * block_m)
+    } else {
+        let max_q = seqs.iter().map(|s| s.q_len).max().unwrap_or(0);
+        (seqs.len(), max_q.div_ceil(block_m) * block_m)
     }
 }
 
@@ -475,6 +496,7 @@ pub fn plan(p: &Problem, arch: &GpuArch, target: &'static str) -> Result<Plan> {
         dim,
         window: p.mask().is_restrictive(),
         softcap: p.softcap().is_some(),
+        varlen: p.is_varlen(),
         tiles,
     };
     let max_smem = arch.max_smem_per_block() as usize;
@@ -497,26 +519,37 @@ pub fn plan(p: &Problem, arch: &GpuArch, target: &'static str) -> Result<Plan> {
         .filter(|&t| t <= i32::MAX as usize)
         .ok_or_else(|| Error::invalid("q", "more than 2^31 key blocks × KV heads × sequences"))?;
     let grid = (n_tiles.min(arch.sm_count as usize) as u32, 1, 1);
-    // The padded statistics: the pre kernel covers every padded row (past a sequence's end it
-    // writes D = 0 and LSE·log2e = +inf, so those rows' P is 0).
+    // The padded statistics (`stats_layout`): the pre kernel covers every padded row of the
+    // longest sequence (past a sequence's end it writes D = 0 and LSE·log2e = +inf, so those
+    // rows' P is 0).
+    let (entries, stats_rows) = stats_layout(p, tiles.block_m);
     let max_q = p.sequences().iter().map(|s| s.q_len).max().unwrap_or(0);
-    let stats_rows = max_q.div_ceil(tiles.block_m) * tiles.block_m;
+    let padded_q = max_q.div_ceil(tiles.block_m) * tiles.block_m;
+    let too_many = || Error::invalid("q", format!("{max_q} query rows exceed the CUDA grid"));
+    let per_head = entries * stats_rows;
+    let fits = per_head
+        .checked_mul(p.heads_q())
+        .and_then(|n| n.checked_mul(2 * head_dim))
+        .is_some();
+    if stats_rows > i32::MAX as usize || !fits {
+        return Err(too_many());
+    }
     let mut base = base;
     // D and LSE·log2e, then the main kernel's tile counter (4 floats: 16-byte alignment kept).
-    base.dpsum_len = 2 * p.sequences().len() * p.heads_q() * stats_rows + 4;
+    base.dpsum_len = 2 * per_head * p.heads_q() + 4;
     // The accumulator in 64 × 64 tiles over the padded rows (the kernel's reduce-adds cover
     // whole tiles; `pre` zeroes and `convert` reads that layout when `stats_rows` > 0).
-    base.accum_len = p.sequences().len() * p.heads_q() * stats_rows * head_dim;
+    base.accum_len = per_head * p.heads_q() * head_dim;
     let mut pre = pre;
     let rows_dim = |per: usize| {
-        u32::try_from(stats_rows.div_ceil(per))
+        u32::try_from(padded_q.div_ceil(per))
             .ok()
-            .filter(|_| stats_rows <= i32::MAX as usize)
-            .ok_or_else(|| Error::invalid("q", format!("{max_q} query rows exceed the CUDA grid")))
+            .filter(|_| padded_q <= i32::MAX as usize)
+            .ok_or_else(too_many)
     };
     pre.1 .0 = rows_dim(bwd::aux_rows_per_cta(head_dim))?;
-    // `convert` reads the tiles whole, half a 64-row group per CTA (stats_rows is a multiple
-    // of BLOCK_M, itself a multiple of 64).
+    // `convert` reads the tiles whole, half a 64-row group per CTA (a sequence's padded rows
+    // are whole blocks of BLOCK_M, itself a multiple of 64).
     let mut convert = convert;
     convert.1 .0 = rows_dim(bwd::CONVERT_TILE_ROWS)?;
     Ok(Plan {
@@ -693,16 +726,69 @@ mod tests {
             &Options::new(),
         )
         .unwrap();
-        assert_eq!(
-            uncovered(&varlen, &arch::H100, false).unwrap().0,
-            "cu_seqlens_q"
-        );
-        let e = plan(&varlen, &arch::H100, "sm_90").unwrap_err();
-        assert!(e.to_string().contains("cu_seqlens_q"), "{e}");
+        assert_eq!(uncovered(&varlen, &arch::H100, false), None);
+        assert!(plan(&varlen, &arch::H100, "sm_90").unwrap().spec.varlen);
         let soft = problem(64, Options::new().softcap(5.0));
         let p = plan(&soft, &arch::H100, "sm_90").unwrap();
         assert!(p.spec.softcap && !p.spec.window);
         assert!(p.to_string().contains("fa4_bwd_sm90") || p.to_string().contains("bwd sm90"));
+    }
+
+    /// A varlen batch: one entry of the packed rows, each sequence padded to whole query blocks
+    /// from `block_m · ⌊(cu_q[b] + b · block_m) / block_m⌋`; a zero-length sequence is fine, a
+    /// batch without any query row or key is not (a TMA map may not be empty).
+    #[test]
+    fn varlen_batches_pad_each_sequence_in_one_packed_entry() {
+        let varlen = |cq: &[i32], ck: &[i32], d: usize| {
+            let ql = Layout::new("q", &[*cq.last().unwrap() as usize, 8, d], None).unwrap();
+            let kl = Layout::new("k", &[*ck.last().unwrap() as usize, 2, d], None).unwrap();
+            let opts = Options::new().causal();
+            Problem::new(DType::Bf16, &ql, &kl, &kl, &ql, Some(cq), Some(ck), &opts).unwrap()
+        };
+        // d64: blocks of 128 rows. Starts ⌊(0, 300 + 128, 300 + 256, 813 + 384) / 128⌋ · 128 =
+        // 0, 384, 512, 1152: room for 3, 0 and 3 blocks (300, 0 and 513 rows).
+        let p = varlen(&[0, 300, 300, 813], &[0, 317, 330, 1030], 64);
+        let m = tiles(64).block_m;
+        assert_eq!(m, 128);
+        assert_eq!(stats_layout(&p, m), (1, 1152));
+        let starts: Vec<usize> = [0usize, 300, 300, 813]
+            .iter()
+            .enumerate()
+            .map(|(b, &c)| (c + b * m) / m * m)
+            .collect();
+        assert_eq!(starts, [0, 384, 512, 1152]);
+        for (b, s) in p.sequences().iter().enumerate() {
+            assert!(starts[b + 1] - starts[b] >= s.q_len.div_ceil(m) * m, "{b}");
+        }
+        let plan = plan(&p, &arch::H100, "sm_90").unwrap();
+        assert!(
+            plan.spec.varlen
+                && plan
+                    .spec
+                    .prelude()
+                    .contains("constexpr bool VARLEN = true;")
+        );
+        assert!(plan.spec.to_string().ends_with(" varlen"), "{}", plan.spec);
+        assert_eq!(plan.stats_rows, 1152);
+        assert_eq!(plan.base.dpsum_len, 2 * 8 * 1152 + 4);
+        assert_eq!(plan.base.accum_len, 8 * 1152 * 64);
+        // The row kernels' grids: the longest sequence's padded rows (513 → 640) × heads × 3.
+        assert_eq!(plan.pre.1, ((640 * 64 / 8 / 128) as u32, 8, 3));
+        assert_eq!(plan.convert.1, ((640 / 32) as u32, 8, 3));
+        // Tiles: ⌈700 / 128⌉ key blocks of the longest sequence × 2 KV heads × 3 sequences.
+        assert_eq!(plan.tiles, 6 * 2 * 3);
+        // Fixed-length: no flag.
+        let fixed = super::plan(&problem(64, Options::new()), &arch::H100, "sm_90").unwrap();
+        assert!(
+            !fixed.spec.varlen
+                && fixed
+                    .spec
+                    .prelude()
+                    .contains("constexpr bool VARLEN = false;")
+        );
+        // No query row (or no key) anywhere: refused, naming q.
+        let none = varlen(&[0, 0, 0], &[0, 5, 9], 64);
+        assert_eq!(uncovered(&none, &arch::H100, false).unwrap().0, "q");
     }
 
     #[test]

@@ -55,10 +55,13 @@ pub(crate) struct BwdParams {
     /// The Hopper main kernel's padded row statistics (`config::bwd_sm90::Plan::stats_rows`);
     /// 0 for the Ampere-class kernels.
     pub stats_rows: i32,
+    /// The Hopper main kernel's query block (a varlen batch's padding in that layout); 0 for
+    /// the Ampere-class kernels.
+    pub stats_block: i32,
 }
 
 /// The header's `FA4_BWD_PARAMS_SIZE`.
-pub const BWD_PARAMS_SIZE: usize = 392;
+pub const BWD_PARAMS_SIZE: usize = 400;
 const _: () = assert!(std::mem::size_of::<BwdParams>() == BWD_PARAMS_SIZE);
 const _: () = assert!(std::mem::offset_of!(BwdParams, d_out) == 224);
 const _: () = assert!(std::mem::offset_of!(BwdParams, do_strides) == 272);
@@ -391,6 +394,7 @@ impl CudaBackend {
             inv_softcap: if softcap > 0.0 { 1.0 / softcap } else { 0.0 },
             // Checked against int32 by the Hopper planner.
             stats_rows: hopper.as_ref().map_or(0, |h| h.stats_rows as i32),
+            stats_block: hopper.as_ref().map_or(0, |h| h.spec.tiles.block_m as i32),
         };
         match &hopper {
             Some(h) => {

@@ -161,20 +161,21 @@ fn with_ctas_from_env(mut plan: Plan) -> Result<Plan> {
 struct MainLaunch<'a>(&'a Plan);
 
 // SAFETY: built only by `launch_bwd_sm90` from a plan of `bwd_sm90::plan`, which accepted only
-// fixed-length problems with a head_dim that is a multiple of 8 up to 128 (equal for V; the
-// tile width 64 or 128 at least that) and at least one query row and key per sequence, on the path of `backward_device_trusted`: the problem was validated, every
-// input buffer holds its layout's extent, is 16-byte aligned with strides of multiples of 8
-// elements (checked there), so the four TMA maps describe exactly those extents (reads past a
-// sequence's rows, and with slab maps past head_dim's columns, are zero-filled by the hardware,
-// not performed). The kernel writes dK, dV only at rows below the sequence's keys and columns
-// below head_dim (DIM) through the
-// checked gradient layouts, and reduces into the dQ accumulator at rows below the sequence's
-// queries, which the plan's workspace length covers. The grid is persistent CTAs, each
-// walking tiles (key block, KV head, batch entry) below the kernel's own count of them, taken
-// from the counter after the statistics in the D workspace (inside `dpsum_len`, zeroed by
-// `pre` on the same stream before this launch); block and shared memory are the planner's
-// (static_asserted by the kernel), and the register split fits the launch allocation
-// (`Tiles::check`), so `setmaxnreg` cannot wait forever.
+// problems with a head_dim that is a multiple of 8 up to 128 (equal for V; the tile width 64 or
+// 128 at least that) and query rows and keys in every fixed-length sequence, or in the packed
+// tensors of a varlen batch, on the path of `backward_device_trusted`: the problem was
+// validated (cu_seqlens its own offsets, checked there), every input buffer holds its layout's
+// extent, is 16-byte aligned with strides of multiples of 8 elements (checked there), so the
+// four TMA maps describe exactly those extents (reads past them, and with slab maps past
+// head_dim's columns, are zero-filled by the hardware, not performed). The kernel writes dK, dV
+// only at rows below the sequence's keys and columns below head_dim (DIM) through the checked
+// gradient layouts, and reduces into the dQ accumulator at rows of the sequence's padded
+// blocks (`stats_base`), which the plan's workspace length covers (`stats_layout`). The grid
+// is persistent CTAs, each walking tiles (key block, KV head, batch entry) below the kernel's
+// own count of them, taken from the counter after the statistics in the D workspace (inside
+// `dpsum_len`, zeroed by `pre` on the same stream before this launch); block and shared memory
+// are the planner's (static_asserted by the kernel), and the register split fits the launch
+// allocation (`Tiles::check`), so `setmaxnreg` cannot wait forever.
 unsafe impl Launchable for MainLaunch<'_> {
     fn launch(&self) -> Launch<'_> {
         Launch::new(&self.0.spec, self.0.grid, self.0.spec.threads())
@@ -298,6 +299,7 @@ mod tests {
                 dim: head_dim,
                 window: true,
                 softcap: false,
+                varlen: false,
                 tiles: crate::config::bwd_sm90::tiles(head_dim),
             };
             let want = Some(crate::config::bwd_sm90::LAUNCH_REGS);

@@ -4,14 +4,14 @@
 //
 // - fa4_bwd_pre: D_i = Σ_d dO_id·O_id in f32 (from the stored, rounded O, as FlashAttention
 //   does), and the row's dQ accumulator zeroed (when there is one). For the Hopper main kernel
-//   (`stats_rows` > 0) D and LSE·LOG2E go to a padded [batch][heads_q][stats_rows] layout
-//   instead, the grid covering every padded row.
+//   (`stats_rows` > 0) D and LSE·LOG2E go to a padded layout instead (`stats_base`), the
+//   grid covering every padded row of the longest sequence.
 // - fa4_bwd_convert: dQ = scale · accumulator, rounded to the storage dtype. (dK and dV are
 //   written by the main kernel itself: no atomics reach them.)
 //
 // The accumulator's layout: (acc_rows, heads_q, HEAD_DIM) row by row for the Ampere-class main
-// kernel; for the Hopper one (`stats_rows` > 0) tiles of 64 rows × 64 columns, per (batch, head,
-// 64-row group of the padded rows), each in the order its consumer warpgroup holds it in
+// kernel; for the Hopper one (`stats_rows` > 0) tiles of 64 rows × 64 columns, per (sequence,
+// head, 64-row group of its padded rows), each in the order its consumer warpgroup holds it in
 // registers (`dq_pos` in `../bwd_sm90/main.cu`). The Hopper `convert` reads those tiles whole:
 // each thread 64 contiguous bytes, which hold 8 columns of two rows 8 apart.
 
@@ -47,14 +47,15 @@ __device__ __forceinline__ void zero_span(float* acc, int sub) {
 extern "C" __global__ void __launch_bounds__(AUX_THREADS) fa4_bwd_pre(const __grid_constant__ BwdParams bp) {
     const RowCtx r = row_ctx(bp);
     const FwdParams& p = bp.f;
-    // The Hopper main kernel's layout (fixed-length batches): D, then LSE·LOG2E, each
-    // [batch][heads_q][stats_rows], every padded row written (D = 0, LSE = +inf past the end).
+    // The Hopper main kernel's layout (`stats_base`): D, then LSE·LOG2E, every padded row of the
+    // sequence written (D = 0, LSE = +inf past its end).
     const bool hopper = bp.stats_rows > 0;
-    const long long padded = hopper ? (static_cast<long long>(r.batch) * p.heads_q + r.head) * bp.stats_rows + r.i : -1;
-    const long long lse_half = static_cast<long long>(p.batch) * p.heads_q * bp.stats_rows;
+    const bool padded_row = hopper && r.i < stats_len(bp, r.s);
+    const long long padded = hopper ? stats_base(bp, r.batch, bp.stats_block) + static_cast<long long>(r.head) * bp.stats_rows + r.i : -1;
+    const long long lse_half = hopper ? stats_half(bp) : 0;
     // The Hopper layout's accumulator: the padded row's HEAD_DIM elements of its (batch, head)
     // span (a 64-row group's tiles are 64 such spans, whichever rows' elements they hold).
-    if (hopper && r.i < bp.stats_rows && bp.dq_accum != nullptr) zero_span(bp.dq_accum + padded * HEAD_DIM, r.sub);
+    if (padded_row && bp.dq_accum != nullptr) zero_span(bp.dq_accum + padded * HEAD_DIM, r.sub);
     // The Hopper main kernel's tile counter, after the statistics (its persistent CTAs take
     // tiles from it).
     if (hopper && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)
@@ -84,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(AUX_THREADS) fa4_bwd_pre(const __gr
     for (int off = ROW_LANES / 2; off > 0; off /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, off);
     if (r.sub == 0) {
         if (hopper) {
-            if (r.i < bp.stats_rows) {
+            if (padded_row) {
                 bp.dpsum[padded] = r.valid ? sum : 0.0f;
                 bp.dpsum[lse_half + padded] = r.valid ? lse_log2(bp, r.batch, r.head, r.s, r.i) : -NEG_INF;
             }
@@ -106,10 +107,11 @@ extern "C" __global__ void __launch_bounds__(AUX_THREADS) fa4_bwd_pre(const __gr
 __device__ __forceinline__ void convert_tiles(const BwdParams& bp) {
     const FwdParams& p = bp.f;
     const int batch = blockIdx.z, head = blockIdx.y;
-    const Seq s = sequence(p, batch, false);
+    const Seq s = sequence(p, batch, p.cu_seqlens_q != nullptr);
     const int row0 = blockIdx.x * TILE_ROWS_PER_CTA;
-    const float* group = bp.dq_accum + ((static_cast<long long>(batch) * p.heads_q + head) * bp.stats_rows +
-                                        (row0 / 64) * 64) * HEAD_DIM;
+    if (row0 >= s.q_len) return;
+    const float* group =
+        bp.dq_accum + (stats_base(bp, batch, bp.stats_block) + static_cast<long long>(head) * bp.stats_rows + (row0 / 64) * 64) * HEAD_DIM;
     constexpr int CHUNKS = (TILE_ROWS_PER_CTA / 16) * HEAD_DIM;  // 64-byte chunks: 64 per quarter of a tile
     for (int k = threadIdx.x; k < CHUNKS; k += AUX_THREADS) {
         const int q = k % 8, r8 = (k / 8) % 8, tile = (k / 64) % (HEAD_DIM / 64), quarter = k / HEAD_DIM;

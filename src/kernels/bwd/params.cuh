@@ -20,11 +20,38 @@ struct BwdParams {
     float softcap;              // 0 = none
     float inv_softcap;          // 1 / softcap
     int stats_rows;             // > 0 (the Hopper main kernel): `pre` writes D, then LSE·LOG2E,
-                                // each [batch][heads_q][stats_rows], into dpsum instead
+                                // padded (`stats_base`), into dpsum instead
+    int stats_block;            // the Hopper main kernel's BLOCK_M: the padding of a varlen
+                                // batch's sequences in that layout
 };
 
-#define FA4_BWD_PARAMS_SIZE 392
+#define FA4_BWD_PARAMS_SIZE 400
 static_assert(sizeof(BwdParams) == FA4_BWD_PARAMS_SIZE, "BwdParams layout must match the Rust mirror");
+
+// The Hopper main kernel's padded layout of the row statistics (D, then LSE·LOG2E) and of its
+// dQ accumulator (`stats_rows` > 0): query row i of sequence b and head h is row
+// stats_base(b) + h·stats_rows + i. Fixed-length batches: [batch][heads_q][stats_rows], every
+// sequence its rows rounded up to whole blocks. Varlen batches: [heads_q][stats_rows], sequence
+// b from row B·⌊(cu_q[b] + b·B) / B⌋ (B = stats_block), which leaves it its rows rounded up
+// to whole blocks before the next one starts, and stats_rows = that start for b = batch.
+// `block` is stats_block (the main kernel passes its BLOCK_M, a constant). The planner keeps
+// stats_rows below 2^31, so cu_q[b] + b·B fits 32 unsigned bits.
+__device__ __forceinline__ long long stats_base(const BwdParams& bp, int b, int block) {
+    const FwdParams& p = bp.f;
+    if (p.cu_seqlens_q == nullptr) return static_cast<long long>(b) * p.heads_q * bp.stats_rows;
+    const unsigned start = static_cast<unsigned>(p.cu_seqlens_q[b]) + static_cast<unsigned>(b) * block;
+    return start / static_cast<unsigned>(block) * block;
+}
+// Where LSE·LOG2E starts, after D (and after both, the main kernel's tile counter).
+__device__ __forceinline__ long long stats_half(const BwdParams& bp) {
+    const int entries = bp.f.cu_seqlens_q == nullptr ? bp.f.batch : 1;
+    return static_cast<long long>(entries) * bp.f.heads_q * bp.stats_rows;
+}
+// The padded rows of sequence `s` (its queries rounded up to whole blocks; `pre` writes them all).
+__device__ __forceinline__ int stats_len(const BwdParams& bp, const Seq& s) {
+    if (bp.f.cu_seqlens_q == nullptr) return bp.stats_rows;
+    return (s.q_len + bp.stats_block - 1) / bp.stats_block * bp.stats_block;
+}
 
 // Row of query i of sequence (batch, s) in the f32 workspaces (dq_accum, dpsum).
 __device__ __forceinline__ long long acc_row(const BwdParams& bp, int batch, const Seq& s, int i) {

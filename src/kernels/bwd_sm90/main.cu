@@ -9,8 +9,7 @@
 // `../sm90/ptx.cuh`, `../sm90/pipeline.cuh`, `../bwd/params.cuh`, this family's `params.cuh`,
 // `ptx.cuh`, the generated wgmma wrappers (`wgmma_st`, `wgmma_dkv`, `wgmma_dq`), this file.
 //
-// Work: a tile is (key block of BLOCK_N keys, KV head, batch entry); fixed-length batches only
-// (the planner sends varlen problems to the Ampere-class kernel). The CTAs are persistent (at
+// Work: a tile is (key block of BLOCK_N keys, KV head, batch entry). The CTAs are persistent (at
 // most one per SM): CTA b starts with tile b, and the producer takes each further tile from a
 // counter in global memory (`pre` zeroes it) with one atomicAdd, so the tiles go out in the order
 // a grid of one CTA per tile would start them (key blocks fastest: the CTAs at work at once share
@@ -84,6 +83,14 @@
 // cleaned in shared memory (non-finite halves set to 0) before any product reads them. That
 // changes no result: a row with a non-finite Q_i, or that sees a non-finite K_j, has a
 // non-finite LSE, hence a NaN P and dS on every key it sees, whatever Sᵀ is.
+//
+// Varlen batches (VARLEN): Q, K, V and dO are packed [total, heads, head_dim], one batch entry
+// of the maps, and a sequence's blocks start at its first row. A block that crosses the end of
+// its sequence holds the next sequence's rows where a fixed-length batch's TMA fills zeros. A key
+// block's foreign keys are masked (P = dS = 0, set) and K is cleaned, as above; a query block's
+// foreign rows are zeroed in its stage (Q and dO) before any product reads them, so that they
+// are what a fixed-length batch loads (zeros, their statistics the padded rows' P = 0). The row
+// statistics and the dQ accumulator pad each sequence to whole query blocks (`stats_base`).
 //
 // Shared-memory tiles are TMA boxes with the 128-byte swizzle, as the forward's: a (rows,
 // HEAD_DIM) tile is HEAD_DIM / 64 slabs of (rows, 64), each row 128 bytes, each slab
@@ -172,6 +179,7 @@ struct Smem {
 struct Work {
     int n0, valid_n, kv_head, batch;
     Seq s;
+    long long stats0;  // the sequence's row 0 of head 0 in the padded statistics (`stats_base`)
     QueryBlocks qb;
     int per_head, trips;
     __device__ __forceinline__ int head(const FwdParams& p, int it) const { return kv_head * p.group + it / per_head; }
@@ -186,7 +194,8 @@ __device__ __forceinline__ int num_tiles(const FwdParams& p) {
 }
 
 // Tile t's work; t < 0 is the end of the CTA's walk (n0 = −1).
-__device__ __forceinline__ Work work_of(const FwdParams& p, int t) {
+__device__ __forceinline__ Work work_of(const BwdParams& bp, int t) {
+    const FwdParams& p = bp.f;
     Work w;
     if (t < 0) {
         w.n0 = -1;
@@ -197,7 +206,8 @@ __device__ __forceinline__ Work work_of(const FwdParams& p, int t) {
     w.n0 = (t % blocks) * BLOCK_N;
     w.kv_head = (t / blocks) % heads_kv;
     w.batch = t / (blocks * heads_kv);
-    w.s = sequence(p, w.batch, false);
+    w.s = sequence(p, w.batch, VARLEN);
+    w.stats0 = stats_base(bp, w.batch, BLOCK_M);
     w.valid_n = max(0, min(BLOCK_N, w.s.k_len - w.n0));
     // A key block no query sees (or past the keys) has no trip: its dK, dV are written as zeros.
     w.qb = query_blocks(p, w.s, w.n0, w.n0 + max(w.valid_n, 1) - 1, BLOCK_M);
@@ -238,7 +248,7 @@ __device__ __forceinline__ void stats_free_arrive(int stage) {
 
 // The tile counter: in the D workspace, after the row statistics (`pre` zeroes it).
 __device__ __forceinline__ unsigned* tile_counter(const BwdParams& bp) {
-    return reinterpret_cast<unsigned*>(bp.dpsum + 2LL * bp.f.batch * bp.f.heads_q * bp.stats_rows);
+    return reinterpret_cast<unsigned*>(bp.dpsum + 2 * stats_half(bp));
 }
 
 // The producer warp: per tile, the Work slot, K and V (once the consumers are done with the
@@ -261,7 +271,7 @@ __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm,
         const u32 phase = (k >> 1) & 1;
         mbar_wait(sm.work_empty[slot], phase ^ 1);  // the consumers are done with tile k − 2
         if (lane == 0) {
-            slots[slot] = work_of(bp.f, tile < num_tiles(bp.f) ? tile : -1);
+            slots[slot] = work_of(bp, tile < num_tiles(bp.f) ? tile : -1);
             mbar_arrive(sm.work_full[slot]);
         }
         __syncwarp();
@@ -272,8 +282,9 @@ __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm,
             ++loaded;
             if (lane == 0) {
                 mbar_expect_tx(sm.load_kv[0], 2 * KV_BYTES);
-                tma_load_tile<SLAB_MAPS, SLABS>(sm.k, &P.tk, sm.load_kv[0], BLOCK_N, w.n0, w.kv_head, w.batch);
-                tma_load_tile<SLAB_MAPS, SLABS>(sm.v, &P.tv, sm.load_kv[0], BLOCK_N, w.n0, w.kv_head, w.batch);
+                const int row = w.s.k_start + w.n0, bi = VARLEN ? 0 : w.batch;
+                tma_load_tile<SLAB_MAPS, SLABS>(sm.k, &P.tk, sm.load_kv[0], BLOCK_N, row, w.kv_head, bi);
+                tma_load_tile<SLAB_MAPS, SLABS>(sm.v, &P.tv, sm.load_kv[0], BLOCK_N, row, w.kv_head, bi);
             }
         }
         for (int it = 0; it < w.trips; ++it, ++g) {
@@ -283,11 +294,12 @@ __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm,
             if (g >= STAGES) stats_free_sync(st.stage);
             if (lane != 0) continue;
             sm.pipe_q().expect(st, 2 * QO_BYTES + ROW_STATS * 4);
-            tma_load_tile<SLAB_MAPS, SLABS>(sm.q_stage(st.stage), &P.tq, sm.load_q[st.stage], BLOCK_M, r0, head, w.batch);
-            tma_load_tile<SLAB_MAPS, SLABS>(sm.do_stage(st.stage), &P.tdo, sm.load_q[st.stage], BLOCK_M, r0, head, w.batch);
-            // The padded statistics of (batch, head): D at `dsum`, LSE·LOG2E half a workspace later.
-            const long long half = static_cast<long long>(bp.f.batch) * bp.f.heads_q * bp.stats_rows;
-            const float* dsum = bp.dpsum + (static_cast<long long>(w.batch) * bp.f.heads_q + head) * bp.stats_rows + r0;
+            const int row = w.s.q_start + r0, bi = VARLEN ? 0 : w.batch;
+            tma_load_tile<SLAB_MAPS, SLABS>(sm.q_stage(st.stage), &P.tq, sm.load_q[st.stage], BLOCK_M, row, head, bi);
+            tma_load_tile<SLAB_MAPS, SLABS>(sm.do_stage(st.stage), &P.tdo, sm.load_q[st.stage], BLOCK_M, row, head, bi);
+            // The padded statistics of (sequence, head): D at `dsum`, LSE·LOG2E half a workspace later.
+            const long long half = stats_half(bp);
+            const float* dsum = bp.dpsum + w.stats0 + static_cast<long long>(head) * bp.stats_rows + r0;
             bulk_copy_g2s(smem_u32(sm.lse2(st.stage)), dsum + half, BLOCK_M * 4, sm.load_q[st.stage]);
             bulk_copy_g2s(smem_u32(sm.dsum(st.stage)), dsum, BLOCK_M * 4, sm.load_q[st.stage]);
         }
@@ -329,6 +341,21 @@ __device__ __forceinline__ void clean_nonfinite(u32 base, int ctid) {
     }
     fence_proxy_async();
     named_bar_sync<BAR_CLEANED, CONSUMER_THREADS>();
+}
+
+// Zeroes rows [from, BLOCK_M) of the (BLOCK_M, HEAD_DIM) stage tiles `q` and `dout` (nothing
+// when from ≥ BLOCK_M). A row is 128 contiguous bytes of each slab (the swizzle permutes chunks
+// within a row), so the zeros go 16 bytes at a time, each chunk by the thread that
+// `clean_nonfinite` gives it; that call's fence and barrier publish them.
+__device__ __forceinline__ void zero_rows_from(u32 q, u32 dout, int from, int ctid) {
+    if (from >= BLOCK_M) return;
+    const u32 z[4] = {0u, 0u, 0u, 0u};
+#pragma unroll 1
+    for (int off = 16 * ctid; off < QO_BYTES; off += 16 * CONSUMER_THREADS) {
+        if ((off / SLAB_ROW_BYTES) % BLOCK_M < from) continue;
+        st_shared_v4(q + off, z);
+        st_shared_v4(dout + off, z);
+    }
 }
 
 // Sᵀ = K_c·Qᵀ and dPᵀ = V_c·dOᵀ (one commit group): A is the warpgroup's 64 rows of K (V),
@@ -468,7 +495,12 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             const int head = w.head(p, it), m = w.m_block(it), r0 = m * BLOCK_M;
             const bool masked = keys_partial || w.qb.masked(m);
             sm.pipe_q().wait(st);
-            if (masked) clean_nonfinite<QO_BYTES>(sm.q_stage(st.stage), ctid);
+            if (masked) {
+                // A varlen block past its sequence's end: the next sequence's rows zeroed (the
+                // same threads clean the same 16-byte chunks of Q next, so no race).
+                if constexpr (VARLEN) zero_rows_from(sm.q_stage(st.stage), sm.do_stage(st.stage), w.s.q_len - r0, ctid);
+                clean_nonfinite<QO_BYTES>(sm.q_stage(st.stage), ctid);
+            }
 
             float rS[ST_REGS], rdP[ST_REGS];  // (64 keys, BLOCK_M queries) each per warpgroup
             wgmma_fence();
@@ -549,7 +581,7 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             __syncwarp();
             if (lane == 0) {
                 const int warp_elems = DQ_WARP_ELEMS * (t_now / 32);
-                const long long row0 = (static_cast<long long>(w.batch) * p.heads_q + head) * bp.stats_rows + r0 + 64 * rg;
+                const long long row0 = w.stats0 + static_cast<long long>(head) * bp.stats_rows + r0 + 64 * rg;
                 bulk_reduce_add_f32(bp.dq_accum + row0 * HEAD_DIM + cg * (DQ_TILE * DQ_TILE) + warp_elems,
                                     dq_buf + 4 * warp_elems, 4 * DQ_WARP_ELEMS);
                 bulk_commit();

@@ -28,6 +28,9 @@ Passes:
              32 heads (a diagnostic, never the best peer). One table per page size; the
              contiguous peers are timed once per shape, in the same rounds as every page size.
     ncu-table RAW.csv LABELS.json   kernel-only durations (below).
+    lengths [--seed S]   the --varlen batch's lengths, comma-separated: `fa4 bench --backend
+             cuda [--backward] --lengths "$(python3 bench/peers.py lengths)"` times the same
+             packed batch in fa4's own driver.
 
 Method, the same for every library:
 - untimed warm-up calls first (--warmup, 3; JIT compiles, autotuning and graph builds land
@@ -1154,12 +1157,14 @@ def parse_args(argv=None):
     b.add_argument("--no-grid", dest="grid", action="store_false", help="the head dims and varlen only")
     dp = sub.add_parser("decode", parents=[common], help="paged decode")
     dp.add_argument("--pages", default=",".join(map(str, DECODE_PAGES)), help="page sizes")
+    ln = sub.add_parser("lengths", help="print the varlen batch's lengths (for fa4 bench --lengths)")
+    ln.add_argument("--seed", type=int, default=0)
     nt = sub.add_parser("ncu-table", help="kernel-only durations from a profiled --profile run")
     nt.add_argument("raw", metavar="RAW.csv")
     nt.add_argument("labels", metavar="LABELS.json")
     nt.add_argument("--json", metavar="DIR")
     a = ap.parse_args(argv)
-    if a.pass_ == "ncu-table":
+    if a.pass_ in ("ncu-table", "lengths"):
         return a
     if a.rounds is None:
         a.rounds = 5 if a.quick else 9
@@ -1229,6 +1234,9 @@ def main(argv=None):
     a = parse_args(argv)
     if a.pass_ == "ncu-table":
         return ncu_table(a)
+    if a.pass_ == "lengths":
+        print(",".join(map(str, varlen_lengths(a.seed))))
+        return
     m = Mods(a.only, a.env_columns)
     t = m.torch
     for n in m.notes:

@@ -143,6 +143,12 @@ class Varlen(unittest.TestCase):
         self.assertEqual(len(cs), 6)
         self.assertTrue(all(c.varlen and sum(q for q, _ in c.seqs) == 16384 for c in cs))
 
+    def test_lengths_pass_prints_the_varlen_batch(self):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            peers.main(["lengths", "--seed", "3"])
+        self.assertEqual(out.getvalue().strip(), ",".join(map(str, peers.varlen_lengths(3))))
+
     def test_backward_varlen_rows_pair_with_the_same_tokens_at_fixed_length(self):
         cs = peers.bwd_varlen_cases(0, False)
         self.assertEqual(len(cs), 12)

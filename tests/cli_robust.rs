@@ -252,6 +252,34 @@ fn bench_refuses_flags_its_pass_would_ignore() {
         (&["bench", "--kernel", "sm80"], "--kernel"),
         (&["bench", "--device", "0"], "--device"),
         (&["bench", "--cp-split", "contiguous"], "--cp-split"),
+        // Varlen batches are timed on CUDA only; bad lengths are named before a device opens.
+        (&["bench", "--lengths", "300,513"], "--lengths"),
+        (&["bench", "--backward", "--varlen", "1"], "--varlen"),
+        (
+            &["bench", "--backend", "cuda", "--lengths", "0,0"],
+            "--lengths",
+        ),
+        (
+            &[
+                "bench",
+                "--backend",
+                "cuda",
+                "--lengths",
+                "/no/such/lengths.txt",
+            ],
+            "--lengths",
+        ),
+        (
+            &[
+                "bench",
+                "--backward",
+                "--backend",
+                "cuda",
+                "--lengths",
+                "12,x",
+            ],
+            "--lengths",
+        ),
         // The CUDA forward: its shapes come from --grid, --tokens and --hidden.
         (
             &["bench", "--backend", "cuda", "--seqlens", "512"],

@@ -367,18 +367,36 @@ pub struct BenchShape {
 }
 
 impl BenchShape {
-    /// The shape's problem (seqlen_q = seqlen_k, head_dim_v = head_dim); `flag` names what
-    /// set the shape in a layout's error.
-    fn problem(&self, dtype: DType, flag: &str) -> Result<Problem> {
+    /// The shape's problem (seqlen_q = seqlen_k, head_dim_v = head_dim), or with `lengths`
+    /// a packed varlen batch of them (the shape's batch and seqlen then their count and the
+    /// longest, [`BenchShape::packed`]); `flag` names what set the shape in a layout's error.
+    fn problem(&self, dtype: DType, flag: &str, lengths: Option<&[usize]>) -> Result<Problem> {
         let (b, s, d) = (self.batch, self.seqlen, self.head_dim);
-        let lq = Layout::new(flag, &[b, s, self.heads, d], None)?;
-        let lk = Layout::new(flag, &[b, s, self.kv_heads, d], None)?;
         let opts = if self.causal {
             Options::new().causal()
         } else {
             Options::new()
         };
+        if let Some(lens) = lengths {
+            let total: usize = lens.iter().sum();
+            let mut cu = vec![0i32];
+            for &n in lens {
+                cu.push(cu.last().unwrap() + n as i32);
+            }
+            let lq = Layout::new(flag, &[total, self.heads, d], None)?;
+            let lk = Layout::new(flag, &[total, self.kv_heads, d], None)?;
+            return Problem::new(dtype, &lq, &lk, &lk, &lq, Some(&cu), Some(&cu), &opts);
+        }
+        let lq = Layout::new(flag, &[b, s, self.heads, d], None)?;
+        let lk = Layout::new(flag, &[b, s, self.kv_heads, d], None)?;
         Problem::new(dtype, &lq, &lk, &lk, &lq, None, None, &opts)
+    }
+
+    /// The shape with packed sequences of `lengths`: batch their count, seqlen the longest.
+    pub fn packed(mut self, lengths: &[usize]) -> BenchShape {
+        self.batch = lengths.len();
+        self.seqlen = lengths.iter().copied().max().unwrap_or(0);
+        self
     }
 
     /// The `b×h` column: `batch×heads`, and `/kv_heads` where they differ.
@@ -403,6 +421,9 @@ pub struct BenchGrid {
     /// Back-to-back calls per timed round (CUDA; `--calls`).
     pub calls: usize,
     pub json: bool,
+    /// Packed varlen batches of these lengths in place of each shape's sequences (CUDA;
+    /// `--lengths`, `--varlen`).
+    pub lengths: Option<Vec<usize>>,
 }
 
 /// Query rows per shape when `--heads` is not given (as `fa4 bench`).
@@ -477,6 +498,10 @@ struct CudaBenchRow {
     tflops: f64,
     deterministic_ms: f64,
     deterministic_tflops: f64,
+    /// A packed varlen batch's lengths (`--lengths`, `--varlen`): `batch` of them, the longest
+    /// `seqlen`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lengths: Option<Vec<usize>>,
 }
 
 /// `fa4 bench --backward --backend cuda`: per shape, the median of `reps` rounds of one CUDA
@@ -497,7 +522,7 @@ pub fn bench_cuda(g: &BenchGrid, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
     let problems = g
         .shapes
         .iter()
-        .map(|s| s.problem(g.dtype, g.flag))
+        .map(|s| s.problem(g.dtype, g.flag, g.lengths.as_deref()))
         .collect::<Result<Vec<_>>>()?;
     if !g.json {
         println!(
@@ -507,6 +532,16 @@ pub fn bench_cuda(g: &BenchGrid, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
             g.reps,
             g.calls
         );
+        if let Some(l) = &g.lengths {
+            println!(
+                "packed varlen batches of {} sequences, {} rows in all, the longest {} (seqlen and \
+                 b below): {}",
+                l.len(),
+                l.iter().sum::<usize>(),
+                l.iter().max().unwrap_or(&0),
+                l.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",")
+            );
+        }
         println!(
             "{:>7} {:>4} {:>6} {:>9} {:>9} {:>9} {:>9}",
             "seqlen", "d", "causal", "b×h", "bwd ms", "TFLOP/s", "det TF/s"
@@ -552,6 +587,7 @@ pub fn bench_cuda(g: &BenchGrid, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
             tflops: flops / ms / 1e9,
             deterministic_ms: det,
             deterministic_tflops: flops / det / 1e9,
+            lengths: g.lengths.clone(),
         });
     }
     if g.json {
@@ -682,7 +718,7 @@ fn bench_shape<T: Element>(g: &BenchGrid, shape: &BenchShape, peak: f64) -> Resu
         &format!("seqlen {s}, d {d}, b×h {}", shape.bh()),
         q_elems * (4.0 * size + 4.0) + k_elems * 4.0 * size + 16.0 * rows,
     )?;
-    let p = shape.problem(T::DTYPE, g.flag)?;
+    let p = shape.problem(T::DTYPE, g.flag, None)?;
     let opts = attention_options(&p);
     let (n, nk) = (l.numel(), lk.numel());
     let mut rng = StdRng::seed_from_u64(0x5eed ^ (s * 131 + d) as u64);

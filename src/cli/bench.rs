@@ -208,10 +208,14 @@ impl Pass {
             (Pass::Forward, false) | (Pass::Backward, false) | (Pass::Cp, _) => {
                 SHAPE_FLAGS.to_vec()
             }
-            (Pass::Backward, true) => {
-                [&SHAPE_FLAGS[..], &["--grid", "--tokens", "--hidden"]].concat()
+            (Pass::Backward, true) => [
+                &SHAPE_FLAGS[..],
+                &["--grid", "--tokens", "--hidden", "--lengths", "--varlen"],
+            ]
+            .concat(),
+            (Pass::Forward, true) => {
+                vec!["--grid", "--tokens", "--hidden", "--lengths", "--varlen"]
             }
-            (Pass::Forward, true) => vec!["--grid", "--tokens", "--hidden"],
             (Pass::Decode, _) => vec![],
         };
         r.extend(match (self, cuda) {
@@ -237,7 +241,7 @@ impl Pass {
 
 impl BenchArgs {
     /// The flags whose reading depends on the pass, each with whether it was given.
-    fn given(&self) -> [(&'static str, bool); 19] {
+    fn given(&self) -> [(&'static str, bool); 21] {
         let c = &self.cuda;
         [
             ("--seqlens", self.seqlens.is_some()),
@@ -258,6 +262,8 @@ impl BenchArgs {
             ("--sm90-tiles", c.sm90_tiles.is_some()),
             ("--device", c.device.is_some()),
             ("--kernel", c.kernel.is_some()),
+            ("--lengths", c.lengths.is_some()),
+            ("--varlen", c.varlen.is_some()),
             // `--cp-split zigzag`, the default, cannot be told from no flag (cp.rs's CpArgs).
             (
                 "--cp-split",
@@ -416,6 +422,11 @@ impl BenchArgs {
             );
             (shapes, "--seqlens")
         };
+        let lengths = if cuda { c.lengths()? } else { None };
+        let shapes = match &lengths {
+            Some(l) => shapes.into_iter().map(|s| s.packed(l)).collect(),
+            None => shapes,
+        };
         Ok(super::backward::BenchGrid {
             shapes,
             flag,
@@ -424,6 +435,7 @@ impl BenchArgs {
             warmup: self.warmup,
             calls: c.calls(),
             json: self.json,
+            lengths,
         })
     }
 }

@@ -68,6 +68,17 @@ pub struct CudaBenchArgs {
     /// `block_n,consumer_wgs,stages,producer_regs,consumer_regs,lazy,overlap,pingpong,persistent,poly`.
     #[arg(long)]
     pub sm90_tiles: Option<String>,
+    /// Packed varlen batches: every shape's sequences become these lengths (seqlen_q =
+    /// seqlen_k; the shape's SEQLEN and BATCH are replaced), comma-separated, or a file of
+    /// lengths separated by commas or whitespace (e.g. `bench/peers.py lengths`: its ragged
+    /// batch).
+    #[arg(long, value_name = "L,L,...|FILE", conflicts_with = "varlen")]
+    pub lengths: Option<String>,
+    /// Packed varlen batches of ragged lengths drawn from SEED: a truncated exponential of
+    /// mean 2048 over 1..8192, summing to --tokens (peers.py's distribution; its draws come
+    /// from Python's generator: give them with --lengths to time the same batch).
+    #[arg(long, value_name = "SEED")]
+    pub varlen: Option<u64>,
     /// CUDA device ordinal [default: 0].
     #[arg(long)]
     pub device: Option<usize>,
@@ -89,6 +100,14 @@ impl CudaBenchArgs {
     /// `--calls`, or its default.
     pub fn calls(&self) -> usize {
         self.calls.unwrap_or(DEFAULT_CALLS)
+    }
+    /// The varlen lengths `--lengths` or `--varlen` give, or `None` (fixed-length shapes).
+    pub fn lengths(&self) -> Result<Option<Vec<usize>>> {
+        match (&self.lengths, self.varlen) {
+            (Some(spec), _) => parse_lengths(spec).map(Some),
+            (None, Some(seed)) => Ok(Some(ragged_lengths(seed, self.tokens()))),
+            (None, None) => Ok(None),
+        }
     }
     /// `--device`, or device 0.
     pub fn device(&self) -> usize {
@@ -128,6 +147,10 @@ struct Head {
     heads: usize,
     kv_heads: usize,
     causal: bool,
+    /// A packed varlen batch's lengths (`--lengths`, `--varlen`): `batch` of them, the longest
+    /// `seqlen`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lengths: Option<Vec<usize>>,
     kernel: String,
     flops: f64,
     input_sets: usize,
@@ -152,6 +175,91 @@ struct Row {
     per_call_ms: f64,
     /// Host time to enqueue one call inside a round (median).
     host_enqueue_ms: f64,
+}
+
+/// Most sequences `--lengths` takes (a batch of more would be a mistake, not a benchmark).
+const MAX_SEQUENCES: usize = 1 << 20;
+
+/// `--lengths`: comma-separated whole numbers, or else the path of a file of them (commas or
+/// whitespace between). At least one sequence, at least one row in all; zero-length sequences
+/// are allowed (a varlen batch may hold them).
+pub fn parse_lengths(spec: &str) -> Result<Vec<usize>> {
+    let bad = |why: String| Error::invalid("--lengths", why);
+    let parse = |text: &str, what: &str| -> Result<Vec<usize>> {
+        text.split(|c: char| c == ',' || c.is_whitespace())
+            .filter(|x| !x.is_empty())
+            .map(|x| {
+                x.parse::<usize>()
+                    .map_err(|_| bad(format!("{what}: `{x}` is not a whole number")))
+            })
+            .collect()
+    };
+    let looks_inline = spec
+        .chars()
+        .all(|c| c.is_ascii_digit() || c == ',' || c == ' ');
+    let lengths = if looks_inline {
+        parse(spec, "expected comma-separated lengths")?
+    } else {
+        let text = std::fs::read_to_string(spec).map_err(|e| {
+            bad(format!(
+                "`{spec}` is neither comma-separated lengths nor a readable file: {e}"
+            ))
+        })?;
+        parse(&text, spec)?
+    };
+    if lengths.is_empty() || lengths.len() > MAX_SEQUENCES {
+        return Err(bad(format!(
+            "expected 1 to {MAX_SEQUENCES} lengths, got {}",
+            lengths.len()
+        )));
+    }
+    let total = lengths.iter().try_fold(0usize, |a, &n| a.checked_add(n));
+    match total {
+        Some(t) if t > 0 && t <= i32::MAX as usize => Ok(lengths),
+        _ => Err(bad(
+            "the lengths must add up to at least 1 and at most 2^31 − 1 rows".into(),
+        )),
+    }
+}
+
+/// Ragged lengths summing to `total`, drawn from `seed`: an exponential truncated to
+/// [1, 8192] with mean 2048, the last length cut to what is left (`bench/peers.py`'s
+/// `varlen_lengths`, from Rust's generator).
+pub fn ragged_lengths(seed: u64, total: usize) -> Vec<usize> {
+    use rand::{Rng, SeedableRng};
+    const MEAN: f64 = 2048.0;
+    const LO: f64 = 1.0;
+    const HI: f64 = 8192.0;
+    let width = HI - LO;
+    // The scale θ of the exponential whose truncation to [0, width] has mean MEAN − LO:
+    // m(θ) = θ − width / expm1(width / θ) increases with θ; bisect in log space.
+    let (mut lo, mut hi) = (1e-9 * width, 1e6 * width);
+    for _ in 0..200 {
+        let th = (lo * hi).sqrt();
+        let m = if width / th < 700.0 {
+            th - width / (width / th).exp_m1()
+        } else {
+            th
+        };
+        if m < MEAN - LO {
+            lo = th
+        } else {
+            hi = th
+        }
+    }
+    let th = (lo * hi).sqrt();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let (mut out, mut left) = (Vec::new(), total);
+    while left > 0 {
+        let u: f64 = rng.random();
+        let x = LO - th * (-u * -(-width / th).exp_m1()).ln_1p();
+        let n = (x.round() as usize)
+            .clamp(LO as usize, HI as usize)
+            .min(left);
+        out.push(n);
+        left -= n;
+    }
+    out
 }
 
 fn parse_shape(it: &str, tokens: usize, hidden: usize) -> Result<Shape> {
@@ -236,7 +344,32 @@ pub fn parse_grid(items: &[String], tokens: usize, hidden: usize) -> Result<Vec<
 }
 
 impl Shape {
-    fn problem(&self, dtype: DType) -> Result<Problem> {
+    /// The shape with its sequences replaced by packed ones of these lengths (`--lengths`,
+    /// `--varlen`): batch = their count, seqlen = the longest.
+    pub fn packed(mut self, lengths: &[usize]) -> Shape {
+        self.batch = lengths.len();
+        self.seqlen = lengths.iter().copied().max().unwrap_or(0);
+        self
+    }
+
+    fn problem(&self, dtype: DType, lengths: Option<&[usize]>) -> Result<Problem> {
+        let opts = if self.causal {
+            Options::new().causal()
+        } else {
+            Options::new()
+        };
+        if let Some(lens) = lengths {
+            let total: usize = lens.iter().sum();
+            let mut cu = vec![0i32];
+            for &n in lens {
+                cu.push(cu.last().unwrap() + n as i32);
+            }
+            let lq = Layout::new("q", &[total, self.heads, self.d], None)?;
+            let lk = Layout::new("k", &[total, self.kv_heads, self.d], None)?;
+            let lv = Layout::new("v", &[total, self.kv_heads, self.dv], None)?;
+            let lo = Layout::new("out", &[total, self.heads, self.dv], None)?;
+            return Problem::new(dtype, &lq, &lk, &lv, &lo, Some(&cu), Some(&cu), &opts);
+        }
         let lq = Layout::new("q", &[self.batch, self.seqlen, self.heads, self.d], None)?;
         let lk = Layout::new("k", &[self.batch, self.seqlen, self.kv_heads, self.d], None)?;
         let lv = Layout::new(
@@ -245,17 +378,13 @@ impl Shape {
             None,
         )?;
         let lo = Layout::new("out", &[self.batch, self.seqlen, self.heads, self.dv], None)?;
-        let opts = if self.causal {
-            Options::new().causal()
-        } else {
-            Options::new()
-        };
         Problem::new(dtype, &lq, &lk, &lv, &lo, None, None, &opts)
     }
 }
 
 /// Runs the CUDA benchmark; prints a table, or one JSON array with `json`.
 pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bool) -> Result<()> {
+    let lengths = a.lengths()?;
     if !matches!(dtype, DType::Bf16 | DType::F16) {
         return Err(Error::invalid(
             "--dtype",
@@ -266,7 +395,14 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
     if calls == 0 || reps == 0 {
         return Err(Error::invalid("--calls/--reps", "must be ≥ 1"));
     }
-    let grid = parse_grid(&a.grid, a.tokens(), a.hidden())?;
+    let grid: Vec<Shape> = parse_grid(&a.grid, a.tokens(), a.hidden())?
+        .into_iter()
+        .map(|s| match &lengths {
+            Some(l) => s.packed(l),
+            None => s,
+        })
+        .collect();
+    let lengths = lengths.as_deref();
     let tiles = a
         .tiles
         .as_deref()
@@ -288,8 +424,8 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
         let mut lines = std::io::stdin().lock().lines();
         for s in &grid {
             let keep_going = match dtype {
-                DType::Bf16 => serve::<half::bf16>(&cuda, s, dtype, warmup, &mut lines)?,
-                _ => serve::<half::f16>(&cuda, s, dtype, warmup, &mut lines)?,
+                DType::Bf16 => serve::<half::bf16>(&cuda, s, lengths, dtype, warmup, &mut lines)?,
+                _ => serve::<half::f16>(&cuda, s, lengths, dtype, warmup, &mut lines)?,
             };
             if !keep_going {
                 break;
@@ -305,6 +441,16 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
              call + synchronize, host clock (includes the host path)",
             i.name, i.target, i.sm_count, calls
         );
+        if let Some(l) = lengths {
+            println!(
+                "packed varlen batches of {} sequences, {} rows in all, the longest {} (seqlen and \
+                 batch below): {}",
+                l.len(),
+                l.iter().sum::<usize>(),
+                l.iter().max().unwrap_or(&0),
+                l.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",")
+            );
+        }
         println!(
             "{:>7} {:>6} {:>5} {:>9} {:>6} {:>9} {:>7} {:>8} {:>9}  kernel",
             "d", "seqlen", "batch", "heads", "causal", "ms", "spread", "TFLOP/s", "per-call"
@@ -313,8 +459,8 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
     let mut rows = Vec::new();
     for s in &grid {
         let row = match dtype {
-            DType::Bf16 => measure::<half::bf16>(&cuda, s, dtype, warmup, calls, reps)?,
-            _ => measure::<half::f16>(&cuda, s, dtype, warmup, calls, reps)?,
+            DType::Bf16 => measure::<half::bf16>(&cuda, s, lengths, dtype, warmup, calls, reps)?,
+            _ => measure::<half::f16>(&cuda, s, lengths, dtype, warmup, calls, reps)?,
         };
         if !json {
             println!(
@@ -347,7 +493,7 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
 }
 
 /// Plans and compiles the shape's kernel; the head of its row.
-fn prepare(cuda: &CudaBackend, s: &Shape, p: &Problem) -> Result<Head> {
+fn prepare(cuda: &CudaBackend, s: &Shape, p: &Problem, lengths: Option<&[usize]>) -> Result<Head> {
     let plan = cuda.plan(p)?;
     let start = std::time::Instant::now();
     cuda.prepare(&plan)?;
@@ -359,6 +505,7 @@ fn prepare(cuda: &CudaBackend, s: &Shape, p: &Problem) -> Result<Head> {
         heads: s.heads,
         kv_heads: s.kv_heads,
         causal: s.causal,
+        lengths: lengths.map(<[usize]>::to_vec),
         kernel: plan.to_string(),
         flops: p.flops(),
         input_sets: 0,
@@ -369,13 +516,14 @@ fn prepare(cuda: &CudaBackend, s: &Shape, p: &Problem) -> Result<Head> {
 fn measure<T: Element>(
     cuda: &CudaBackend,
     s: &Shape,
+    lengths: Option<&[usize]>,
     dtype: DType,
     warmup: usize,
     calls: usize,
     reps: usize,
 ) -> Result<Row> {
-    let p = s.problem(dtype)?;
-    let mut head = prepare(cuda, s, &p)?;
+    let p = s.problem(dtype, lengths)?;
+    let mut head = prepare(cuda, s, &p, lengths)?;
     let t = time_forward::<T>(cuda, &p, warmup, calls, reps, SEED)?;
     head.input_sets = t.input_sets;
     Ok(Row {
@@ -398,12 +546,13 @@ fn measure<T: Element>(
 fn serve<T: Element>(
     cuda: &CudaBackend,
     s: &Shape,
+    lengths: Option<&[usize]>,
     dtype: DType,
     warmup: usize,
     lines: &mut impl Iterator<Item = std::io::Result<String>>,
 ) -> Result<bool> {
-    let p = s.problem(dtype)?;
-    let mut head = prepare(cuda, s, &p)?;
+    let p = s.problem(dtype, lengths)?;
+    let mut head = prepare(cuda, s, &p, lengths)?;
     let mut b = Bench::<T>::new(cuda, &p, SEED)?;
     b.warm_up(warmup)?;
     head.input_sets = b.input_sets();
@@ -445,7 +594,7 @@ mod tests {
         // D/DV: V's head dim apart (heads from D).
         let s = parse_shape("192/128,4096,1,4,16", 16384, 2048).unwrap();
         assert_eq!((s.d, s.dv, s.heads), (192, 128, 16));
-        let p = s.problem(DType::Bf16).unwrap();
+        let p = s.problem(DType::Bf16, None).unwrap();
         assert_eq!((p.head_dim(), p.head_dim_v()), (192, 128));
         for bad in ["192/,4096,1", "192/0,4096,1", "/128,4096,1"] {
             assert!(parse_shape(bad, 16384, 2048).is_err(), "{bad}");
@@ -468,6 +617,55 @@ mod tests {
             let e = parse_shape(bad, 16384, 2048).unwrap_err().to_string();
             assert!(e.contains("--grid"), "{bad}: {e}");
         }
+    }
+
+    /// `--lengths`: inline or from a file, zero-length sequences allowed, errors naming the
+    /// flag; the packed problem has the lengths' offsets, the longest as seqlen.
+    #[test]
+    fn lengths_come_inline_or_from_a_file_and_pack_the_shape() {
+        assert_eq!(parse_lengths("300,0,513").unwrap(), [300, 0, 513]);
+        let dir = std::env::temp_dir().join(format!("fa4-lengths-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("lengths.txt");
+        std::fs::write(&f, "17\n 4096,1\n").unwrap();
+        assert_eq!(parse_lengths(f.to_str().unwrap()).unwrap(), [17, 4096, 1]);
+        std::fs::write(&f, "17 x").unwrap();
+        for bad in ["", "0,0", "5,,x", f.to_str().unwrap(), "/no/such/file"] {
+            let e = parse_lengths(bad).unwrap_err().to_string();
+            assert!(e.contains("--lengths"), "{bad:?}: {e}");
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+        let s = parse_shape("128,4096,1,4,16,4", 16384, 2048)
+            .unwrap()
+            .packed(&[300, 0, 513]);
+        assert_eq!((s.batch, s.seqlen), (3, 513));
+        let p = s.problem(DType::Bf16, Some(&[300, 0, 513])).unwrap();
+        assert!(p.is_varlen());
+        let seqs = p.sequences();
+        assert_eq!(seqs.len(), 3);
+        assert_eq!(
+            (seqs[2].q_start, seqs[2].q_len, seqs[2].k_len),
+            (300, 513, 513)
+        );
+        assert_eq!((p.heads_q(), p.heads_kv()), (16, 4));
+    }
+
+    /// `--varlen SEED`: lengths in [1, 8192] summing to the tokens, mean near 2048 over many
+    /// draws, the same for a seed and different across seeds.
+    #[test]
+    fn ragged_lengths_follow_the_truncated_exponential() {
+        for seed in 0..4 {
+            let l = ragged_lengths(seed, 16384);
+            assert_eq!(l.iter().sum::<usize>(), 16384);
+            assert!(l.iter().all(|&n| (1..=8192).contains(&n)), "{l:?}");
+            assert_eq!(l, ragged_lengths(seed, 16384));
+        }
+        assert_ne!(ragged_lengths(1, 16384), ragged_lengths(2, 16384));
+        let many = ragged_lengths(5, 4_000_000);
+        let body = &many[..many.len() - 1]; // the last is cut to what is left
+        let mean = body.iter().sum::<usize>() as f64 / body.len() as f64;
+        assert!((mean - 2048.0).abs() < 60.0, "mean {mean}");
+        assert!(body.iter().any(|&n| n > 7000) && body.iter().any(|&n| n < 100));
     }
 
     #[test]

@@ -522,10 +522,10 @@ fn tiles_from_env() -> Result<Option<MainTiles>> {
     }
 }
 
-/// Milliseconds per backward call of a fixed-length problem on this device, bf16/fp16 random
-/// normal inputs (the forward on the GPU for O and LSE): `warmup` untimed calls, then `rounds`
-/// rounds of one CUDA event pair around `calls` back-to-back calls (the fair grid's method,
-/// docs/perf.md). Returns each round's milliseconds per call.
+/// Milliseconds per backward call of a problem (fixed-length or varlen) on this device,
+/// bf16/fp16 random normal inputs (the forward on the GPU for O and LSE): `warmup` untimed
+/// calls, then `rounds` rounds of one CUDA event pair around `calls` back-to-back calls (the
+/// fair grid's method, docs/perf.md). Returns each round's milliseconds per call.
 pub fn time_backward<T: Element>(
     cuda: &CudaBackend,
     p: &Problem,
@@ -535,12 +535,6 @@ pub fn time_backward<T: Element>(
     calls: usize,
 ) -> Result<Vec<f64>> {
     use cudarc::driver::sys::CUevent_flags;
-    if p.is_varlen() {
-        return Err(Error::invalid(
-            "q",
-            "the backward timing takes fixed-length problems",
-        ));
-    }
     if cuda.plan_backward_sm90(p, deterministic)?.is_none() {
         cuda.plan_backward(p, deterministic)?;
     }
@@ -558,7 +552,10 @@ pub fn time_backward<T: Element>(
     let d_out = host(p.o_layout())?;
     let mut out = cuda.alloc::<T>(p.o_layout().extent().unwrap_or(0).max(1))?;
     let mut lse = cuda.alloc::<f32>(p.lse_len().max(1))?;
-    cuda.forward_device(p, &q, &k, &v, None, &mut out, Some(&mut lse))?;
+    // A varlen problem's offsets, uploaded from the problem itself (so trusted below).
+    let cu = cuda.device_offsets(p)?;
+    let cu = cu.as_deref().map(|(a, b)| (a, b));
+    cuda.forward_device(p, &q, &k, &v, cu, &mut out, Some(&mut lse))?;
     let mut dq = cuda.alloc::<T>(q.len())?;
     let mut dk = cuda.alloc::<T>(k.len())?;
     let mut dv = cuda.alloc::<T>(v.len())?;
@@ -570,7 +567,7 @@ pub fn time_backward<T: Element>(
         lse: &lse,
         d_out: &d_out,
         d_out_layout: *p.o_layout(),
-        cu_seqlens: None,
+        cu_seqlens: cu,
     };
     let mut o = BwdDeviceOutputs {
         dq: &mut dq,

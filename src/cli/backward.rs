@@ -379,10 +379,7 @@ impl BenchShape {
         };
         if let Some(lens) = lengths {
             let total: usize = lens.iter().sum();
-            let mut cu = vec![0i32];
-            for &n in lens {
-                cu.push(cu.last().unwrap() + n as i32);
-            }
+            let cu = super::bench_cuda::offsets_of(lens);
             let lq = Layout::new(flag, &[total, self.heads, d], None)?;
             let lk = Layout::new(flag, &[total, self.kv_heads, d], None)?;
             return Problem::new(dtype, &lq, &lk, &lk, &lq, Some(&cu), Some(&cu), &opts);
@@ -533,14 +530,7 @@ pub fn bench_cuda(g: &BenchGrid, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
             g.calls
         );
         if let Some(l) = &g.lengths {
-            println!(
-                "packed varlen batches of {} sequences, {} rows in all, the longest {} (seqlen and \
-                 b below): {}",
-                l.len(),
-                l.iter().sum::<usize>(),
-                l.iter().max().unwrap_or(&0),
-                l.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",")
-            );
+            println!("{}", super::bench_cuda::lengths_line(l, "seqlen and b"));
         }
         println!(
             "{:>7} {:>4} {:>6} {:>9} {:>9} {:>9} {:>9}",

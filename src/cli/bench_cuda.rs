@@ -222,6 +222,29 @@ pub fn parse_lengths(spec: &str) -> Result<Vec<usize>> {
     }
 }
 
+/// The varlen offsets of packed sequences of these lengths: 0, then the running sums (whose
+/// total fits int32: `parse_lengths`, `CudaBenchArgs::lengths`).
+pub fn offsets_of(lengths: &[usize]) -> Vec<i32> {
+    std::iter::once(0)
+        .chain(lengths.iter().scan(0i32, |sum, &n| {
+            *sum += n as i32;
+            Some(*sum)
+        }))
+        .collect()
+}
+
+/// The line a table prints above the rows of packed batches of these lengths; `columns` names
+/// its seqlen and batch columns.
+pub fn lengths_line(lengths: &[usize], columns: &str) -> String {
+    format!(
+        "packed varlen batches of {} sequences, {} rows in all, the longest {} ({columns} below): {}",
+        lengths.len(),
+        lengths.iter().sum::<usize>(),
+        lengths.iter().max().unwrap_or(&0),
+        lengths.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",")
+    )
+}
+
 /// Ragged lengths summing to `total`, drawn from `seed`: an exponential truncated to
 /// [1, 8192] with mean 2048, the last length cut to what is left (`bench/peers.py`'s
 /// `varlen_lengths`, from Rust's generator).
@@ -360,10 +383,7 @@ impl Shape {
         };
         if let Some(lens) = lengths {
             let total: usize = lens.iter().sum();
-            let mut cu = vec![0i32];
-            for &n in lens {
-                cu.push(cu.last().unwrap() + n as i32);
-            }
+            let cu = offsets_of(lens);
             let lq = Layout::new("q", &[total, self.heads, self.d], None)?;
             let lk = Layout::new("k", &[total, self.kv_heads, self.d], None)?;
             let lv = Layout::new("v", &[total, self.kv_heads, self.dv], None)?;
@@ -442,14 +462,7 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
             i.name, i.target, i.sm_count, calls
         );
         if let Some(l) = lengths {
-            println!(
-                "packed varlen batches of {} sequences, {} rows in all, the longest {} (seqlen and \
-                 batch below): {}",
-                l.len(),
-                l.iter().sum::<usize>(),
-                l.iter().max().unwrap_or(&0),
-                l.iter().map(|n| n.to_string()).collect::<Vec<_>>().join(",")
-            );
+            println!("{}", lengths_line(l, "seqlen and batch"));
         }
         println!(
             "{:>7} {:>6} {:>5} {:>9} {:>6} {:>9} {:>7} {:>8} {:>9}  kernel",

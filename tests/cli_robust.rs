@@ -280,6 +280,31 @@ fn bench_refuses_flags_its_pass_would_ignore() {
             ],
             "--lengths",
         ),
+        // --varlen draws --tokens rows: none, or more than int32 offsets hold, is refused.
+        (
+            &[
+                "bench",
+                "--backend",
+                "cuda",
+                "--varlen",
+                "1",
+                "--tokens",
+                "0",
+            ],
+            "--tokens",
+        ),
+        (
+            &[
+                "bench",
+                "--backend",
+                "cuda",
+                "--varlen",
+                "1",
+                "--tokens",
+                "1000000000000000000",
+            ],
+            "--tokens",
+        ),
         // The CUDA forward: its shapes come from --grid, --tokens and --hidden.
         (
             &["bench", "--backend", "cuda", "--seqlens", "512"],

@@ -105,7 +105,17 @@ impl CudaBenchArgs {
     pub fn lengths(&self) -> Result<Option<Vec<usize>>> {
         match (&self.lengths, self.varlen) {
             (Some(spec), _) => parse_lengths(spec).map(Some),
-            (None, Some(seed)) => Ok(Some(ragged_lengths(seed, self.tokens()))),
+            (None, Some(seed)) => {
+                // The draws sum to --tokens, and the offsets are int32.
+                let tokens = self.tokens();
+                if tokens == 0 || tokens > i32::MAX as usize {
+                    return Err(Error::invalid(
+                        "--tokens",
+                        format!("{tokens}: with --varlen the packed batch's rows, 1 to 2^31 − 1"),
+                    ));
+                }
+                Ok(Some(ragged_lengths(seed, tokens)))
+            }
             (None, None) => Ok(None),
         }
     }

@@ -37,7 +37,8 @@
 #                        `bwd-sm90`: seven Hopper backward problems, five of them walking more
 #                        steps than the ring has stages, two at head dims narrower than the tiles; `sm90-tiles`: the Hopper forward's
 #                        longest-first, TMA-store and cross-tile switches; `sm90-dims`: the
-#                        Hopper forward at head dims off 64/128/256 and d_v < d_qk; `none`).
+#                        Hopper forward at head dims off 64/128/256 and d_v < d_qk;
+#                        `sm90-dynamic`: its dynamic schedule, fixed-length and varlen; `none`).
 #                        FA4_BWD_SM90_CTAS=N, when set, makes the Hopper backward's persistent
 #                        CTAs walk several tiles each.
 #   FA4_CHECK_TOOLS      sanitizer tools (default memcheck racecheck synccheck)
@@ -166,7 +167,10 @@ cpu_lane() {
 # several query blocks; sm90-tiles: d128, 64 sequences of 300 × 2 heads, causal, 384 tiles on 132
 # persistent CTAs, the last query block partial (the TMA store clips); sm90-dims: head dims
 # narrower than their tiles (d40, d80: slab maps, zero-filled columns, clipped stores), d192, and
-# V narrower than Q/K (192/128 with its own tiles, 96/64 padded to 128/64).
+# V narrower than Q/K (192/128 with its own tiles, 96/64 padded to 128/64); sm90-dynamic: the
+# dynamic schedule on 384 fixed-length tiles (TMA store, cross-tile) and on a varlen batch of
+# ten sequences (1..1000 rows) at d64 causal (the planner's tiles: 16 heads, 608 tiles) and at
+# d128 with the TMA store and the cross-tile overlap (16 heads, 608 tiles).
 san_cases() {
     cat <<'EOF'
 sm80|sm80|FA4_KERNEL=sm80|run --backend cuda --dtype bf16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 4 --heads-kv 2 --head-dim 96 --causal
@@ -189,6 +193,9 @@ sm90-tiles|sm90-tiles-longest-first|FA4_KERNEL=sm90|bench --backend cuda --kerne
 sm90-tiles|sm90-tiles-tma-store|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,1,0
 sm90-tiles|sm90-tiles-cross-tile|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,0,1
 sm90-tiles|sm90-tiles-all|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,1,1,0,1,1,1
+sm90-dynamic|sm90-dynamic-fixed|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,1,1,1
+sm90-dynamic|sm90-dynamic-varlen-d64|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --hidden 1024 --grid 64,300,1,1,16 --lengths 300,1,517,130,64,1000,700,33,260,900 --warmup 0 --reps 1 --calls 1
+sm90-dynamic|sm90-dynamic-varlen-d128-cross|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype fp16 --hidden 2048 --grid 128,300,0,1,16 --lengths 300,1,517,130,64,1000,700,33,260,900 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,1,1,1
 EOF
 }
 
@@ -210,7 +217,7 @@ san_lane() {
     local fam name envs args plain t0 rc secs tool
     mkdir -p "$out/sanitize"
     for fam in $families; do
-        san_cases | grep -q "^$fam|" || { note san "sanitize $fam" FAIL 0 "unknown family (sm80 sm90 decode backward bwd-sm90 sm90-tiles sm90-dims)"; continue; }
+        san_cases | grep -q "^$fam|" || { note san "sanitize $fam" FAIL 0 "unknown family (sm80 sm90 decode backward bwd-sm90 sm90-tiles sm90-dims sm90-dynamic)"; continue; }
         while IFS='|' read -r _ name envs args; do
             plain=$out/sanitize/$name-plain.txt
             t0=$(date +%s)

@@ -678,7 +678,9 @@ fn persistent_case<T: fa4::Element>(
     let p = fa4::Problem::new(dtype, &ql, &kl, &kl, &ql, None, None, &opts).unwrap();
     // Switch sets: 0 none, 1 overlap + ping-pong, 2 overlap + conditional rescaling + poly 2/8,
     // 3 overlap + longest-first + TMA store (+ cross-tile when persistent, where two Q slots
-    // fit), 4 overlap + longest-first + cross-tile when persistent (plain store). The cross-tile
+    // fit), 4 overlap + longest-first + cross-tile when persistent (plain store), 5 and 6 the
+    // dynamic schedule when persistent (5: TMA store + cross-tile where it fits, 6: longest-first
+    // + cross-tile, plain store). The dynamic schedule, the cross-tile
     // overlap and the longest-first order only rearrange when each tile is computed, and the TMA
     // store writes the same bits: all must equal one CTA per tile bit for bit.
     let run = |persistent: bool, switches: u8| {
@@ -688,12 +690,13 @@ fn persistent_case<T: fa4::Element>(
         tiles.pingpong = switches == 1 && tiles.consumer_wgs == 2;
         tiles.lazy_rescale = switches == 2;
         tiles.poly_exp2 = if switches == 2 { 2 } else { 0 };
-        tiles.longest_first = switches >= 3;
-        tiles.tma_store = switches == 3;
+        tiles.longest_first = switches == 3 || switches == 4 || switches == 6;
+        tiles.tma_store = switches == 3 || switches == 5;
         tiles.cross_tile = switches >= 3
             && persistent
             && tiles.intra_wg_overlap
             && !(tiles.tma_store && tiles.q_stages(d) < 2);
+        tiles.dynamic = switches >= 5 && persistent;
         let b = cuda
             .with_kernel(fa4::cuda::KernelChoice::Sm90)
             .with_sm90_tiles(Some(tiles));
@@ -708,7 +711,7 @@ fn persistent_case<T: fa4::Element>(
         );
         (out, lse)
     };
-    for switches in [0, 1, 2, 3, 4] {
+    for switches in [0, 1, 2, 3, 4, 5, 6] {
         let (a, b) = (run(false, switches), run(true, switches));
         let same_out =
             a.0.iter()
@@ -733,7 +736,8 @@ fn persistent_case<T: fa4::Element>(
 /// Variable-length batches on the Hopper kernel: sequences longer and shorter than a tile,
 /// empty ones (no queries; no keys), GQA, every mask kind, fp16 and bf16, with one CTA per tile
 /// and persistent (4 heads: about one tile per CTA; 24 heads: several, the empty ones skipped),
-/// with the TMA store (a sequence's partial last block stored plainly) and without, and the sm80
+/// with the TMA store (a sequence's partial last block stored plainly) and without, on the
+/// dynamic schedule (plain, TMA store, cross-tile; 24 heads: tiles claimed from the counter), and the sm80
 /// kernel on the same inputs, through tensors with implicit (packed) strides. The packed tensors put the next sequence's rows behind each sequence's last
 /// key block, and here those rows hold NaN (in V) and +inf (in K): foreign scores must be masked
 /// and foreign V rows must not reach P·V (0 · NaN is NaN), so only the sequences that own them
@@ -804,33 +808,53 @@ fn varlen_case<T: fa4::Element>(
     let arch = cuda.info().arch;
     let mut failures = Vec::new();
     let mut outs = Vec::new();
-    // The Hopper kernel: one CTA per tile and persistent, plain and TMA-stored O; then sm80.
-    let runs = [
-        ("sm90", false, false),
-        ("sm90", true, false),
-        ("sm90", false, true),
-        ("sm90", true, true),
-        ("sm80", false, false),
-    ];
+    // The Hopper kernel: one CTA per tile and the static persistent walk, plain and TMA-stored
+    // O; the dynamic schedule (the planner's tiles) plain, TMA-stored and with the cross-tile
+    // overlap where its tiles take it; then sm80.
     let dims = fa4::config::sm90::Dims::from(fa4::config::sm90::padded_head_dim(d).unwrap());
-    for (kernel, persistent, tma_store) in runs {
+    let mut runs: Vec<(String, Option<fa4::config::sm90::Tiles>)> = Vec::new();
+    for (persistent, tma_store) in [(false, false), (true, false), (false, true), (true, true)] {
         let mut tiles = fa4::config::sm90::tiles_for(&arch, dims, 517, 600).unwrap();
         tiles.persistent = persistent;
         tiles.tma_store = tma_store;
-        let b = Backend::Cuda(if kernel == "sm80" {
-            cuda.with_kernel(fa4::cuda::KernelChoice::Sm80)
-        } else {
-            cuda.with_kernel(fa4::cuda::KernelChoice::Sm90)
-                .with_sm90_tiles(Some(tiles))
+        runs.push((
+            format!("sm90 persistent={persistent} tma_store={tma_store}"),
+            Some(tiles),
+        ));
+    }
+    let dynamic = fa4::config::sm90::varlen_tiles(&arch, dims, 517, 600).unwrap();
+    assert!(dynamic.dynamic && dynamic.persistent);
+    runs.push(("sm90 dynamic".into(), Some(dynamic)));
+    runs.push((
+        "sm90 dynamic tma_store".into(),
+        Some(fa4::config::sm90::Tiles {
+            tma_store: true,
+            ..dynamic
+        }),
+    ));
+    let cross = fa4::config::sm90::Tiles {
+        intra_wg_overlap: true,
+        cross_tile: true,
+        ..dynamic
+    };
+    if cross.check(dims, &arch).is_ok() {
+        runs.push(("sm90 dynamic cross_tile".into(), Some(cross)));
+    }
+    runs.push(("sm80".into(), None));
+    for (label, tiles) in runs {
+        let kernel = if tiles.is_some() { "sm90" } else { "sm80" };
+        let b = Backend::Cuda(match tiles {
+            None => cuda.with_kernel(fa4::cuda::KernelChoice::Sm80),
+            Some(t) => cuda
+                .with_kernel(fa4::cuda::KernelChoice::Sm90)
+                .with_sm90_tiles(Some(t)),
         });
         let mut o = vec![T::from_f32(f32::NAN); tq * heads * d];
         let mut lse = vec![f32::NAN; heads * tq];
         let mut ot = TensorMut::new(&mut o, &[tq, heads, d]).unwrap();
         let run = b.forward_varlen(&qt, &kt, &vt, &cq, &ck, &mut ot, Some(&mut lse), &opts);
         if let Err(e) = run {
-            failures.push(format!(
-                "{what} {kernel} persistent={persistent} tma_store={tma_store}: error {e}"
-            ));
+            failures.push(format!("{what} {label}: error {e}"));
             continue;
         }
         let p = fa4::Problem::new(
@@ -846,28 +870,32 @@ fn varlen_case<T: fa4::Element>(
         .unwrap();
         let r = fa4::check::check(&p, &q, &k, &v, &o, Some(&lse)).unwrap();
         if !r.passed() {
-            failures.push(format!(
-                "{what} {kernel} persistent={persistent} tma_store={tma_store}: {r}"
-            ));
+            failures.push(format!("{what} {label}: {r}"));
         }
-        outs.push((kernel, o, lse));
+        let block_m = tiles.map_or(0, |t| t.block_m());
+        outs.push((kernel, block_m, label, o, lse));
     }
-    // The Hopper kernel's four launches compute every tile the same way: the same bits (NaN
-    // compared by its bits too).
+    // The Hopper kernel's launches of one tile height compute every tile the same way: the
+    // same bits (NaN compared by its bits too). (At d64 the dynamic schedule's tiles are 128
+    // rows high, the others 192; a causal row's key blocks then differ by masked ones.)
     let bits = |o: &[T]| o.iter().map(|x| x.to_f32().to_bits()).collect::<Vec<_>>();
-    let sm90: Vec<_> = outs.iter().filter(|(k, _, _)| *k == "sm90").collect();
-    for (i, (_, o, lse)) in sm90.iter().enumerate().skip(1) {
+    let sm90: Vec<_> = outs.iter().filter(|r| r.0 == "sm90").collect();
+    for (i, (_, block_m, label, o, lse)) in sm90.iter().enumerate() {
+        let Some(first) = sm90[..i].iter().find(|r| r.1 == *block_m) else {
+            continue;
+        };
         let same_lse = lse
             .iter()
-            .zip(&sm90[0].2)
+            .zip(&first.4)
             .all(|(a, b)| a.to_bits() == b.to_bits());
-        if bits(o) != bits(&sm90[0].1) || !same_lse {
+        if bits(o) != bits(&first.3) || !same_lse {
             failures.push(format!(
-                "{what}: Hopper launch {i} differs from one CTA per tile with plain stores"
+                "{what}: Hopper launch {label} differs from {}",
+                first.2
             ));
         }
     }
-    let outs: Vec<_> = outs.into_iter().map(|(_, o, _)| o).collect();
+    let outs: Vec<_> = outs.into_iter().map(|r| r.3).collect();
     // The NaN really was read as a foreign row and stayed out: sequence 0 is finite.
     for o in &outs {
         if !o[..300 * heads * d].iter().all(|x| x.to_f32().is_finite()) {

@@ -190,8 +190,9 @@ fn sm90_ptxas_problems(spec: &fa4::config::sm90::KernelSpec) -> Option<String> {
 
 /// The switches of issue 14 (longest-first order, TMA-store epilogue, cross-tile overlap; off
 /// in every planned variant) on a handful of variants, one per planned tile shape (bf16, causal)
-/// with every switch its tiles take, plus the TMA store alone at d256 (one Q slot) and a varlen
-/// one (plain store, the cross-tile walk skipping empty tiles): no spills, no serialisation.
+/// with every switch its tiles take, plus the TMA store alone at d256 (one Q slot), a varlen
+/// one (the cross-tile walk skipping empty tiles) and the dynamic schedule with the cross-tile
+/// overlap, varlen and not: no spills, no serialisation.
 #[test]
 fn issue14_switched_sm90_variants_compile_without_spills_or_wgmma_serialization() {
     if ran_without_compute_cache(
@@ -248,8 +249,15 @@ fn issue14_switched_sm90_variants_compile_without_spills_or_wgmma_serialization(
         s.tiles.persistent = true;
         s.tiles.longest_first = true;
         specs.push(s);
+        // The dynamic schedule with the cross-tile overlap and the TMA store, varlen (the
+        // cursor, the slot reads and warp 1's) and fixed-length (the arithmetic numbering).
+        s.tiles.longest_first = false;
+        s.tiles.dynamic = true;
+        specs.push(s);
+        s.varlen = false;
+        specs.push(s);
     }
-    assert_eq!(specs.len(), 9, "{specs:#?}");
+    assert_eq!(specs.len(), 11, "{specs:#?}");
     let failures: Vec<String> = specs.par_iter().filter_map(sm90_ptxas_problems).collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

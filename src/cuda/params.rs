@@ -166,6 +166,8 @@ pub struct Sm90Params {
     pub tk: TmaMap,
     pub tv: TmaMap,
     pub p: FwdParams,
+    /// [`crate::config::sm90::Plan::tiles`]: the tiles the dynamic schedule's counter numbers.
+    pub tiles: i32,
     /// O, for the TMA-store epilogue (zeroed where the kernel stores O itself).
     pub to: TmaMap,
 }
@@ -175,6 +177,7 @@ pub const SM90_PARAMS_SIZE: usize = 768;
 
 const _: () = assert!(std::mem::size_of::<Sm90Params>() == SM90_PARAMS_SIZE);
 const _: () = assert!(std::mem::offset_of!(Sm90Params, p) == 384);
+const _: () = assert!(std::mem::offset_of!(Sm90Params, tiles) == 384 + PARAMS_SIZE);
 
 // SAFETY: #[repr(C)] plain data (the maps are opaque bytes, FwdParams is DeviceRepr), laid out
 // like the header's struct (size asserted on both sides, alignment 64 on both).

@@ -211,6 +211,9 @@ pub struct Plan {
     pub spec: KernelSpec,
     /// Grid: (CTAs, 1, 1), one per tile or, persistent, at most one per SM.
     pub grid: (u32, u32, u32),
+    /// [`Tiles::dynamic`]: the tiles the kernel's counter numbers (a varlen batch's non-empty
+    /// ones); 0 otherwise.
+    pub tiles: u32,
 }
 
 /// The longest sequence's query rows (every sequence's, in a fixed-length batch).
@@ -218,11 +221,12 @@ fn max_q_len(p: &Problem) -> usize {
     p.sequences().iter().map(|s| s.q_len).max().unwrap_or(0)
 }
 
-/// The 1-D grid of a launch: one CTA per tile (query block × head × sequence), or with
-/// [`Tiles::persistent`] one per SM at most, each walking the tiles (the kernel numbers them).
-/// A varlen batch gets the longest sequence's query blocks for every sequence; the kernel skips
-/// the tiles past a shorter sequence's end.
-fn launch_grid(p: &Problem, arch: &GpuArch, tiles: &Tiles) -> Result<(u32, u32, u32)> {
+/// The 1-D grid of a launch and the tiles its counter numbers ([`Plan::tiles`]): one CTA per
+/// tile (query block × head × sequence), or with [`Tiles::persistent`] one per SM at most, each
+/// walking the tiles (the kernel numbers them). A varlen batch gets the longest sequence's query
+/// blocks for every sequence, and the kernel skips the tiles past a shorter sequence's end;
+/// with [`Tiles::dynamic`] its tiles are each sequence's own.
+fn launch_grid(p: &Problem, arch: &GpuArch, tiles: &Tiles) -> Result<((u32, u32, u32), u32)> {
     let q_len = max_q_len(p);
     let total = (q_len.div_ceil(tiles.block_m()) as u128)
         * (p.heads_q() as u128)
@@ -238,12 +242,25 @@ fn launch_grid(p: &Problem, arch: &GpuArch, tiles: &Tiles) -> Result<(u32, u32, 
                 ),
             )
         })?;
-    let ctas = if tiles.persistent {
-        total.min(arch.sm_count)
+    // Each sequence's own query blocks: no more than `total`, so within the same bound.
+    let own: u32 = p
+        .sequences()
+        .iter()
+        .map(|s| (s.q_len.div_ceil(tiles.block_m()) * p.heads_q()) as u32)
+        .sum();
+    let numbered = if !tiles.dynamic {
+        0
+    } else if p.is_varlen() {
+        own
     } else {
         total
     };
-    Ok((ctas, 1, 1))
+    let ctas = match (tiles.persistent, tiles.dynamic) {
+        (true, true) => numbered.min(arch.sm_count),
+        (true, false) => total.min(arch.sm_count),
+        (false, _) => total,
+    };
+    Ok(((ctas, 1, 1), numbered))
 }
 
 /// Largest byte stride a TMA map takes (2^40).
@@ -271,16 +288,25 @@ pub fn plan(
     let tiles = match tiles {
         Some(t) => {
             t.check(head_dim, arch)?;
+            if t.dynamic && p.is_varlen() && t.consumer_wgs > MAX_DYNAMIC_VARLEN_CONSUMERS {
+                return Err(Error::invalid(
+                    "tiles",
+                    format!(
+                        "{t:?}: the dynamic schedule of a varlen batch takes at most {MAX_DYNAMIC_VARLEN_CONSUMERS} consumer warpgroups (with three the producer's 32 registers spill)"
+                    ),
+                ));
+            }
             t
         }
         None => {
             let max_k_len = p.sequences().iter().map(|s| s.k_len).max().unwrap_or(0);
             let mut t = tiles_for(arch, head_dim, max_q_len(p), max_k_len)
                 .expect("covered problems have tiles");
-            // Varlen batches keep one CTA per tile and the plain store unless forced: with both
-            // on, the ragged batch of docs/perf.md ("the varlen forward") measured 0.65–0.75×
-            // FlashAttention-3 against 0.75–0.85 without (H200, 2026-12-03). The kernel computes
-            // them correctly (tests/cuda_matrix.rs, varlen_batches_on_the_hopper_kernel).
+            // Varlen batches keep one CTA per tile and the plain store unless forced: with the
+            // static persistent walk and the TMA store on, the ragged batch of docs/perf.md
+            // ("the varlen forward") measured 0.65–0.75× FlashAttention-3 against 0.75–0.85
+            // without (H200, 2026-12-03). The dynamic schedule (`varlen_tiles`) is compiled and
+            // checked on the CPU, not yet run on a GPU: forced tiles only.
             t.persistent &= !p.is_varlen();
             t.tma_store &= !p.is_varlen();
             t
@@ -294,6 +320,7 @@ pub fn plan(
             format!("{rows_q} query / {rows_k} key rows exceed the TMA coordinate range (2^30)"),
         ));
     }
+    let (grid, numbered) = launch_grid(p, arch, &tiles)?;
     Ok(Plan {
         spec: KernelSpec {
             target,
@@ -307,7 +334,8 @@ pub fn plan(
             varlen: p.is_varlen(),
             tiles,
         },
-        grid: launch_grid(p, arch, &tiles)?,
+        grid,
+        tiles: numbered,
     })
 }
 
@@ -486,7 +514,7 @@ mod tests {
     }
 
     #[test]
-    fn tile_overrides_take_ten_or_thirteen_fields() {
+    fn tile_overrides_take_ten_thirteen_or_fourteen_fields() {
         let ten: Tiles = "128,2,2,40,232,0,1,0,1,0".parse().unwrap();
         assert!(ten.intra_wg_overlap && ten.persistent);
         assert!(!ten.longest_first && !ten.tma_store && !ten.cross_tile);
@@ -501,12 +529,21 @@ mod tests {
             }
         );
         let lf: Tiles = "128,2,2,40,232,0,1,0,1,0,1,0,0".parse().unwrap();
-        assert!(lf.longest_first && !lf.tma_store && !lf.cross_tile);
+        assert!(lf.longest_first && !lf.tma_store && !lf.cross_tile && !lf.dynamic);
+        let dynamic: Tiles = "128,2,2,40,232,0,1,0,1,0,0,0,0,1".parse().unwrap();
+        assert_eq!(
+            dynamic,
+            Tiles {
+                dynamic: true,
+                ..ten
+            }
+        );
         for bad in [
             "128,2,2,40,232,0,1,0,1,0,1",
             "128,2,2,40,232,0,1,0,1,0,1,1",
             "128,2,2,40,232,0,1,0,1,0,1,1,2",
-            "128,2,2,40,232,0,1,0,1,0,1,1,1,1",
+            "128,2,2,40,232,0,1,0,1,0,1,1,1,2",
+            "128,2,2,40,232,0,1,0,1,0,1,1,1,1,1",
         ] {
             let e = bad.parse::<Tiles>().unwrap_err().to_string();
             assert!(e.contains("sm90 tiles"), "{bad}: {e}");
@@ -514,7 +551,7 @@ mod tests {
     }
 
     #[test]
-    fn varlen_batches_take_the_tma_store_and_the_persistent_launch_when_forced() {
+    fn varlen_batches_take_the_dynamic_schedule_and_the_tma_store_when_forced() {
         use crate::problem::Options;
         use crate::tensor::Layout;
         let seqs = [0i32, 300, 1000];
@@ -537,9 +574,48 @@ mod tests {
         };
         let forced = plan(&v, &H200, "sm_90a", Some(t)).unwrap();
         assert!(forced.spec.tiles.tma_store && forced.spec.tiles.persistent);
-        // The planner's own choice: neither (see plan).
+        assert!(!forced.spec.tiles.dynamic && forced.tiles == 0);
+        // The static walk numbers the longest sequence's 6 query blocks for both sequences.
+        assert_eq!(forced.grid, (6 * 4 * 2, 1, 1));
+        // The planner's own choice: one CTA per tile, the plain store (see plan).
         let planned = plan(&v, &H200, "sm_90a", None).unwrap();
-        assert!(!planned.spec.tiles.tma_store && !planned.spec.tiles.persistent);
+        let t = planned.spec.tiles;
+        assert!(!t.persistent && !t.dynamic && !t.tma_store, "{t:?}");
+        assert_eq!((planned.grid, planned.tiles), ((6 * 4 * 2, 1, 1), 0));
+        // The dynamic schedule (forced): over each sequence's own blocks (3 and 6 of 128 rows,
+        // 4 heads).
+        let t = varlen_tiles(&H200, 128, 700, 700).unwrap();
+        assert!(t.persistent && t.dynamic && !t.tma_store, "{t:?}");
+        let dynamic = plan(&v, &H200, "sm_90a", Some(t)).unwrap();
+        assert_eq!((dynamic.grid, dynamic.tiles), ((9 * 4, 1, 1), 9 * 4));
+        // At d64 it takes two consumer warpgroups; three are refused.
+        assert_eq!(varlen_tiles(&H200, 64, 4096, 4096).unwrap().consumer_wgs, 2);
+        let three = Tiles {
+            dynamic: true,
+            persistent: true,
+            ..tiles_for(&H200, 64, 4096, 4096).unwrap()
+        };
+        assert_eq!(three.consumer_wgs, 3);
+        let l64 = Layout::new("q", &[1000, 4, 64], None).unwrap();
+        let v64 = Problem::new(
+            DType::Bf16,
+            &l64,
+            &l64,
+            &l64,
+            &l64,
+            Some(&seqs),
+            Some(&seqs),
+            &Options::new(),
+        )
+        .unwrap();
+        assert!(plan(&v64, &H200, "sm_90a", Some(three)).is_err());
+        // Dynamic needs the persistent launch.
+        let bad = Tiles {
+            dynamic: true,
+            persistent: false,
+            ..t
+        };
+        assert!(plan(&v, &H200, "sm_90a", Some(bad)).is_err());
     }
 
     #[test]
@@ -755,6 +831,14 @@ mod tests {
         let t = vp.spec.tiles;
         assert!(vp.spec.varlen && !t.persistent && !t.tma_store, "{t:?}");
         assert_eq!(vp.grid, (3 * 4 * 3, 1, 1));
+        // The dynamic schedule numbers each sequence's own query blocks (1, 3 and 1) × 4 heads.
+        let dynamic = Tiles {
+            persistent: true,
+            dynamic: true,
+            ..t
+        };
+        let dp = plan(&v, &H200, "sm_90a", Some(dynamic)).unwrap();
+        assert_eq!((dp.grid, dp.tiles), ((5 * 4, 1, 1), 5 * 4));
         assert!(!tiles.persistent && plan(&v, &H200, "sm_90a", Some(tiles)).is_ok());
         tiles.persistent = true;
         assert!(plan(&v, &H200, "sm_90a", Some(tiles)).is_ok());

@@ -296,11 +296,14 @@ impl fmt::Display for Sm90Plan {
             f,
             "  exponentials on the FMA units: {} of 8; launch: {}",
             t.poly_exp2,
-            if t.persistent {
+            if t.persistent && t.dynamic {
+                "persistent, dynamic (one CTA per SM; each takes its next tile from a counter as it finishes, a varlen batch's tiles numbered over each sequence's own query blocks)"
+                    .to_string()
+            } else if t.persistent {
                 "persistent (one CTA per SM walks the tiles in pairs of equal causal cost)"
                     .to_string()
             } else if self.varlen {
-                "one CTA per tile (varlen batches: the persistent walk and the TMA store measured slower on a ragged batch, 2026-12-03; both can be forced)"
+                "one CTA per tile (varlen batches: the static persistent walk and the TMA store measured slower on a ragged batch, 2026-12-03; the dynamic schedule is compiled, not yet run on a GPU; all can be forced)"
                     .to_string()
             } else {
                 format!(

@@ -89,6 +89,69 @@ impl Walk {
     }
 }
 
+/// The dynamic schedule ([`super::Tiles::dynamic`]; `claim_tile` and `dynamic_tile_at`): CTA b
+/// starts with tile b, then takes the counter's value plus the grid until that passes the last
+/// tile; the tiles are numbered query block fastest, a (sequence, head)'s last first, over each
+/// sequence's own query blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DynamicWalk {
+    /// CTAs (`gridDim.x`), at most [`DynamicWalk::total`].
+    pub grid: usize,
+    /// Query heads.
+    pub heads: usize,
+    /// Each sequence's query blocks (a fixed-length batch: the same for all).
+    pub q_blocks: Vec<usize>,
+}
+
+/// `SeqCursor`: sequence `b`'s tiles are `[first, first + heads · blocks)`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cursor {
+    b: usize,
+    first: usize,
+    blocks: usize,
+}
+
+impl DynamicWalk {
+    /// Tiles the counter numbers (`Sm90Params::tiles`).
+    pub fn total(&self) -> usize {
+        self.heads * self.q_blocks.iter().sum::<usize>()
+    }
+
+    /// A CTA's cursor before its first tile (`first_cursor`).
+    pub fn first_cursor(&self) -> Cursor {
+        Cursor {
+            b: 0,
+            first: 0,
+            blocks: self.q_blocks[0],
+        }
+    }
+
+    /// Tile number `t` (`dynamic_tile_at`, varlen form; a fixed-length batch's equal blocks give
+    /// its arithmetic form). The cursor only moves forward: `t` must not fall below its start.
+    pub fn tile_at(&self, t: usize, c: &mut Cursor) -> TileRef {
+        while t >= c.first + self.heads * c.blocks {
+            c.first += self.heads * c.blocks;
+            c.b += 1;
+            c.blocks = self.q_blocks[c.b];
+        }
+        let r = t - c.first;
+        TileRef {
+            m_block: c.blocks - 1 - r % c.blocks,
+            head: r / c.blocks,
+            batch: c.b,
+        }
+    }
+
+    /// One claim on the counter (`claim_tile`): the CTA's next tile number or `None`, and the
+    /// counter after it (zero again after the launch's last claim).
+    pub fn claim(&self, counter: &mut usize) -> Option<usize> {
+        let v = *counter;
+        *counter = if v == self.total() - 1 { 0 } else { v + 1 };
+        let t = v + self.grid;
+        (t < self.total()).then_some(t)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -119,6 +182,18 @@ mod tests {
             "w.batch = hb / p.heads_q;",
             "w.empty = VARLEN && w.m0 >= w.s.q_len;",
             "return m_blocks(p) * p.heads_q * p.batch;",
+            "const int v = static_cast<int>(atomicAdd(&fa4_tile_counter, 1u));",
+            "if (v == tiles - 1) atomicExch(&fa4_tile_counter, 0u);",
+            "const int t = v + static_cast<int>(gridDim.x);",
+            "return t < tiles ? t : -1;",
+            "return SeqCursor{0, 0, VARLEN ? seq_q_blocks(p, 0) : 0};",
+            "while (t >= c.first + p.heads_q * c.blocks) {",
+            "c.first += p.heads_q * c.blocks;",
+            "c.blocks = seq_q_blocks(p, ++c.b);",
+            "const int r = t - c.first;",
+            "return tile_of(p, (c.blocks - 1 - r % c.blocks) * BLOCK_M, r / c.blocks, c.b);",
+            "const int mb = m_blocks(p), hb = t / mb;",
+            "return tile_of(p, (mb - 1 - t % mb) * BLOCK_M, hb % p.heads_q, hb / p.heads_q);",
         ] {
             assert!(
                 TILES_CUH.contains(line),
@@ -285,5 +360,116 @@ mod tests {
         };
         let order: Vec<usize> = (0..8).map(|t| w.tile_at(t).m_block).collect();
         assert_eq!(order, [7, 6, 5, 4, 3, 2, 1, 0]);
+    }
+
+    /// Runs a dynamic launch with the CTAs' claims interleaved by `pick` (which of the CTAs
+    /// still running claims next) and checks: each tile once, every CTA's numbers growing, the
+    /// varlen cursor agreeing with the fixed-length arithmetic where the blocks are equal, and
+    /// the counter zero at the end, the reset being the launch's last claim.
+    fn dynamic_launch(w: &DynamicWalk, mut pick: impl FnMut(usize) -> usize) -> Vec<Vec<TileRef>> {
+        let mut counter = 0usize;
+        let mut cursors = vec![w.first_cursor(); w.grid];
+        let mut last: Vec<Option<usize>> = (0..w.grid).map(Some).collect();
+        let mut walks: Vec<Vec<TileRef>> = vec![Vec::new(); w.grid];
+        for cta in 0..w.grid {
+            walks[cta].push(w.tile_at(cta, &mut cursors[cta]));
+        }
+        let mut running: Vec<usize> = if w.grid < w.total() {
+            (0..w.grid).collect()
+        } else {
+            Vec::new()
+        };
+        let mut claims = 0;
+        while !running.is_empty() {
+            let i = pick(running.len());
+            let cta = running[i];
+            claims += 1;
+            match w.claim(&mut counter) {
+                Some(t) => {
+                    assert!(Some(t) > last[cta], "CTA {cta}: {t} after {:?}", last[cta]);
+                    last[cta] = Some(t);
+                    walks[cta].push(w.tile_at(t, &mut cursors[cta]));
+                }
+                None => {
+                    running.swap_remove(i);
+                    if !running.is_empty() {
+                        assert_ne!(counter, 0, "reset before the last claim");
+                    }
+                }
+            }
+        }
+        assert_eq!(counter, 0, "the next launch starts at zero");
+        if w.grid < w.total() {
+            assert_eq!(
+                claims,
+                w.total(),
+                "one claim per tile past the grid and one per CTA"
+            );
+        }
+        let mut seen = HashSet::new();
+        for t in walks.iter().flatten() {
+            assert!(seen.insert(*t), "{t:?} twice in {w:?}");
+        }
+        let want: HashSet<TileRef> = w
+            .q_blocks
+            .iter()
+            .enumerate()
+            .flat_map(|(batch, &mb)| {
+                (0..w.heads).flat_map(move |head| {
+                    (0..mb).map(move |m_block| TileRef {
+                        m_block,
+                        head,
+                        batch,
+                    })
+                })
+            })
+            .collect();
+        assert_eq!(seen, want, "{w:?}");
+        walks
+    }
+
+    #[test]
+    fn the_dynamic_schedule_hands_out_every_tile_once_and_resets_its_counter() {
+        let mut seed = 0x2545f4914f6cdd1du64;
+        let mut rng = move |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        for (q_blocks, heads, grid) in [
+            (vec![31, 0, 3, 1, 17, 0], 4, 132),
+            (vec![8; 3], 5, 132),
+            (vec![8; 3], 5, 120),
+            (vec![2, 1], 3, 9),
+            (vec![0, 0, 1], 1, 1),
+            (vec![40, 1, 1, 1, 1, 1, 1, 1, 1, 1], 7, 16),
+        ] {
+            let w = DynamicWalk {
+                grid: grid.min(heads * q_blocks.iter().sum::<usize>()),
+                heads,
+                q_blocks,
+            };
+            dynamic_launch(&w, &mut rng);
+            dynamic_launch(&w, |_| 0);
+            dynamic_launch(&w, |n| n - 1);
+        }
+        // Equal blocks: the cursor gives the fixed-length numbering (`(mb − 1 − t % mb, …)`),
+        // a (sequence, head)'s last query block first.
+        let w = DynamicWalk {
+            grid: 4,
+            heads: 3,
+            q_blocks: vec![5; 2],
+        };
+        let mut c = w.first_cursor();
+        for t in 0..w.total() {
+            let (mb, hb) = (5, t / 5);
+            let want = TileRef {
+                m_block: mb - 1 - t % mb,
+                head: hb % 3,
+                batch: hb / 3,
+            };
+            assert_eq!(w.tile_at(t, &mut c), want);
+        }
     }
 }

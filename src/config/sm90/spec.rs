@@ -96,6 +96,7 @@ impl KernelSpec {
             .flag("LONGEST_FIRST", t.longest_first)
             .flag("TMA_STORE", t.tma_store)
             .flag("CROSS_TILE", t.cross_tile)
+            .flag("DYNAMIC", t.dynamic)
             .flag("IS_BF16", self.bf16)
             .flag("HAS_WINDOW", self.window)
             .flag("HAS_SOFTCAP", self.softcap)
@@ -246,7 +247,8 @@ pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
                     softcap,
                     varlen,
                     // `tiles_for` turns the TMA store on, `plan` off again for varlen batches (the
-                    // TMA-stored varlen variant is compiled by the switched tests).
+                    // TMA-stored varlen variant and the dynamic schedule are compiled by the
+                    // switched tests).
                     tiles: Tiles {
                         tma_store: !varlen,
                         ..tiles

@@ -114,29 +114,41 @@ pub struct Tiles {
     /// tile's first Q·Kᵀ is issued together with the current tile's last P·V, and its softmax
     /// runs before the current tile's epilogue, hiding the per-tile prologue.
     pub cross_tile: bool,
+    /// Dynamic persistent schedule (with [`Tiles::persistent`]): CTA b starts with tile b and
+    /// takes each further tile from a counter in global memory as soon as its last tile's loads
+    /// are issued, in the order one CTA per tile would start them (FlashAttention-3's scheduler
+    /// for causal and varlen batches): a CTA whose tiles were light takes more. A varlen batch's
+    /// tiles are numbered over each sequence's own query blocks, so none is empty. Off: the
+    /// static walk of [`Tiles::persistent`].
+    pub dynamic: bool,
 }
 
 /// The command-line spelling of a Hopper tile override (`fa4 bench --sm90-tiles`):
 /// `block_n,consumer_wgs,stages,producer_regs,consumer_regs,lazy,overlap,pingpong,persistent,poly`
 /// (flags 0|1; `poly` is [`Tiles::poly_exp2`], 0..=8), optionally followed by
-/// `,longest_first,tma_store,cross_tile` (flags 0|1; off when left out).
+/// `,longest_first,tma_store,cross_tile[,dynamic]` (flags 0|1; off when left out).
 impl std::str::FromStr for Tiles {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Tiles> {
         const WHAT: &str = "sm90 tiles";
-        // Ten fields (the switches before longest_first) or thirteen.
-        let [block_n, consumer_wgs, stages, producer_regs, consumer_regs, lazy, overlap, pingpong, persistent, poly_exp2, longest_first, tma_store, cross_tile] =
+        // Ten fields (the switches before longest_first), thirteen or fourteen.
+        let [block_n, consumer_wgs, stages, producer_regs, consumer_regs, lazy, overlap, pingpong, persistent, poly_exp2, longest_first, tma_store, cross_tile, dynamic] =
             match s.split(',').count() {
                 10 => {
                     let [a, b, c, d, e, f, g, h, i, j] = crate::config::override_fields(s, WHAT)?;
-                    [a, b, c, d, e, f, g, h, i, j, 0, 0, 0]
+                    [a, b, c, d, e, f, g, h, i, j, 0, 0, 0, 0]
                 }
-                13 => crate::config::override_fields(s, WHAT)?,
+                13 => {
+                    let [a, b, c, d, e, f, g, h, i, j, k, l, m] =
+                        crate::config::override_fields(s, WHAT)?;
+                    [a, b, c, d, e, f, g, h, i, j, k, l, m, 0]
+                }
+                14 => crate::config::override_fields(s, WHAT)?,
                 n => {
                     return Err(Error::invalid(
                         WHAT,
-                        format!("expected 10 or 13 comma-separated integers, got {n} in `{s}`"),
+                        format!("expected 10, 13 or 14 comma-separated integers, got {n} in `{s}`"),
                     ))
                 }
             };
@@ -160,6 +172,7 @@ impl std::str::FromStr for Tiles {
             longest_first: flag(longest_first, "longest_first")?,
             tma_store: flag(tma_store, "tma_store")?,
             cross_tile: flag(cross_tile, "cross_tile")?,
+            dynamic: flag(dynamic, "dynamic")?,
         })
     }
 }
@@ -174,7 +187,8 @@ pub struct SmemBudget {
     /// V ring, stages × (block_n, v).
     pub v: usize,
     /// mbarriers: Q full and empty, and per stage K full, V full, K empty, V empty and V tail
-    /// (varlen) (8 bytes each).
+    /// (varlen) (8 bytes each); with [`Tiles::dynamic`] then per Q slot the 16-byte word slot
+    /// that names its tile, and 16 bytes for the producer's varlen cursor.
     pub barriers: usize,
     /// Slack to align the dynamic shared-memory base to [`TILE_ALIGN`].
     pub align_slack: usize,
@@ -210,7 +224,8 @@ impl Tiles {
             q: q_stages * tile(self.block_m(), dims.qk),
             k: self.stages * tile(self.block_n, dims.qk),
             v: self.stages * tile(self.block_n, dims.v),
-            barriers: 8 * (2 * q_stages + 5 * self.stages),
+            barriers: 8 * (2 * q_stages + 5 * self.stages)
+                + if self.dynamic { 16 * (q_stages + 1) } else { 0 },
             align_slack: TILE_ALIGN,
         }
     }
@@ -298,6 +313,12 @@ impl Tiles {
         if self.cross_tile && !(self.persistent && self.intra_wg_overlap) {
             return bad(
                 "the cross-tile overlap carries the next tile's first S through the intra-warpgroup overlap's loop of a persistent CTA: it needs persistent and overlap on"
+                    .into(),
+            );
+        }
+        if self.dynamic && !self.persistent {
+            return bad(
+                "the dynamic schedule hands tiles to persistent CTAs: it needs persistent on"
                     .into(),
             );
         }
@@ -395,6 +416,7 @@ pub(crate) const fn t(
         longest_first: false,
         tma_store: false,
         cross_tile: false,
+        dynamic: false,
     }
 }
 
@@ -494,11 +516,45 @@ pub fn tiles_for(
     seqlen_q: usize,
     seqlen_k: usize,
 ) -> Option<Tiles> {
-    let dims = dims.into();
+    tiles_among(arch, dims.into(), seqlen_q, seqlen_k, |_| true)
+}
+
+/// The dynamic schedule's tiles for a varlen batch whose longest sequence has `seqlen_q` query
+/// rows and `seqlen_k` keys: [`tiles_for`] among the candidates of at most two consumer
+/// warpgroups, persistent, dynamic, with the plain store. With three (d64's 192-row tiles) the
+/// producer warpgroup has 32 registers, and the varlen producer's tile cursor spills 12 bytes
+/// there (ptxas 13.0, 2026-12-04). Compiled and checked on the CPU (the walk's twin, NVRTC
+/// without spills), not yet run on a GPU: [`plan`] takes these tiles only when forced.
+pub fn varlen_tiles(
+    arch: &GpuArch,
+    dims: impl Into<Dims>,
+    seqlen_q: usize,
+    seqlen_k: usize,
+) -> Option<Tiles> {
+    let mut t = tiles_among(arch, dims.into(), seqlen_q, seqlen_k, |t| {
+        t.consumer_wgs <= MAX_DYNAMIC_VARLEN_CONSUMERS
+    })?;
+    t.persistent = true;
+    t.dynamic = true;
+    t.tma_store = false;
+    Some(t)
+}
+
+/// Most consumer warpgroups of a varlen launch on the dynamic schedule ([`varlen_tiles`]).
+pub const MAX_DYNAMIC_VARLEN_CONSUMERS: usize = 2;
+
+fn tiles_among(
+    arch: &GpuArch,
+    dims: Dims,
+    seqlen_q: usize,
+    seqlen_k: usize,
+    allow: impl Fn(&Tiles) -> bool,
+) -> Option<Tiles> {
     let taken = || {
         fitting_with_min_keys(arch, dims)
             .filter(|&(_, min_keys)| seqlen_k >= min_keys)
             .map(|(t, _)| t)
+            .filter(|t| allow(t))
     };
     let pad = |t: &Tiles| seqlen_q.div_ceil(t.block_m()) * t.block_m() - seqlen_q;
     let least = taken().map(|t| pad(&t)).min()?;

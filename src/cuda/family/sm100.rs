@@ -60,6 +60,7 @@ impl ForwardFamily for Sm100 {
             tk: map("k", common.k, p.k_layout(), cfg.bn() as usize)?,
             tv: map("v", common.v, p.v_layout(), cfg.bn() as usize)?,
             p: common,
+            tiles: 0,
             // The Hopper kernel's TMA-store map; this kernel stores O itself.
             to: Default::default(),
         })

@@ -85,6 +85,7 @@ impl ForwardFamily for Sm90 {
                 Default::default()
             },
             p: common,
+            tiles: plan.tiles as i32, // at most 2^30 (`sm90::plan`)
         })
     }
 }

@@ -9,9 +9,11 @@
 // N = HEAD_DIM; `wgmma_rs_acc` with an accumulate flag), `pipeline.cuh` and `tiles.cuh`; then this file, which holds no `asm`.
 //
 // Work: a tile is BLOCK_M query rows of one (sequence, head). The launch has one CTA per tile, or
-// (persistent) fewer CTAs that each walk a list of tiles (`tile_number`): the producer then
-// loads the next tile's Q (into the other of Q_STAGES slots) and first K/V while the consumers
-// finish the last one.
+// (persistent) fewer CTAs that each walk a list of tiles (`tile_number`), or take them one by
+// one from a counter (DYNAMIC, `claim_tile`: the producer writes each tile into the word slot of
+// its Q slot, where the consumers and warp 1 read it once the Q load completes, and ends with
+// a mark there): the producer loads the next tile's Q (into the other of Q_STAGES slots) and
+// first K/V while the consumers finish the last one.
 // Warp roles (the prelude's `Role` and `role_of(warp)`, emitted from the planner's role table,
 // which `fa4 plan --arch sm90` prints):
 //   warpgroup 0      ROLE_PRODUCER   PRODUCER_REGS   thread 0 issues every TMA load;
@@ -21,7 +23,9 @@
 // table and in the code; phase bits flip on every completion):
 //   pipeline  barriers        edge                    arrivals per phase
 //   pipe_q    load_q[t]       producer → consumers    1 (expect_tx) + Q bytes      (t: Q slot)
-//             release_q[t]    consumers → producer    one per consumer warp
+//                                                     (DYNAMIC's end mark: 1 plain arrival)
+//             release_q[t]    consumers → producer    one per consumer warp (VARLEN and
+//                                                     DYNAMIC: and warp 1, once it read the slot)
 //   pipe_k    load_k[s]       producer → consumers    1 (expect_tx) + K bytes
 //             release_k[s]    consumers → producer    one per consumer warp
 //   pipe_v    load_v[s]       producer → consumers    1 (expect_tx) + V bytes, or for a VARLEN
@@ -64,7 +68,9 @@ constexpr int K_BYTES = BLOCK_N * HEAD_DIM * 2;     // (BLOCK_N, HEAD_DIM)
 constexpr int V_BYTES = BLOCK_N * HEAD_DIM_V * 2;   // (BLOCK_N, HEAD_DIM_V)
 constexpr int NUM_BARRIERS = 2 * Q_STAGES + 5 * STAGES;  // v_tail is allocated whether used or not
 constexpr int TILE_ALIGN = 1024;
-constexpr int SMEM_BYTES = Q_STAGES * Q_BYTES + STAGES * (K_BYTES + V_BYTES) + 8 * NUM_BARRIERS + TILE_ALIGN;
+constexpr int SLOT_BYTES = 16;                     // a Q slot's tile (DYNAMIC): m0, head, batch (−1: the end)
+constexpr int SMEM_BYTES = Q_STAGES * Q_BYTES + STAGES * (K_BYTES + V_BYTES) + 8 * NUM_BARRIERS +
+                           (DYNAMIC ? SLOT_BYTES * (Q_STAGES + 1) : 0) + TILE_ALIGN;  // the slots, the producer's cursor
 constexpr int S_REGS = BLOCK_N / 2;                 // f32 S accumulator per thread, (64, BLOCK_N) per warpgroup
 constexpr int O_REGS = O_DIM / 2;                   // f32 O accumulator per thread, (64, O_DIM)
 constexpr int P_REGS = BLOCK_N / 4;                 // packed 16-bit P pairs per thread
@@ -104,50 +110,105 @@ struct Smem {
     u32 q, k, v;                // tiles: Q_STAGES × (BLOCK_M, HEAD_DIM), STAGES × (BLOCK_N, HEAD_DIM(_V))
     // The barriers, by edge (the table at the top), in their shared-memory order.
     Barriers load_q, release_q, load_k, load_v, release_k, release_v, load_v_tail;
+    u32 slots;                  // DYNAMIC: Q slot t's tile at slots + SLOT_BYTES · t (written before its Q load)
     __device__ Pipeline<Q_STAGES> pipe_q() const { return {load_q, release_q}; }
     __device__ Pipeline<STAGES> pipe_k() const { return {load_k, release_k}; }
     __device__ Pipeline<STAGES> pipe_v() const { return {load_v, release_v}; }
     __device__ u32 q_slot(int t) const { return q + t * Q_BYTES; }
     __device__ u32 k_stage(int s) const { return k + s * K_BYTES; }
     __device__ u32 v_stage(int s) const { return v + s * V_BYTES; }
+    __device__ u32 slot(int t) const { return slots + t * SLOT_BYTES; }
 };
+
+// DYNAMIC: the tile of the kq-th Q slot use, waited for (the producer writes the slot before the
+// arrival that starts the Q load, whose completion the wait acquires), or false at the
+// producer's end mark.
+__device__ __forceinline__ bool slot_tile(const FwdParams& p, const Smem& sm, int kq, Tile& w) {
+    const QState qs = QState::at(kq);
+    sm.pipe_q().wait(qs);
+    const u32 a = sm.slot(qs.stage);
+    const int batch = static_cast<int>(ld_shared_b32(a + 8));
+    if (batch < 0) return false;
+    w = tile_of(p, static_cast<int>(ld_shared_b32(a)), static_cast<int>(ld_shared_b32(a + 4)), batch);
+    return true;
+}
 
 // ---------------------------------------------------------------------------------------------
 // Producer: one thread loads, tile after tile, Q and then K and V of every key block into the
 // ring (whose position runs on across tiles).
+
+// One tile's loads: Q into Q slot use kq (DYNAMIC: its tile into the slot's words first), then K
+// and V of each key block from ring position j on (j moves past them).
+__device__ __forceinline__ void load_tile(const Sm90Params& P, const Smem& sm, const Tile& w, int kq, int& j) {
+    const FwdParams& p = P.p;
+    const int kv_head = w.head / p.group;
+    const QState qs = QState::at(kq);
+    sm.pipe_q().acquire(qs);  // the slot's last Q is consumed
+    if constexpr (DYNAMIC) {
+        const u32 a = sm.slot(qs.stage);
+        st_shared_b32(a, static_cast<u32>(w.m0));
+        st_shared_b32(a + 4, static_cast<u32>(w.head));
+        st_shared_b32(a + 8, static_cast<u32>(w.batch));
+    }
+    sm.pipe_q().expect(qs, Q_BYTES);
+    tma_load_tile<SLAB_MAPS_QK, SLABS>(sm.q_slot(qs.stage), &P.tq, sm.load_q[qs.stage], BLOCK_M, w.s.q_start + w.m0,
+                                       w.head, w.bi);
+    for (int n = w.kb.n_begin; n < w.kb.n_end; ++n, ++j) {
+        const KvState r = KvState::at(j);
+        const int row = w.s.k_start + n * BLOCK_N;
+        sm.pipe_k().acquire(r);
+        sm.pipe_k().expect(r, K_BYTES);
+        tma_load_tile<SLAB_MAPS_QK, SLABS>(sm.k_stage(r.stage), &P.tk, sm.load_k[r.stage], BLOCK_N, row, kv_head,
+                                           w.bi);
+        sm.pipe_v().acquire(r);
+        // A block with foreign rows lands on load_v_tail; warp 1 completes its load_v.
+        const u32 v_bar = (foreign_rows(w.s, n) ? sm.load_v_tail : sm.load_v)[r.stage];
+        mbar_expect_tx(v_bar, V_BYTES);
+        tma_load_tile<SLAB_MAPS_V, SLABS_V>(sm.v_stage(r.stage), &P.tv, v_bar, BLOCK_N, row, kv_head, w.bi);
+    }
+}
 
 __device__ __forceinline__ void producer(const Sm90Params& P, const Smem& sm) {
     const FwdParams& p = P.p;
     prefetch_tensormap(&P.tq);
     prefetch_tensormap(&P.tk);
     prefetch_tensormap(&P.tv);
-    const int total = num_tiles(p);
     int j = 0;   // key blocks loaded so far
     int kq = 0;  // tiles loaded so far (VARLEN skips empty ones)
+    if constexpr (DYNAMIC) {
+        // The planner launches at most P.tiles CTAs; each ends with the end mark in its next slot.
+        // VARLEN: the cursor waits in shared memory while the tile's loads go out (in registers
+        // beside them, the 32-register producer at d64 spilled 44 bytes).
+        const u32 cur_at = sm.slot(Q_STAGES);
+        const auto put = [&](const SeqCursor& c) {
+            st_shared_b32(cur_at, static_cast<u32>(c.b));
+            st_shared_b32(cur_at + 4, static_cast<u32>(c.first));
+            st_shared_b32(cur_at + 8, static_cast<u32>(c.blocks));
+        };
+        if constexpr (VARLEN) put(first_cursor(p));
+        for (int t = blockIdx.x; t >= 0; t = static_cast<int>(gridDim.x) < P.tiles ? claim_tile(P.tiles) : -1) {
+            SeqCursor cur{};
+            if constexpr (VARLEN) {
+                cur = SeqCursor{static_cast<int>(ld_shared_b32(cur_at)), static_cast<int>(ld_shared_b32(cur_at + 4)),
+                                static_cast<int>(ld_shared_b32(cur_at + 8))};
+            }
+            const Tile w = dynamic_tile_at(p, t, cur);
+            if constexpr (VARLEN) put(cur);
+            load_tile(P, sm, w, kq++, j);
+        }
+        const QState qs = QState::at(kq);
+        sm.pipe_q().acquire(qs);
+        st_shared_b32(sm.slot(qs.stage) + 8, ~0u);
+        mbar_arrive(sm.load_q[qs.stage]);
+        return;
+    }
+    const int total = num_tiles(p);
     for (int k = 0;; ++k) {
         const int t = tile_number(k, total);
         if (t < 0) break;
         const Tile w = tile_at(p, t);
         if (w.empty) continue;
-        const int kv_head = w.head / p.group;
-        const QState qs = QState::at(VARLEN ? kq++ : k);
-        sm.pipe_q().acquire(qs);  // the slot's last Q is consumed
-        sm.pipe_q().expect(qs, Q_BYTES);
-        tma_load_tile<SLAB_MAPS_QK, SLABS>(sm.q_slot(qs.stage), &P.tq, sm.load_q[qs.stage], BLOCK_M,
-                                           w.s.q_start + w.m0, w.head, w.bi);
-        for (int n = w.kb.n_begin; n < w.kb.n_end; ++n, ++j) {
-            const KvState r = KvState::at(j);
-            const int row = w.s.k_start + n * BLOCK_N;
-            sm.pipe_k().acquire(r);
-            sm.pipe_k().expect(r, K_BYTES);
-            tma_load_tile<SLAB_MAPS_QK, SLABS>(sm.k_stage(r.stage), &P.tk, sm.load_k[r.stage], BLOCK_N, row, kv_head,
-                                               w.bi);
-            sm.pipe_v().acquire(r);
-            // A block with foreign rows lands on load_v_tail; warp 1 completes its load_v.
-            const u32 v_bar = (foreign_rows(w.s, n) ? sm.load_v_tail : sm.load_v)[r.stage];
-            mbar_expect_tx(v_bar, V_BYTES);
-            tma_load_tile<SLAB_MAPS_V, SLABS_V>(sm.v_stage(r.stage), &P.tv, v_bar, BLOCK_N, row, kv_head, w.bi);
-        }
+        load_tile(P, sm, w, VARLEN ? kq++ : k, j);
     }
 }
 
@@ -155,31 +216,46 @@ __device__ __forceinline__ void producer(const Sm90Params& P, const Smem& sm) {
 // with rows of the next sequence, waits for its V (v_tail), zeroes those rows (whole 128-byte
 // swizzle rows of every slab, so the swizzle does not matter), makes the writes visible to
 // wgmma (the async proxy) and completes the block's load_v.
+// One tile's blocks with foreign rows: each waited for on load_v_tail, its foreign rows zeroed,
+// its load_v completed. `j`: the ring position of the tile's first key block (moves past them).
+__device__ __forceinline__ void zero_tile_v_rows(const Smem& sm, const Tile& w, int lane, int& j, u32& tail_phase) {
+    for (int n = w.kb.n_begin; n < w.kb.n_end; ++n, ++j) {
+        if (!foreign_rows(w.s, n)) continue;
+        const KvState r = KvState::at(j);
+        mbar_wait(sm.load_v_tail[r.stage], (tail_phase >> r.stage) & 1);
+        tail_phase ^= 1u << r.stage;
+        const int valid = w.s.k_len - n * BLOCK_N;  // ≥ 1: the block holds an allowed key
+        const int chunks = (BLOCK_N - valid) * (SLAB_ROW_BYTES / 16);
+        for (int slab = 0; slab < SLABS_V; ++slab) {
+            const u32 base = sm.v_stage(r.stage) + slab * (BLOCK_N * SLAB_ROW_BYTES) + valid * SLAB_ROW_BYTES;
+            for (int c = lane; c < chunks; c += 32) st_shared_zero16(base + 16 * c);
+        }
+        fence_proxy_async();
+        __syncwarp();
+        if (lane == 0) mbar_arrive(sm.load_v[r.stage]);
+    }
+}
+
 __device__ __forceinline__ void zero_foreign_v_rows(const Sm90Params& P, const Smem& sm, int lane) {
     const FwdParams& p = P.p;
-    const int total = num_tiles(p);
     int j = 0;
     u32 tail_phase = 0;  // bit s: phase of load_v_tail[s] (only some blocks use it: no PipeState)
+    if constexpr (DYNAMIC) {
+        Tile w;
+        // The tile from its slot, which this warp releases too (one more arrival).
+        for (int kq = 0; slot_tile(p, sm, kq, w); ++kq) {
+            sm.pipe_q().release(QState::at(kq), lane);
+            zero_tile_v_rows(sm, w, lane, j, tail_phase);
+        }
+        return;
+    }
+    const int total = num_tiles(p);
     for (int k = 0;; ++k) {
         const int t = tile_number(k, total);
         if (t < 0) break;
         const Tile w = tile_at(p, t);
         if (w.empty) continue;
-        for (int n = w.kb.n_begin; n < w.kb.n_end; ++n, ++j) {
-            if (!foreign_rows(w.s, n)) continue;
-            const KvState r = KvState::at(j);
-            mbar_wait(sm.load_v_tail[r.stage], (tail_phase >> r.stage) & 1);
-            tail_phase ^= 1u << r.stage;
-            const int valid = w.s.k_len - n * BLOCK_N;  // ≥ 1: the block holds an allowed key
-            const int chunks = (BLOCK_N - valid) * (SLAB_ROW_BYTES / 16);
-            for (int slab = 0; slab < SLABS_V; ++slab) {
-                const u32 base = sm.v_stage(r.stage) + slab * (BLOCK_N * SLAB_ROW_BYTES) + valid * SLAB_ROW_BYTES;
-                for (int c = lane; c < chunks; c += 32) st_shared_zero16(base + 16 * c);
-            }
-            fence_proxy_async();
-            __syncwarp();
-            if (lane == 0) mbar_arrive(sm.load_v[r.stage]);
-        }
+        zero_tile_v_rows(sm, w, lane, j, tail_phase);
     }
 }
 
@@ -545,7 +621,7 @@ __device__ __forceinline__ void consumer_cross_tile(const Sm90Params& P, const S
     int kq = 0;  // tiles consumed so far: the Q ring position
     int j = 0;   // ring position: key blocks consumed so far
     Tile w;
-    bool have = next_tile(p, total, k, w);
+    bool have = DYNAMIC ? slot_tile(p, sm, 0, w) : next_tile(p, total, k, w);
     float rO[O_REGS];  // (64, HEAD_DIM) per warpgroup
     float rS[S_REGS];  // (64, BLOCK_N) per warpgroup
     u32 rP[P_REGS];
@@ -579,7 +655,7 @@ __device__ __forceinline__ void consumer_cross_tile(const Sm90Params& P, const S
         if constexpr (!O_VIA_TMA) sm.pipe_q().release(qs, lane);
         int k2 = k;
         Tile w2;
-        const bool have2 = next_tile(p, total, k2, w2);
+        const bool have2 = DYNAMIC ? slot_tile(p, sm, kq + 1, w2) : next_tile(p, total, k2, w2);
         const int j2 = j + n_blocks;  // the next tile's first key block
         started = have2 && n_blocks > 0 && w2.kb.n_begin < w2.kb.n_end;
         if (started) {
@@ -643,11 +719,16 @@ __device__ __forceinline__ void consumer(const Sm90Params& P, const Smem& sm, in
     int kq = 0;                 // tiles consumed so far (VARLEN skips empty ones)
     u32 folded = 0;             // the NaN max of this thread's stored O pairs (epilogue)
     for (int k = 0;; ++k) {
-        const int t = tile_number(k, total);
-        if (t < 0) break;
-        const Tile w = tile_at(P.p, t);
-        if (w.empty) continue;
-        consumer_tile(P, sm, c, w, j, QState::at(VARLEN ? kq++ : k), folded);
+        Tile w;
+        if constexpr (DYNAMIC) {
+            if (!slot_tile(P.p, sm, kq, w)) break;
+        } else {
+            const int t = tile_number(k, total);
+            if (t < 0) break;
+            w = tile_at(P.p, t);
+            if (w.empty) continue;
+        }
+        consumer_tile(P, sm, c, w, j, QState::at(VARLEN || DYNAMIC ? kq++ : k), folded);
         j += w.kb.n_end - w.kb.n_begin;
     }
     raise_exact_flag(folded);
@@ -671,12 +752,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_fwd_sm90(const 
     sm.release_k.base = sm.load_v[STAGES];
     sm.release_v.base = sm.release_k[STAGES];
     sm.load_v_tail.base = sm.release_v[STAGES];
+    sm.slots = sm.load_v_tail[STAGES];
 
     if (threadIdx.x == 0) {
         constexpr u32 consumer_warps = 4 * CONSUMER_WGS;  // one release arrival per consumer warp
         for (int t = 0; t < Q_STAGES; ++t) {
             mbar_init(sm.load_q[t], 1);
-            mbar_init(sm.release_q[t], consumer_warps);
+            mbar_init(sm.release_q[t], consumer_warps + (VARLEN && DYNAMIC ? 1 : 0));  // warp 1 reads the slot too
         }
         for (int s = 0; s < STAGES; ++s) {
             mbar_init(sm.load_k[s], 1);

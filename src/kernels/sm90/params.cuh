@@ -18,6 +18,7 @@ struct __align__(64) Sm90Params {
     TmaMap tk;
     TmaMap tv;
     FwdParams p;
+    int tiles;  // DYNAMIC: the tiles the counter numbers (`tiles.cuh`); 0 otherwise
     TmaMap to;  // O: boxes of (64, 64 rows, 1 slab) for the TMA-store epilogue (TMA_STORE), 4-D with SLAB_MAPS_V
 };
 

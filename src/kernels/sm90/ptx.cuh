@@ -122,6 +122,11 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void st_shared_b32(u32 addr, u32 v) {
     asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
+__device__ __forceinline__ u32 ld_shared_b32(u32 addr) {
+    u32 v;
+    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+    return v;
+}
 
 // Zeroes 16 bytes of shared memory.
 __device__ __forceinline__ void st_shared_zero16(u32 addr) {

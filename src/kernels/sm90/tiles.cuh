@@ -39,6 +39,19 @@ __device__ __forceinline__ int tile_number(int k, int total) {
     return t < total ? t : -1;
 }
 
+// The rest of a tile from its query block, head and sequence.
+__device__ __forceinline__ Tile tile_of(const FwdParams& p, int m0, int head, int batch) {
+    Tile w;
+    w.m0 = m0;
+    w.head = head;
+    w.batch = batch;
+    w.bi = VARLEN ? 0 : w.batch;
+    w.s = sequence(p, w.batch, VARLEN);
+    w.empty = VARLEN && w.m0 >= w.s.q_len;
+    w.kb = key_blocks(p, w.s, w.m0, min(w.m0 + BLOCK_M, w.s.q_len) - 1, !w.empty);
+    return w;
+}
+
 __device__ __forceinline__ Tile tile_at(const FwdParams& p, int t) {
     Tile w;
     int hb;
@@ -63,3 +76,58 @@ __device__ __forceinline__ Tile tile_at(const FwdParams& p, int t) {
 
 // Whether key block n of sequence s holds rows of the next sequence (VARLEN only: see the top).
 __device__ __forceinline__ bool foreign_rows(const Seq& s, int n) { return VARLEN && (n + 1) * BLOCK_N > s.k_len; }
+
+// ---------------------------------------------------------------------------------------------
+// DYNAMIC (persistent launches): CTA b starts with tile b, and its producer takes every further
+// tile from the module's counter with one atomicAdd once the last tile's loads are issued, so the
+// tiles go out in the order a grid of one CTA per tile would start them and a CTA whose tiles were
+// light takes the next (FlashAttention-3's scheduler for causal and varlen batches). The numbers
+// run over `Sm90Params::tiles` tiles: query block fastest, a (sequence, head)'s last first, or
+// with LONGEST_FIRST as `tile_at` numbers them; VARLEN (whatever LONGEST_FIRST says) over each
+// sequence's own query blocks only, so no number is an empty tile. The producer hands each tile to the consumers (and to warp 1) in the
+// word slot beside its Q slot (`fwd.cu`). `config::sm90::schedule` mirrors the numbering and the
+// counter's protocol.
+
+// The tiles the counter has handed out past the grid's first ones. Zero when the module is
+// loaded, and zero again after each launch: every CTA takes exactly one number past the last
+// tile, so a launch takes `tiles` numbers in all, and the CTA that takes the last (tiles − 1)
+// knows every other CTA has taken its own and resets it. The next launch on the stream (each
+// backend has its own module and stream) starts at zero.
+__device__ unsigned fa4_tile_counter;
+
+// The CTA's next tile number, or −1 (DYNAMIC, fewer CTAs than tiles).
+__device__ __forceinline__ int claim_tile(int tiles) {
+    const int v = static_cast<int>(atomicAdd(&fa4_tile_counter, 1u));
+    if (v == tiles - 1) atomicExch(&fa4_tile_counter, 0u);
+    const int t = v + static_cast<int>(gridDim.x);  // no overflow: tiles ≤ 2^30
+    return t < tiles ? t : -1;
+}
+
+// VARLEN, DYNAMIC: the sequence whose tiles the producer's numbers are in, tiles
+// [first, first + heads · blocks). A CTA's numbers only grow, so it only moves forward.
+struct SeqCursor {
+    int b, first, blocks;
+};
+
+__device__ __forceinline__ int seq_q_blocks(const FwdParams& p, int b) {
+    return (p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b] + BLOCK_M - 1) / BLOCK_M;
+}
+
+__device__ __forceinline__ SeqCursor first_cursor(const FwdParams& p) {
+    return SeqCursor{0, 0, VARLEN ? seq_q_blocks(p, 0) : 0};
+}
+
+// Tile number t of the DYNAMIC numbering.
+__device__ __forceinline__ Tile dynamic_tile_at(const FwdParams& p, int t, SeqCursor& c) {
+    if constexpr (VARLEN) {
+        while (t >= c.first + p.heads_q * c.blocks) {
+            c.first += p.heads_q * c.blocks;
+            c.blocks = seq_q_blocks(p, ++c.b);
+        }
+        const int r = t - c.first;
+        return tile_of(p, (c.blocks - 1 - r % c.blocks) * BLOCK_M, r / c.blocks, c.b);
+    }
+    if constexpr (LONGEST_FIRST) return tile_at(p, t);
+    const int mb = m_blocks(p), hb = t / mb;
+    return tile_of(p, (mb - 1 - t % mb) * BLOCK_M, hb % p.heads_q, hb / p.heads_q);
+}

@@ -7,10 +7,13 @@ Forward, through `fa4 bench` (one process per variant and round):
                            [--bin NAME=PATH ...] [--warm N] NAME@D=TILES ...
   TILES is `plan` (the planner's choice per shape, as `fa4 bench --kernel sm90` makes it) or the
   ten fields of `--sm90-tiles` (block_n,wgs,stages,preg,creg,lazy,overlap,pingpong,persistent,
-  poly), or thirteen (then longest_first,tma_store,cross_tile); with `--kernel sm80`, the eight
+  poly), thirteen (then longest_first,tma_store,cross_tile) or fourteen (then dynamic); with
+  `--kernel sm80`, the eight
   fields of `--tiles`. `--bin NAME=PATH` runs variant NAME with another fa4 binary (an A/B of
   two builds: `--bin new=DIR/fa4-new plan@256=plan new@256=plan`). Every variant runs the six
-  shapes of its head dim (seqlen 1k/4k/16k × causal 0/1, bf16, 16k tokens, hidden 2048).
+  shapes of its head dim (seqlen 1k/4k/16k × causal 0/1, bf16, 16k tokens, hidden 2048), or
+  with `--lengths L,L,...` one packed varlen batch of those lengths × causal 0/1 (`fa4 bench
+  --lengths`; e.g. `bench/peers.py lengths`: the ragged batch of docs/perf.md).
   `--warm N` first runs every variant once, N processes at a time, so that NVRTC compiles the
   variants in parallel into the disk cache (FA4_CACHE_DIR) instead of inside the first round.
   Table: each variant's median over rounds in TFLOP/s and its ratio to `plan` of its head dim.
@@ -95,6 +98,10 @@ def parse_shape(text):
 def bench_cmd(a, bins, name, d, tiles, reps):
     cmd = [bins.get(name, a.fa4), "bench", "--backend", "cuda", "--kernel", a.kernel, "--dtype", "bf16", "--json",
            "--reps", str(reps), "--grid"] + [f"{d},{s},{c}" for s in a.seqlens for c in (0, 1)]
+    if a.lengths:
+        # The lengths replace each shape's sequences; its SEQLEN (a.seqlens: 2048) only sets the
+        # heads through --hidden.
+        cmd += ["--lengths", a.lengths]
     if tiles != "plan":
         cmd += ["--sm90-tiles" if a.kernel == "sm90" else "--tiles", tiles]
     return cmd
@@ -123,11 +130,13 @@ def forward(a):
             got = results.setdefault((name, d), {})
             runs = json.loads(res.stdout)
             for r in runs:
-                got.setdefault((r["seqlen"], int(r["causal"])), []).append(r["tflops"])
+                seqlen = a.seqlens[0] if a.lengths else r["seqlen"]  # varlen: the longest, one column
+                got.setdefault((seqlen, int(r["causal"])), []).append(r["tflops"])
             # As it goes, so that a run cut short still says what it measured.
             print(f"round {rnd} {name}@{d}: " + " ".join(f"{r['tflops']:.0f}" for r in runs), flush=True)
     cols = [(s, c) for s in a.seqlens for c in (0, 1)]
-    print(f"{'variant':<16} {'d':>4} " + " ".join(f"{s // 1024}k{'c' if c else ' '}".rjust(7) for s, c in cols)
+    label = (lambda s, c: f"vl{'c' if c else ' '}") if a.lengths else (lambda s, c: f"{s // 1024}k{'c' if c else ' '}")
+    print(f"{'variant':<16} {'d':>4} " + " ".join(label(s, c).rjust(7) for s, c in cols)
           + "   ratio to plan")
     rows = []
     for name, d, tiles in variants:
@@ -228,15 +237,18 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=20, help="forward: fa4 bench --reps")
     ap.add_argument("--calls", type=int, default=10, help="backward: back-to-back calls per round")
     ap.add_argument("--seqlens", default="1024,4096,16384", help="forward: seqlens per head dim")
+    ap.add_argument("--lengths", default=None, help="forward: one packed varlen batch of these lengths (L,L,...)")
     ap.add_argument("--kernel", default="sm90", choices=["sm80", "sm90"])
     ap.add_argument("--bin", action="append", default=[], help="NAME=PATH: another build's binary")
     ap.add_argument("--env", action="append", default=[], help='backward: NAME="KEY=VALUE ...": one more column')
     ap.add_argument("--det", action="store_true", help="backward: also the deterministic mode")
     ap.add_argument("--shapes", nargs="*", help="backward: D,SEQLEN,CAUSAL (default: the grid)")
     ap.add_argument("--warm", type=int, default=0, help="forward: compile every variant first, N at a time")
-    ap.add_argument("variants", nargs="*", help="forward: NAME@D=TILES (TILES: plan, ten or thirteen fields)")
+    ap.add_argument("variants", nargs="*", help="forward: NAME@D=TILES (TILES: plan, ten, thirteen or fourteen fields)")
     a = ap.parse_args(argv)
-    a.seqlens = [int(s) for s in a.seqlens.split(",")]
+    a.seqlens = [2048] if a.lengths else [int(s) for s in a.seqlens.split(",")]
+    if a.lengths is not None and not all(x.strip().isdigit() for x in a.lengths.split(",")):
+        ap.error(f"--lengths {a.lengths!r}: expected comma-separated whole numbers")
     try:
         if a.backward:
             if not a.bwd_bench:

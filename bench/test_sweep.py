@@ -1,6 +1,7 @@
 """Checks of bench/sweep.py without a GPU: its parsing, and the backward A/B's rotated rounds
 against stand-in bwd_bench processes (a Python script speaking its protocol):
     python3 -m unittest discover -s bench -p 'test_*.py'"""
+import argparse
 import contextlib
 import io
 import json
@@ -52,9 +53,19 @@ class Parsing(unittest.TestCase):
             with self.assertRaises(ValueError):
                 sweep.parse_bins([bad])
 
+    def test_varlen_lengths_reach_fa4_bench(self):
+        a = argparse.Namespace(fa4="/x/fa4", kernel="sm90", seqlens=[2048], lengths="300,1,517")
+        cmd = sweep.bench_cmd(a, {}, "dyn", 128, "128,2,2,40,232,0,1,0,1,0,0,0,0,1", 5)
+        self.assertEqual(cmd[cmd.index("--grid") + 1:cmd.index("--grid") + 3], ["128,2048,0", "128,2048,1"])
+        self.assertEqual(cmd[cmd.index("--lengths") + 1], "300,1,517")
+        self.assertEqual(cmd[-2:], ["--sm90-tiles", "128,2,2,40,232,0,1,0,1,0,0,0,0,1"])
+        a.lengths = None
+        self.assertNotIn("--lengths", sweep.bench_cmd(a, {}, "plan", 128, "plan", 5))
+
     def test_the_command_line_exits_2_naming_the_flag(self):
         for argv, msg in ((["--backward"], "--bwd-bench"), (["--backward", "--bwd-bench", "x", "--bin", "foo"],
-                                                             "--bin 'foo': expected NAME=PATH"), ([], "variants")):
+                                                             "--bin 'foo': expected NAME=PATH"), ([], "variants"),
+                          (["--lengths", "3,x", "a@64=plan"], "--lengths '3,x'")):
             err = io.StringIO()
             with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as e:
                 sweep.main(argv)

@@ -25,7 +25,9 @@ impl CudaBackend {
     ///
     /// The device is described as [`CudaBackend::new`] describes it. Compiled kernels are held
     /// per backend and shared by its clones: keep one backend per stream rather than making one
-    /// per call. Unlike [`CudaBackend::new`], this leaves the context's cudarc event tracking
+    /// per call. A backend's modules are its own, and their module-wide words (the forward's
+    /// exact-fixup flag, the dynamic schedule's tile counter) rely on its launches running one
+    /// after another in its one stream's order. Unlike [`CudaBackend::new`], this leaves the context's cudarc event tracking
     /// as its owner set it.
     pub fn on_stream(stream: Arc<CudaStream>) -> Result<CudaBackend> {
         let ctx = stream.context().clone();

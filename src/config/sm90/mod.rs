@@ -242,23 +242,21 @@ fn launch_grid(p: &Problem, arch: &GpuArch, tiles: &Tiles) -> Result<((u32, u32,
                 ),
             )
         })?;
-    // Each sequence's own query blocks: no more than `total`, so within the same bound.
-    let own: u32 = p
-        .sequences()
-        .iter()
-        .map(|s| (s.q_len.div_ceil(tiles.block_m()) * p.heads_q()) as u32)
-        .sum();
-    let numbered = if !tiles.dynamic {
-        0
-    } else if p.is_varlen() {
-        own
-    } else {
-        total
+    let numbered = match (tiles.dynamic, p.is_varlen()) {
+        (false, _) => 0,
+        (true, false) => total,
+        // Each sequence's own query blocks: no more than `total`, so within the same bound.
+        (true, true) => p
+            .sequences()
+            .iter()
+            .map(|s| (s.q_len.div_ceil(tiles.block_m()) * p.heads_q()) as u32)
+            .sum(),
     };
+    // `Tiles::check`: dynamic only with persistent.
     let ctas = match (tiles.persistent, tiles.dynamic) {
-        (true, true) => numbered.min(arch.sm_count),
-        (true, false) => total.min(arch.sm_count),
         (false, _) => total,
+        (true, false) => total.min(arch.sm_count),
+        (true, true) => numbered.min(arch.sm_count),
     };
     Ok(((ctas, 1, 1), numbered))
 }

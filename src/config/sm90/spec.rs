@@ -149,14 +149,18 @@ impl KernelSpec {
 
 /// The Hopper kernel's named barriers, by id (`BAR_<name>` in the prelude): 0 is
 /// `__syncthreads`; consumer warpgroup c waits for its turn to issue wgmma on `CONSUMER<c>_TURN`
-/// (ping-pong), and gathers its 128 threads' O writes before the TMA store on `EPILOGUE<c>`.
-pub const NAMED_BARRIERS: [&str; 6] = [
+/// (ping-pong), and gathers its 128 threads' O writes before the TMA store on `EPILOGUE<c>`;
+/// with the dynamic schedule the readers of Q slot t's tile words arrive on `SLOT_FREE<t>`
+/// before the producer rewrites them.
+pub const NAMED_BARRIERS: [&str; 8] = [
     "SYNC_ALL",
     "CONSUMER0_TURN",
     "CONSUMER1_TURN",
     "EPILOGUE0",
     "EPILOGUE1",
     "EPILOGUE2",
+    "SLOT_FREE0",
+    "SLOT_FREE1",
 ];
 
 /// The role table in warps: consecutive warpgroups of one role make one range.

@@ -120,6 +120,28 @@ struct Smem {
     __device__ u32 slot(int t) const { return slots + t * SLOT_BYTES; }
 };
 
+// DYNAMIC: the slot words' readers (every consumer thread; VARLEN: warp 1 too) arrive on
+// SLOT_FREE<t> once they have read Q slot t's words, and the producer's thread 0 (its warp's
+// other lanes have exited) waits there before it writes them again, and once more per slot at
+// the end, so that every generation completes. The release_q mbarrier already orders the same
+// reads before the rewrite, but compute-sanitizer's racecheck does not follow mbarriers for
+// ordinary shared-memory accesses (it reported each rewrite as a WAR hazard, H100, 2026-12-06);
+// the named barrier is an ordering it follows, as the backward's STATS_FREE barriers are.
+constexpr int SLOT_READERS = WG_THREADS * CONSUMER_WGS + (VARLEN ? 32 : 0);
+constexpr int SLOT_SYNC_THREADS = 32 + SLOT_READERS;  // the producer's warp counts whole
+__device__ __forceinline__ void slot_free_arrive(int t) {
+    if (t == 0)
+        named_bar_arrive<BAR_SLOT_FREE0, SLOT_SYNC_THREADS>();
+    else
+        named_bar_arrive<BAR_SLOT_FREE1, SLOT_SYNC_THREADS>();
+}
+__device__ __forceinline__ void slot_free_wait(int t) {
+    if (t == 0)
+        named_bar_sync_lone<BAR_SLOT_FREE0, SLOT_SYNC_THREADS>();
+    else
+        named_bar_sync_lone<BAR_SLOT_FREE1, SLOT_SYNC_THREADS>();
+}
+
 // DYNAMIC: the tile of the kq-th Q slot use, waited for (the producer writes the slot before the
 // arrival that starts the Q load, whose completion the wait acquires), or false at the
 // producer's end mark.
@@ -128,8 +150,10 @@ __device__ __forceinline__ bool slot_tile(const FwdParams& p, const Smem& sm, in
     sm.pipe_q().wait(qs);
     const u32 a = sm.slot(qs.stage);
     const int batch = static_cast<int>(ld_shared_b32(a + 8));
+    const int m0 = static_cast<int>(ld_shared_b32(a)), head = static_cast<int>(ld_shared_b32(a + 4));
+    slot_free_arrive(qs.stage);
     if (batch < 0) return false;
-    w = tile_of(p, static_cast<int>(ld_shared_b32(a)), static_cast<int>(ld_shared_b32(a + 4)), batch);
+    w = tile_of(p, m0, head, batch);
     return true;
 }
 
@@ -145,6 +169,7 @@ __device__ __forceinline__ void load_tile(const Sm90Params& P, const Smem& sm, c
     const QState qs = QState::at(kq);
     sm.pipe_q().acquire(qs);  // the slot's last Q is consumed
     if constexpr (DYNAMIC) {
+        if (kq >= Q_STAGES) slot_free_wait(qs.stage);  // its last words are read
         const u32 a = sm.slot(qs.stage);
         st_shared_b32(a, static_cast<u32>(w.m0));
         st_shared_b32(a + 4, static_cast<u32>(w.head));
@@ -198,8 +223,12 @@ __device__ __forceinline__ void producer(const Sm90Params& P, const Smem& sm) {
         }
         const QState qs = QState::at(kq);
         sm.pipe_q().acquire(qs);
+        if (kq >= Q_STAGES) slot_free_wait(qs.stage);
         st_shared_b32(sm.slot(qs.stage) + 8, ~0u);
         mbar_arrive(sm.load_q[qs.stage]);
+        // Every slot was written (CTA b has tile b; the end mark follows it): the last words'
+        // generation of each completes once they are read.
+        for (int t = 0; t < Q_STAGES; ++t) slot_free_wait(t);
         return;
     }
     const int total = num_tiles(p);

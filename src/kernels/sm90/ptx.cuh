@@ -99,6 +99,12 @@ template <int ID, int THREADS>
 __device__ __forceinline__ void named_bar_arrive() {
     asm volatile("bar.arrive %0, %1;\n" ::"n"(ID), "n"(THREADS) : "memory");
 }
+// The same wait for a thread whose warp's other lanes have exited (not `.aligned`: the barrier
+// counts the warp's arrival once its non-exited threads are all there).
+template <int ID, int THREADS>
+__device__ __forceinline__ void named_bar_sync_lone() {
+    asm volatile("barrier.sync %0, %1;\n" ::"n"(ID), "n"(THREADS) : "memory");
+}
 
 // ---- wgmma ----
 

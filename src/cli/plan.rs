@@ -85,8 +85,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
     if args.backward.wanted() {
         return plan_backward::run(&args);
     }
+    // `--causal` also picks the Hopper forward's tiles (d64 takes the dynamic schedule).
     if let Some(flag) = args.backward.stray() {
-        return Err(Error::invalid(flag, "belongs to `fa4 plan --backward`"));
+        if !(sm90_forward && flag == "--causal") {
+            return Err(Error::invalid(flag, "belongs to `fa4 plan --backward`"));
+        }
     }
     if let Some(flag) = args.decode.stray() {
         return Err(Error::invalid(flag, "belongs to `fa4 plan --decode`"));
@@ -348,7 +351,15 @@ fn run_sm90(args: &PlanArgs) -> Result<()> {
         Some(0) => return Err(Error::invalid("--seqlen", "must be at least 1")),
         sq => Sm90Plan::with_dims(&arch, depth, depth_v, size, sq).ok(),
     };
-    let plan = plan.map(|p| if args.varlen { p.for_varlen() } else { p });
+    let plan = plan.map(|p| {
+        if args.varlen {
+            p.for_varlen(&arch, args.seqlen)
+        } else if args.backward.causal {
+            p.for_causal(&arch, args.seqlen)
+        } else {
+            p
+        }
+    });
     if args.json {
         let mut v = match &plan {
             Some(plan) => serde_json::to_value(plan).expect("plain data serializes"),

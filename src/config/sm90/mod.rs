@@ -21,6 +21,7 @@ use super::KernelKind;
 use crate::arch::{Family, GpuArch};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::mask::Mask;
 use crate::problem::Problem;
 
 mod report;
@@ -298,16 +299,18 @@ pub fn plan(
         }
         None => {
             let max_k_len = p.sequences().iter().map(|s| s.k_len).max().unwrap_or(0);
-            let mut t = tiles_for(arch, head_dim, max_q_len(p), max_k_len)
-                .expect("covered problems have tiles");
-            // Varlen batches keep one CTA per tile and the plain store unless forced: with the
-            // static persistent walk and the TMA store on, the ragged batch of docs/perf.md
-            // ("the varlen forward") measured 0.65–0.75× FlashAttention-3 against 0.75–0.85
-            // without (H200, 2026-12-03). The dynamic schedule (`varlen_tiles`) is compiled and
-            // checked on the CPU, not yet run on a GPU: forced tiles only.
-            t.persistent &= !p.is_varlen();
-            t.tma_store &= !p.is_varlen();
-            t
+            // Varlen batches take the dynamic schedule over each sequence's own query blocks
+            // (`varlen_tiles`); the static persistent walk lost to one CTA per tile on ragged
+            // batches (docs/perf-history.md, "Varlen: the persistent walk and the TMA store").
+            // Causal d64 takes it too (`causal_tiles`).
+            let pick = if p.is_varlen() {
+                varlen_tiles
+            } else if p.mask() == Mask::Causal {
+                causal_tiles
+            } else {
+                tiles_for
+            };
+            pick(arch, head_dim, max_q_len(p), max_k_len).expect("covered problems have tiles")
         }
     };
     // TMA coordinates and the kernel's row arithmetic are int32: rows of the (packed) tensors.
@@ -549,7 +552,7 @@ mod tests {
     }
 
     #[test]
-    fn varlen_batches_take_the_dynamic_schedule_and_the_tma_store_when_forced() {
+    fn varlen_batches_take_the_dynamic_schedule() {
         use crate::problem::Options;
         use crate::tensor::Layout;
         let seqs = [0i32, 300, 1000];
@@ -575,17 +578,24 @@ mod tests {
         assert!(!forced.spec.tiles.dynamic && forced.tiles == 0);
         // The static walk numbers the longest sequence's 6 query blocks for both sequences.
         assert_eq!(forced.grid, (6 * 4 * 2, 1, 1));
-        // The planner's own choice: one CTA per tile, the plain store (see plan).
+        // The planner's own choice: the dynamic schedule over each sequence's own blocks (3 and
+        // 6 of 128 rows, 4 heads), the plain store.
         let planned = plan(&v, &H200, "sm_90a", None).unwrap();
         let t = planned.spec.tiles;
-        assert!(!t.persistent && !t.dynamic && !t.tma_store, "{t:?}");
-        assert_eq!((planned.grid, planned.tiles), ((6 * 4 * 2, 1, 1), 0));
-        // The dynamic schedule (forced): over each sequence's own blocks (3 and 6 of 128 rows,
-        // 4 heads).
-        let t = varlen_tiles(&H200, 128, 700, 700).unwrap();
         assert!(t.persistent && t.dynamic && !t.tma_store, "{t:?}");
-        let dynamic = plan(&v, &H200, "sm_90a", Some(t)).unwrap();
-        assert_eq!((dynamic.grid, dynamic.tiles), ((9 * 4, 1, 1), 9 * 4));
+        assert_eq!(t, varlen_tiles(&H200, 128, 700, 700).unwrap());
+        assert_eq!((planned.grid, planned.tiles), ((9 * 4, 1, 1), 9 * 4));
+        // One CTA per tile (forced): the longest sequence's blocks for both.
+        let one = Tiles {
+            persistent: false,
+            dynamic: false,
+            ..t
+        };
+        let static_plan = plan(&v, &H200, "sm_90a", Some(one)).unwrap();
+        assert_eq!(
+            (static_plan.grid, static_plan.tiles),
+            ((6 * 4 * 2, 1, 1), 0)
+        );
         // At d64 it takes two consumer warpgroups; three are refused.
         assert_eq!(varlen_tiles(&H200, 64, 4096, 4096).unwrap().consumer_wgs, 2);
         let three = Tiles {
@@ -614,6 +624,33 @@ mod tests {
             ..t
         };
         assert!(plan(&v, &H200, "sm_90a", Some(bad)).is_err());
+    }
+
+    #[test]
+    fn causal_d64_takes_the_dynamic_schedule_on_two_consumer_warpgroups() {
+        use crate::problem::Options;
+        for sq in [1024, 2048, 4096, 16384] {
+            let t = causal_tiles(&H200, 64, sq, sq).unwrap();
+            assert!(
+                t.consumer_wgs == 2 && t.persistent && t.dynamic && t.tma_store,
+                "{sq}: {t:?}"
+            );
+            for d in [128, 256] {
+                assert_eq!(causal_tiles(&H200, d, sq, sq), tiles_for(&H200, d, sq, sq));
+            }
+        }
+        // Through plan: causal d64 numbers every tile; without the mask, the static tiles.
+        let l = crate::tensor::Layout::new("q", &[2, 2048, 8, 64], None).unwrap();
+        let problem =
+            |o: &Options| Problem::new(DType::Bf16, &l, &l, &l, &l, None, None, o).unwrap();
+        let causal = plan(&problem(&Options::new().causal()), &H200, "sm_90a", None).unwrap();
+        assert!(causal.spec.tiles.dynamic);
+        assert_eq!(
+            (causal.grid, causal.tiles),
+            ((H200.sm_count, 1, 1), 16 * 8 * 2)
+        );
+        let full = plan(&problem(&Options::new()), &H200, "sm_90a", None).unwrap();
+        assert!(!full.spec.tiles.dynamic && full.spec.tiles.consumer_wgs == 3);
     }
 
     #[test]
@@ -807,9 +844,10 @@ mod tests {
             "scale"
         );
         assert_eq!(name(plan(&p0, &A100, "sm_80", None).unwrap_err()), "device");
-        // Varlen: the longest sequence's query blocks for every sequence (3 × 4 heads × 3
-        // sequences, the empty ones skipped by the kernel), one CTA per tile and plain stores
-        // unless forced (see plan).
+        // Varlen: the dynamic schedule numbers each sequence's own query blocks (1, 3 and 1) ×
+        // 4 heads, with plain stores; one CTA per tile (forced) takes the longest sequence's
+        // query blocks for every sequence (3 × 4 heads × 3 sequences, the empty ones skipped
+        // by the kernel).
         let (tq, tk) = (3 + 300 + 1, 5 + 300);
         let ql = crate::tensor::Layout::new("q", &[tq, 4, 128], None).unwrap();
         let kl = crate::tensor::Layout::new("k", &[tk, 4, 128], None).unwrap();
@@ -825,18 +863,20 @@ mod tests {
             &Options::new(),
         )
         .unwrap();
-        let vp = plan(&v, &H200, "sm_90a", None).unwrap();
-        let t = vp.spec.tiles;
-        assert!(vp.spec.varlen && !t.persistent && !t.tma_store, "{t:?}");
-        assert_eq!(vp.grid, (3 * 4 * 3, 1, 1));
-        // The dynamic schedule numbers each sequence's own query blocks (1, 3 and 1) × 4 heads.
-        let dynamic = Tiles {
-            persistent: true,
-            dynamic: true,
+        let dp = plan(&v, &H200, "sm_90a", None).unwrap();
+        let t = dp.spec.tiles;
+        assert!(
+            dp.spec.varlen && t.persistent && t.dynamic && !t.tma_store,
+            "{t:?}"
+        );
+        assert_eq!((dp.grid, dp.tiles), ((5 * 4, 1, 1), 5 * 4));
+        let one = Tiles {
+            persistent: false,
+            dynamic: false,
             ..t
         };
-        let dp = plan(&v, &H200, "sm_90a", Some(dynamic)).unwrap();
-        assert_eq!((dp.grid, dp.tiles), ((5 * 4, 1, 1), 5 * 4));
+        let vp = plan(&v, &H200, "sm_90a", Some(one)).unwrap();
+        assert_eq!((vp.grid, vp.tiles), ((3 * 4 * 3, 1, 1), 0));
         assert!(!tiles.persistent && plan(&v, &H200, "sm_90a", Some(tiles)).is_ok());
         tiles.persistent = true;
         assert!(plan(&v, &H200, "sm_90a", Some(tiles)).is_ok());

@@ -190,13 +190,44 @@ impl Sm90Plan {
         }
     }
 
-    /// The plan for a varlen batch: the same tiles, one CTA per tile and plain stores ([`plan`]
-    /// does the same unless tiles are forced).
-    pub fn for_varlen(mut self) -> Sm90Plan {
-        self.tiles.persistent = false;
-        self.tiles.tma_store = false;
-        self.varlen = true;
-        self
+    /// The plan for a varlen batch whose longest sequence has `seqlen_q` rows (unknown: the
+    /// tile table's first entry, as [`Sm90Plan::new`]): the dynamic schedule's tiles
+    /// ([`varlen_tiles`]), as [`plan`] takes them.
+    pub fn for_varlen(self, arch: &GpuArch, seqlen_q: Option<usize>) -> Sm90Plan {
+        let sq = seqlen_q.unwrap_or(ANY_LENGTH);
+        let tiles = varlen_tiles(arch, self.padded_dims(), sq, sq);
+        Sm90Plan {
+            varlen: true,
+            ..self.retiled(arch, tiles)
+        }
+    }
+
+    /// The plan for a causal fixed-length problem of `seqlen_q` rows: [`causal_tiles`] where
+    /// they differ from [`tiles_for`]'s, as [`plan`] takes them.
+    pub fn for_causal(self, arch: &GpuArch, seqlen_q: Option<usize>) -> Sm90Plan {
+        let (dims, sq) = (self.padded_dims(), seqlen_q.unwrap_or(ANY_LENGTH));
+        match causal_tiles(arch, dims, sq, sq) {
+            t if t != tiles_for(arch, dims, sq, sq) => self.retiled(arch, t),
+            _ => self,
+        }
+    }
+
+    fn padded_dims(&self) -> Dims {
+        Dims {
+            qk: self.padded_head_dim,
+            v: self.padded_head_dim_v,
+        }
+    }
+
+    /// The same problem with other tiles (none: unchanged).
+    fn retiled(self, arch: &GpuArch, tiles: Option<Tiles>) -> Sm90Plan {
+        let Some(tiles) = tiles else { return self };
+        Sm90Plan {
+            head_dim_v: self.head_dim_v,
+            slab_maps: self.slab_maps,
+            varlen: self.varlen,
+            ..Self::with_tiles(arch, self.head_dim, self.padded_dims(), tiles)
+        }
     }
 
     /// The machine-readable form (`fa4 plan --arch sm90 --json`).
@@ -204,6 +235,10 @@ impl Sm90Plan {
         serde_json::to_string_pretty(self).expect("plain data serializes")
     }
 }
+
+/// A sequence length long enough that every tile entry's minimum key count is met (the plan of
+/// an unknown length).
+const ANY_LENGTH: usize = 1 << 20;
 
 impl fmt::Display for Sm90Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -301,9 +336,6 @@ impl fmt::Display for Sm90Plan {
                     .to_string()
             } else if t.persistent {
                 "persistent (one CTA per SM walks the tiles in pairs of equal causal cost)"
-                    .to_string()
-            } else if self.varlen {
-                "one CTA per tile (varlen batches: the static persistent walk and the TMA store measured slower on a ragged batch, 2026-12-03; the dynamic schedule is compiled, not yet run on a GPU; all can be forced)"
                     .to_string()
             } else {
                 format!(

@@ -138,23 +138,19 @@ class Varlen(unittest.TestCase):
         self.assertGreater(max(n), 7000)
         self.assertLess(min(n), 100)
 
-    def test_cases_are_packed(self):
-        cs = peers.varlen_cases(0, False)
-        self.assertEqual(len(cs), 6)
-        self.assertTrue(all(c.varlen and sum(q for q, _ in c.seqs) == 16384 for c in cs))
-
     def test_lengths_pass_prints_the_varlen_batch(self):
         out = io.StringIO()
         with contextlib.redirect_stdout(out):
             peers.main(["lengths", "--seed", "3"])
         self.assertEqual(out.getvalue().strip(), ",".join(map(str, peers.varlen_lengths(3))))
 
-    def test_backward_varlen_rows_pair_with_the_same_tokens_at_fixed_length(self):
-        cs = peers.bwd_varlen_cases(0, False)
+    def test_varlen_rows_pair_with_the_same_tokens_at_fixed_length(self):
+        cs = peers.varlen_cases(0, False)
         self.assertEqual(len(cs), 12)
         n = len(peers.varlen_lengths(0))
         for ragged, fixed in zip(cs[::2], cs[1::2]):
             self.assertTrue(ragged.varlen and not fixed.varlen)
+            self.assertEqual(sum(q for q, _ in ragged.seqs), 16384)
             self.assertEqual((ragged.d, ragged.causal, ragged.heads_q), (fixed.d, fixed.causal, fixed.heads_q))
             self.assertEqual(fixed.batch, n)
             self.assertEqual(fixed.seqlen_q, 16384 // n)

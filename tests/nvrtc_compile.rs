@@ -115,12 +115,16 @@ fn every_sm90_variant_compiles_without_spills_or_wgmma_serialization() {
     let specs = fa4::config::sm90::all_specs(&H200, "sm_90a");
     assert_eq!(
         specs.len(),
-        7 * 16,
-        "every planned tile shape (d64 and d128 have two; d192, 192/128, d256 one) × dtype × mask × softcap × varlen"
+        7 * 8 + 6 * 8 + 4,
+        "every planned tile shape (d64 and d128 have two; d192, 192/128, d256 one) × dtype × mask × softcap, fixed-length; varlen on the dynamic schedule (not d64's three consumer warpgroups); causal d64 on the dynamic schedule"
     );
     // The slab-map variants (tensors narrower than their tiles: per-slab loads and stores).
     let slabs = fa4::config::sm90::slab_specs(&H200, "sm_90a");
-    assert_eq!(slabs.len(), 7 * 2, "one per tile shape and varlen");
+    assert_eq!(
+        slabs.len(),
+        7 + 6 + 1,
+        "one per planned fixed-length, varlen and causal-dynamic tile shape"
+    );
     // The bf16 causal ones also with every kernel switch on that its tiles take (the persistent
     // launch changes only the grid; the overlap and ping-pong need two consumer warpgroups).
     // The switches change the consumer's loop, which dtype, softcap and the maps do not touch
@@ -215,7 +219,9 @@ fn issue14_switched_sm90_variants_compile_without_spills_or_wgmma_serialization(
     let base = |tiles_of: &dyn Fn(&fa4::config::sm90::KernelSpec) -> bool| {
         planned
             .iter()
-            .filter(|s| s.bf16 && s.window && !s.softcap && !s.varlen && tiles_of(s))
+            .filter(|s| {
+                s.bf16 && s.window && !s.softcap && !s.varlen && !s.tiles.dynamic && tiles_of(s)
+            })
             .copied()
             .collect::<Vec<_>>()
     };

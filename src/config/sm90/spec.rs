@@ -231,35 +231,54 @@ impl fmt::Display for KernelSpec {
 }
 
 /// Every spec the planner can emit for `arch` with tensors as wide as their tiles (for compile
-/// tests and warm-up): each entry of the tile table × dtype × mask × softcap × varlen. The
-/// slab-map variants of narrower tensors differ only in the producer's loads and the epilogue's
-/// stores; [`slab_specs`] lists one per tile entry and varlen.
+/// tests and warm-up): each entry of the tile table × dtype × mask × softcap, fixed-length with
+/// the TMA store, varlen on the dynamic schedule with the plain store (entries of at most
+/// [`MAX_DYNAMIC_VARLEN_CONSUMERS`] consumer warpgroups: [`varlen_tiles`]), and the dynamic
+/// schedule with the TMA store of the causal d64 tiles ([`causal_tiles`]). The persistent launch
+/// changes only the grid (the dynamic schedule changes the kernel). The slab-map variants of
+/// narrower tensors differ only in the producer's loads and the epilogue's stores;
+/// [`slab_specs`] lists one per tile entry and varlen.
 pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
     let mut out = Vec::new();
     // Every fitting candidate: `tiles_for` may pick any of them for a sequence length.
     for (dims, tiles) in planned_dims().flat_map(|d| fitting(arch, d).map(move |t| (d, t))) {
-        out.extend(
-            crate::config::feature_variants().flat_map(|(bf16, window, softcap)| {
-                [false, true].map(|varlen| KernelSpec {
-                    target,
-                    bf16,
-                    head_dim: dims.qk,
-                    head_dim_v: dims.v,
-                    dim: dims.qk,
-                    dim_v: dims.v,
-                    window,
-                    softcap,
-                    varlen,
-                    // `tiles_for` turns the TMA store on, `plan` off again for varlen batches (the
-                    // TMA-stored varlen variant and the dynamic schedule are compiled by the
-                    // switched tests).
-                    tiles: Tiles {
-                        tma_store: !varlen,
-                        ..tiles
-                    },
-                })
-            }),
-        );
+        let fixed = Tiles {
+            tma_store: true,
+            ..tiles
+        };
+        let dynamic = |tma_store| Tiles {
+            persistent: true,
+            dynamic: true,
+            tma_store,
+            ..tiles
+        };
+        // (varlen, causal only, tiles)
+        let mut kinds = vec![(false, false, fixed)];
+        if tiles.consumer_wgs <= MAX_DYNAMIC_VARLEN_CONSUMERS {
+            kinds.push((true, false, dynamic(false)));
+        }
+        let causal = causal_tiles(arch, dims, 1 << 20, 1 << 20);
+        if causal.is_some_and(|c| c.dynamic && c.block_m() == tiles.block_m()) {
+            kinds.push((false, true, dynamic(true)));
+        }
+        for (varlen, causal_only, tiles) in kinds {
+            out.extend(
+                crate::config::feature_variants()
+                    .filter(|&(_, window, _)| window || !causal_only)
+                    .map(|(bf16, window, softcap)| KernelSpec {
+                        target,
+                        bf16,
+                        head_dim: dims.qk,
+                        head_dim_v: dims.v,
+                        dim: dims.qk,
+                        dim_v: dims.v,
+                        window,
+                        softcap,
+                        varlen,
+                        tiles,
+                    }),
+            );
+        }
     }
     out
 }

@@ -170,8 +170,8 @@ cpu_lane() {
 # V narrower than Q/K (192/128 with its own tiles, 96/64 padded to 128/64); sm90-dynamic: the
 # dynamic schedule on 384 fixed-length tiles (TMA store, cross-tile) and on a varlen batch of
 # ten sequences (1..1000 rows) at d64 causal (the planner's tiles: 16 heads, 608 tiles) and at
-# d128 with the TMA store and the cross-tile overlap (16 heads, 608 tiles), and the planner's
-# causal d64 tiles (dynamic, TMA store) on 64 sequences of 300 × 8 heads (1536 tiles).
+# d128 with the TMA store and the cross-tile overlap (16 heads, 608 tiles), and causal d64 on two
+# consumer warpgroups (dynamic, TMA store) on 64 sequences of 300 × 8 heads (1536 tiles).
 san_cases() {
     cat <<'EOF'
 sm80|sm80|FA4_KERNEL=sm80|run --backend cuda --dtype bf16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 4 --heads-kv 2 --head-dim 96 --causal
@@ -195,7 +195,7 @@ sm90-tiles|sm90-tiles-tma-store|FA4_KERNEL=sm90|bench --backend cuda --kernel sm
 sm90-tiles|sm90-tiles-cross-tile|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,0,1
 sm90-tiles|sm90-tiles-all|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,1,1,0,1,1,1
 sm90-dynamic|sm90-dynamic-fixed|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,1,1,1
-sm90-dynamic|sm90-dynamic-causal-d64|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 512 --grid 64,300,1 --warmup 0 --reps 1 --calls 1
+sm90-dynamic|sm90-dynamic-causal-d64|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 512 --grid 64,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,0,0,1,0,0,1,0,1
 sm90-dynamic|sm90-dynamic-varlen-d64|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --hidden 1024 --grid 64,300,1,1,16 --lengths 300,1,517,130,64,1000,700,33,260,900 --warmup 0 --reps 1 --calls 1
 sm90-dynamic|sm90-dynamic-varlen-d128-cross|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype fp16 --hidden 2048 --grid 128,300,0,1,16 --lengths 300,1,517,130,64,1000,700,33,260,900 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,1,1,1
 EOF

@@ -610,7 +610,9 @@ fn hopper_matrix(
 /// runs, so output and LSE must agree bit for bit. Causal (uneven tiles), a window with GQA,
 /// d256, and causal with far more queries than keys (tiles with no allowed key at all); with
 /// no switches, with overlap and ping-pong, and with conditional rescaling and polynomial
-/// exponentials (whose inputs then reach +8).
+/// exponentials (whose inputs then reach +8). Each head dim's first tile entry, and causal d64
+/// also on two consumer warpgroups (128 rows: the dynamic schedule's candidate there, 2k causal
+/// +35% on an H100, docs/perf-history.md "Varlen: the dynamic schedule").
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn persistent_launch_equals_one_cta_per_tile() {
@@ -621,38 +623,63 @@ fn persistent_launch_equals_one_cta_per_tile() {
         left: Some(300),
         right: Some(0),
     };
+    let arch = cuda.info().arch;
+    let first = |d| fa4::config::sm90::tiles(&arch, d).unwrap();
     persistent_case::<bf16>(
         &cuda,
         DType::Bf16,
         [2, 2000, 2000, 16, 128],
         fa4::Mask::Causal,
+        first(128),
     );
-    persistent_case::<half::f16>(&cuda, DType::F16, [3, 1500, 1500, 12, 64], window);
+    persistent_case::<half::f16>(
+        &cuda,
+        DType::F16,
+        [3, 1500, 1500, 12, 64],
+        window,
+        first(64),
+    );
     persistent_case::<bf16>(
         &cuda,
         DType::Bf16,
         [3, 1100, 1100, 12, 256],
         fa4::Mask::None,
+        first(256),
     );
     persistent_case::<half::f16>(
         &cuda,
         DType::F16,
         [2, 3000, 500, 16, 128],
         fa4::Mask::Causal,
+        first(128),
+    );
+    let two_wgs = fa4::config::sm90::varlen_tiles(&arch, 64, 2048, 2048).unwrap();
+    assert_eq!(two_wgs.consumer_wgs, 2);
+    persistent_case::<bf16>(
+        &cuda,
+        DType::Bf16,
+        [3, 2048, 2048, 16, 64],
+        fa4::Mask::Causal,
+        two_wgs,
     );
 }
 
-/// `shape`: batch, seqlen_q, seqlen_k, heads_q (heads_kv = heads_q / 4), head dim.
+/// `shape`: batch, seqlen_q, seqlen_k, heads_q (heads_kv = heads_q / 4), head dim; `base`: the
+/// tiles whose switches the case turns.
 fn persistent_case<T: fa4::Element>(
     cuda: &CudaBackend,
     dtype: DType,
     shape: [usize; 5],
     mask: fa4::Mask,
+    base: fa4::config::sm90::Tiles,
 ) {
     let [batch, seqlen, seqlen_k, heads, d] = shape;
     let arch = cuda.info().arch;
-    let what = format!("{dtype:?} b{batch} s{seqlen}/{seqlen_k} h{heads} d{d} {mask:?}");
-    let block_m = fa4::config::sm90::tiles(&arch, d).unwrap().block_m();
+    let what = format!(
+        "{dtype:?} b{batch} s{seqlen}/{seqlen_k} h{heads} d{d} {mask:?} {} rows",
+        base.block_m()
+    );
+    let block_m = base.block_m();
     let tiles_total = seqlen.div_ceil(block_m) * heads * batch;
     assert!(
         tiles_total > 2 * arch.sm_count as usize,
@@ -684,7 +711,7 @@ fn persistent_case<T: fa4::Element>(
     // overlap and the longest-first order only rearrange when each tile is computed, and the TMA
     // store writes the same bits: all must equal one CTA per tile bit for bit.
     let run = |persistent: bool, switches: u8| {
-        let mut tiles = fa4::config::sm90::tiles(&arch, d).unwrap();
+        let mut tiles = base;
         tiles.persistent = persistent;
         tiles.intra_wg_overlap = switches > 0 && tiles.consumer_wgs == 2;
         tiles.pingpong = switches == 1 && tiles.consumer_wgs == 2;

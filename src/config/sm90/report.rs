@@ -202,16 +202,6 @@ impl Sm90Plan {
         }
     }
 
-    /// The plan for a causal fixed-length problem of `seqlen_q` rows: [`causal_tiles`] where
-    /// they differ from [`tiles_for`]'s, as [`plan`] takes them.
-    pub fn for_causal(self, arch: &GpuArch, seqlen_q: Option<usize>) -> Sm90Plan {
-        let (dims, sq) = (self.padded_dims(), seqlen_q.unwrap_or(ANY_LENGTH));
-        match causal_tiles(arch, dims, sq, sq) {
-            t if t != tiles_for(arch, dims, sq, sq) => self.retiled(arch, t),
-            _ => self,
-        }
-    }
-
     fn padded_dims(&self) -> Dims {
         Dims {
             qk: self.padded_head_dim,

@@ -539,28 +539,6 @@ pub fn varlen_tiles(
     Some(t)
 }
 
-/// Tiles for a causal fixed-length problem: at d64 (the padded width) the dynamic schedule over
-/// two consumer warpgroups' 128-row tiles, with the TMA store; other head dims [`tiles_for`].
-/// Measured on an H100 (2026-12-06, `bench/sweep.py`, 3–5 interleaved rounds, docs/perf.md
-/// "Varlen and the dynamic schedule"): against the planner's static tiles, d64 causal +12% at
-/// 1k, +35% at 2k (where 192-row tiles walk 11 blocks badly), ties at 4k and 16k; d128 causal
-/// ties everywhere and d256 causal loses 3–5%, so they keep [`tiles_for`]'s.
-pub fn causal_tiles(
-    arch: &GpuArch,
-    dims: impl Into<Dims>,
-    seqlen_q: usize,
-    seqlen_k: usize,
-) -> Option<Tiles> {
-    let dims = dims.into();
-    if dims != sq(64) {
-        return tiles_for(arch, dims, seqlen_q, seqlen_k);
-    }
-    let mut t = tiles_among(arch, dims, seqlen_q, seqlen_k, |t| t.consumer_wgs <= 2)?;
-    t.persistent = true;
-    t.dynamic = true;
-    Some(t)
-}
-
 /// Most consumer warpgroups of a varlen launch on the dynamic schedule ([`varlen_tiles`]).
 pub const MAX_DYNAMIC_VARLEN_CONSUMERS: usize = 2;
 

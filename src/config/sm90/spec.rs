@@ -186,7 +186,7 @@ impl fmt::Display for KernelSpec {
         let t = &self.tiles;
         write!(
             f,
-            "sm90-fwd {} {} d{}{} {}x{} c{} s{} r{}/{}{}{}{}{}{}{}{}{}{}{}{}",
+            "sm90-fwd {} {} d{}{} {}x{} c{} s{} r{}/{}{}{}{}{}{}{}{}{}{}{}{}{}",
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
             self.dims(),
@@ -223,6 +223,7 @@ impl fmt::Display for KernelSpec {
             },
             if t.tma_store { " tma-store" } else { "" },
             if t.cross_tile { " cross-tile" } else { "" },
+            if t.dynamic { " dynamic" } else { "" },
             if self.window { " window" } else { "" },
             if self.softcap { " softcap" } else { "" },
             if self.varlen { " varlen" } else { "" }

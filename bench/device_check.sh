@@ -165,7 +165,8 @@ cpu_lane() {
 # 150×190, window and softcap, and three that reuse the ring's stages (200 causal, 256, 200
 # causal GQA), and d40 and d96 (narrower than their tiles: slab maps, clipped dK/dV stores) over
 # several query blocks; sm90-tiles: d128, 64 sequences of 300 × 2 heads, causal, 384 tiles on 132
-# persistent CTAs, the last query block partial (the TMA store clips); sm90-dims: head dims
+# persistent CTAs, the last query block partial (the TMA store clips), and the uniform wgmma
+# descriptors on the planner's d128 tiles (176 keys, TMA store); sm90-dims: head dims
 # narrower than their tiles (d40, d80: slab maps, zero-filled columns, clipped stores), d192, and
 # V narrower than Q/K (192/128 with its own tiles, 96/64 padded to 128/64); sm90-dynamic: the
 # dynamic schedule on 384 fixed-length tiles (TMA store, cross-tile) and on a varlen batch of
@@ -194,6 +195,7 @@ sm90-tiles|sm90-tiles-longest-first|FA4_KERNEL=sm90|bench --backend cuda --kerne
 sm90-tiles|sm90-tiles-tma-store|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,1,0
 sm90-tiles|sm90-tiles-cross-tile|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,0,1
 sm90-tiles|sm90-tiles-all|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,1,1,0,1,1,1
+sm90-tiles|sm90-tiles-uniform-desc|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 176,2,2,40,232,0,1,0,1,0,0,1,0,0,1
 sm90-dynamic|sm90-dynamic-fixed|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,1,1,1
 sm90-dynamic|sm90-dynamic-causal-d64|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 512 --grid 64,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,0,0,1,0,0,1,0,1
 sm90-dynamic|sm90-dynamic-varlen-d64|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --hidden 1024 --grid 64,300,1,1,16 --lengths 300,1,517,130,64,1000,700,33,260,900 --warmup 0 --reps 1 --calls 1

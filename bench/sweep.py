@@ -7,9 +7,8 @@ Forward, through `fa4 bench` (one process per variant and round):
                            [--bin NAME=PATH ...] [--warm N] NAME@D=TILES ...
   TILES is `plan` (the planner's choice per shape, as `fa4 bench --kernel sm90` makes it) or the
   ten fields of `--sm90-tiles` (block_n,wgs,stages,preg,creg,lazy,overlap,pingpong,persistent,
-  poly), thirteen (then longest_first,tma_store,cross_tile) or fourteen (then dynamic); with
-  `--kernel sm80`, the eight
-  fields of `--tiles`. `--bin NAME=PATH` runs variant NAME with another fa4 binary (an A/B of
+  poly), thirteen (then longest_first,tma_store,cross_tile), fourteen (then dynamic) or fifteen
+  (then uniform_desc); with `--kernel sm80`, the eight fields of `--tiles`. `--bin NAME=PATH` runs variant NAME with another fa4 binary (an A/B of
   two builds: `--bin new=DIR/fa4-new plan@256=plan new@256=plan`). Every variant runs the six
   shapes of its head dim (seqlen 1k/4k/16k × causal 0/1, bf16, 16k tokens, hidden 2048), or
   with `--lengths L,L,...` one packed varlen batch of those lengths × causal 0/1 (`fa4 bench
@@ -244,7 +243,7 @@ def main(argv=None):
     ap.add_argument("--det", action="store_true", help="backward: also the deterministic mode")
     ap.add_argument("--shapes", nargs="*", help="backward: D,SEQLEN,CAUSAL (default: the grid)")
     ap.add_argument("--warm", type=int, default=0, help="forward: compile every variant first, N at a time")
-    ap.add_argument("variants", nargs="*", help="forward: NAME@D=TILES (TILES: plan, ten, thirteen or fourteen fields)")
+    ap.add_argument("variants", nargs="*", help="forward: NAME@D=TILES (TILES: plan, ten, thirteen, fourteen or fifteen fields)")
     a = ap.parse_args(argv)
     a.seqlens = [2048] if a.lengths else [int(s) for s in a.seqlens.split(",")]
     if a.lengths is not None and not all(x.strip().isdigit() for x in a.lengths.split(",")):

@@ -413,6 +413,16 @@ fn hopper_switch_tma_store_matches_the_oracle() {
 
 #[test]
 #[ignore = "needs a CUDA GPU"]
+fn hopper_switch_uniform_desc_matches_the_oracle() {
+    hopper_switch("uniform-desc", |t| t.uniform_desc = true);
+    hopper_switch("uniform-desc+persistent+overlap+cross-tile", |t| {
+        cross_tile_on(t);
+        t.uniform_desc = true;
+    });
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
 fn hopper_switch_cross_tile_matches_the_oracle() {
     hopper_switch("persistent+overlap+cross-tile", cross_tile_on);
 }

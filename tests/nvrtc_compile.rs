@@ -196,7 +196,8 @@ fn sm90_ptxas_problems(spec: &fa4::config::sm90::KernelSpec) -> Option<String> {
 /// in every planned variant) on a handful of variants, one per planned tile shape (bf16, causal)
 /// with every switch its tiles take, plus the TMA store alone at d256 (one Q slot), a varlen
 /// one (the cross-tile walk skipping empty tiles) and the dynamic schedule with the cross-tile
-/// overlap, varlen and not: no spills, no serialisation.
+/// overlap, varlen and not, and the uniform descriptors on each tile shape and the dynamic varlen
+/// one: no spills, no serialisation.
 #[test]
 fn issue14_switched_sm90_variants_compile_without_spills_or_wgmma_serialization() {
     if ran_without_compute_cache(
@@ -263,7 +264,22 @@ fn issue14_switched_sm90_variants_compile_without_spills_or_wgmma_serialization(
         s.varlen = false;
         specs.push(s);
     }
-    assert_eq!(specs.len(), 11, "{specs:#?}");
+    // Uniform descriptors on every planned tile shape, and on the dynamic varlen schedule with
+    // the cross-tile overlap.
+    let uniform: Vec<_> = base(&|_| true)
+        .into_iter()
+        .chain(
+            specs
+                .last()
+                .map(|s| fa4::config::sm90::KernelSpec { varlen: true, ..*s }),
+        )
+        .map(|mut s| {
+            s.tiles.uniform_desc = true;
+            s
+        })
+        .collect();
+    specs.extend(uniform);
+    assert_eq!(specs.len(), 19, "{specs:#?}");
     let failures: Vec<String> = specs.par_iter().filter_map(sm90_ptxas_problems).collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }

@@ -61,7 +61,10 @@ fn dump_every_variant_cubin() {
         issue14.tiles.cross_tile = spec.tiles.consumer_wgs == 2;
         issue14.tiles.tma_store =
             !issue14.tiles.cross_tile || spec.tiles.q_stages(spec.dims()) == 2;
-        for s in [spec, switched, issue14] {
+        // And the planned variant with the uniform wgmma descriptors (`bench/sass_loop.py`).
+        let mut uniform = spec;
+        uniform.tiles.uniform_desc = true;
+        for s in [spec, switched, issue14, uniform] {
             jobs.push((file_name(&s), Box::new(move || compile_uncached(&s))));
         }
     }

@@ -511,7 +511,7 @@ mod tests {
     }
 
     #[test]
-    fn tile_overrides_take_ten_thirteen_or_fourteen_fields() {
+    fn tile_overrides_take_ten_thirteen_fourteen_or_fifteen_fields() {
         let ten: Tiles = "128,2,2,40,232,0,1,0,1,0".parse().unwrap();
         assert!(ten.intra_wg_overlap && ten.persistent);
         assert!(!ten.longest_first && !ten.tma_store && !ten.cross_tile);
@@ -535,12 +535,22 @@ mod tests {
                 ..ten
             }
         );
+        assert!(!dynamic.uniform_desc);
+        let uniform: Tiles = "128,2,2,40,232,0,1,0,1,0,0,0,0,0,1".parse().unwrap();
+        assert_eq!(
+            uniform,
+            Tiles {
+                uniform_desc: true,
+                ..ten
+            }
+        );
         for bad in [
             "128,2,2,40,232,0,1,0,1,0,1",
             "128,2,2,40,232,0,1,0,1,0,1,1",
             "128,2,2,40,232,0,1,0,1,0,1,1,2",
             "128,2,2,40,232,0,1,0,1,0,1,1,1,2",
-            "128,2,2,40,232,0,1,0,1,0,1,1,1,1,1",
+            "128,2,2,40,232,0,1,0,1,0,1,1,1,1,2",
+            "128,2,2,40,232,0,1,0,1,0,1,1,1,1,1,1",
         ] {
             let e = bad.parse::<Tiles>().unwrap_err().to_string();
             assert!(e.contains("sm90 tiles"), "{bad}: {e}");

@@ -312,10 +312,11 @@ impl fmt::Display for Sm90Plan {
         )?;
         writeln!(
             f,
-            "  longest-first tile order: {}; TMA-store epilogue: {}; cross-tile overlap: {}",
+            "  longest-first tile order: {}; TMA-store epilogue: {}; cross-tile overlap: {}; uniform wgmma descriptors: {}",
             on(t.longest_first),
             on(t.tma_store),
-            on(t.cross_tile)
+            on(t.cross_tile),
+            on(t.uniform_desc)
         )?;
         write!(
             f,

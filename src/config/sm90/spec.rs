@@ -97,6 +97,7 @@ impl KernelSpec {
             .flag("TMA_STORE", t.tma_store)
             .flag("CROSS_TILE", t.cross_tile)
             .flag("DYNAMIC", t.dynamic)
+            .flag("UNIFORM_DESC", t.uniform_desc)
             .flag("IS_BF16", self.bf16)
             .flag("HAS_WINDOW", self.window)
             .flag("HAS_SOFTCAP", self.softcap)
@@ -186,7 +187,7 @@ impl fmt::Display for KernelSpec {
         let t = &self.tiles;
         write!(
             f,
-            "sm90-fwd {} {} d{}{} {}x{} c{} s{} r{}/{}{}{}{}{}{}{}{}{}{}{}{}{}",
+            "sm90-fwd {} {} d{}{} {}x{} c{} s{} r{}/{}{}{}{}{}{}{}{}{}{}{}{}{}{}",
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
             self.dims(),
@@ -224,6 +225,7 @@ impl fmt::Display for KernelSpec {
             if t.tma_store { " tma-store" } else { "" },
             if t.cross_tile { " cross-tile" } else { "" },
             if t.dynamic { " dynamic" } else { "" },
+            if t.uniform_desc { " uniform-desc" } else { "" },
             if self.window { " window" } else { "" },
             if self.softcap { " softcap" } else { "" },
             if self.varlen { " varlen" } else { "" }

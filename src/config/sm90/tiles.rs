@@ -121,34 +121,49 @@ pub struct Tiles {
     /// tiles are numbered over each sequence's own query blocks, so none is empty. Off: the
     /// static walk of [`Tiles::persistent`].
     pub dynamic: bool,
+    /// `wgmma` descriptors in uniform registers, each operand's built once per tile or stage
+    /// and advanced by a constant per k16 step (FlashAttention-3's way), and the warpgroup index
+    /// broadcast from lane 0 so that the addresses derived from it are warp-uniform to ptxas.
+    /// Off: each descriptor rebuilt from its address (mask, shift, or), the addresses moved into
+    /// uniform registers with `R2UR`. At d128 × 176 keys, 621 instructions per key block and
+    /// warp against 714 (FlashAttention-3: 594; SASS, 2026-12-06, docs/perf-history.md "The
+    /// steady loop beside FlashAttention-3's"); not yet run on a GPU.
+    pub uniform_desc: bool,
 }
 
 /// The command-line spelling of a Hopper tile override (`fa4 bench --sm90-tiles`):
 /// `block_n,consumer_wgs,stages,producer_regs,consumer_regs,lazy,overlap,pingpong,persistent,poly`
 /// (flags 0|1; `poly` is [`Tiles::poly_exp2`], 0..=8), optionally followed by
-/// `,longest_first,tma_store,cross_tile[,dynamic]` (flags 0|1; off when left out).
+/// `,longest_first,tma_store,cross_tile[,dynamic[,uniform_desc]]` (flags 0|1; off when left out).
 impl std::str::FromStr for Tiles {
     type Err = Error;
 
     fn from_str(s: &str) -> Result<Tiles> {
         const WHAT: &str = "sm90 tiles";
-        // Ten fields (the switches before longest_first), thirteen or fourteen.
-        let [block_n, consumer_wgs, stages, producer_regs, consumer_regs, lazy, overlap, pingpong, persistent, poly_exp2, longest_first, tma_store, cross_tile, dynamic] =
+        // Ten fields (the switches before longest_first), thirteen, fourteen or fifteen.
+        let [block_n, consumer_wgs, stages, producer_regs, consumer_regs, lazy, overlap, pingpong, persistent, poly_exp2, longest_first, tma_store, cross_tile, dynamic, uniform_desc] =
             match s.split(',').count() {
                 10 => {
                     let [a, b, c, d, e, f, g, h, i, j] = crate::config::override_fields(s, WHAT)?;
-                    [a, b, c, d, e, f, g, h, i, j, 0, 0, 0, 0]
+                    [a, b, c, d, e, f, g, h, i, j, 0, 0, 0, 0, 0]
                 }
                 13 => {
                     let [a, b, c, d, e, f, g, h, i, j, k, l, m] =
                         crate::config::override_fields(s, WHAT)?;
-                    [a, b, c, d, e, f, g, h, i, j, k, l, m, 0]
+                    [a, b, c, d, e, f, g, h, i, j, k, l, m, 0, 0]
                 }
-                14 => crate::config::override_fields(s, WHAT)?,
+                14 => {
+                    let [a, b, c, d, e, f, g, h, i, j, k, l, m, n] =
+                        crate::config::override_fields(s, WHAT)?;
+                    [a, b, c, d, e, f, g, h, i, j, k, l, m, n, 0]
+                }
+                15 => crate::config::override_fields(s, WHAT)?,
                 n => {
                     return Err(Error::invalid(
                         WHAT,
-                        format!("expected 10, 13 or 14 comma-separated integers, got {n} in `{s}`"),
+                        format!(
+                            "expected 10, 13, 14 or 15 comma-separated integers, got {n} in `{s}`"
+                        ),
                     ))
                 }
             };
@@ -173,6 +188,7 @@ impl std::str::FromStr for Tiles {
             tma_store: flag(tma_store, "tma_store")?,
             cross_tile: flag(cross_tile, "cross_tile")?,
             dynamic: flag(dynamic, "dynamic")?,
+            uniform_desc: flag(uniform_desc, "uniform_desc")?,
         })
     }
 }
@@ -417,6 +433,7 @@ pub(crate) const fn t(
         tma_store: false,
         cross_tile: false,
         dynamic: false,
+        uniform_desc: false,
     }
 }
 

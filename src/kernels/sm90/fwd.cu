@@ -91,6 +91,7 @@ static_assert(Q_BYTES % TILE_ALIGN == 0 && K_BYTES % TILE_ALIGN == 0 && V_BYTES 
 static_assert(SMEM_BYTES == FA4_SMEM_BYTES, "the planner's shared-memory count must match");
 static_assert(STAGES >= 2, "the K/V ring needs at least two stages");
 static_assert(Q_STAGES == 1 || Q_STAGES == 2, "one or two Q slots");
+static_assert(SMEM_BYTES <= (1 << 18), "UNIFORM_DESC: desc_plus never carries below 256 KiB");
 
 // ---------------------------------------------------------------------------------------------
 // Accumulator layout of wgmma m64nN (f32): thread t of the warpgroup (warp w = t / 32, lane l)
@@ -326,13 +327,18 @@ __device__ __forceinline__ void sched_pass(int c) {
     }
 }
 
-// Issues S = Q·Kᵀ for the K tile at `k_base` (one commit group).
+// Issues S = Q·Kᵀ for the K tile at `k_base` (one commit group). UNIFORM_DESC: each operand's
+// descriptor built once and advanced per k16 step (`desc_plus`), else rebuilt per step.
 __device__ __forceinline__ void issue_qk(float (&rS)[S_REGS], u32 q_base, u32 k_base) {
+    const u64 q_desc = smem_desc(q_base, 16, SBO_BYTES), k_desc = smem_desc(k_base, 16, SBO_BYTES);
 #pragma unroll
     for (int kk = 0; kk < QK_DIM / 16; ++kk) {
-        const u32 a = q_base + (kk / 4) * (BLOCK_M * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
-        const u32 b = k_base + (kk / 4) * (BLOCK_N * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
-        wgmma_ss(rS, smem_desc(a, 16, SBO_BYTES), smem_desc(b, 16, SBO_BYTES), kk > 0 ? 1 : 0);
+        const u32 a = (kk / 4) * (BLOCK_M * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
+        const u32 b = (kk / 4) * (BLOCK_N * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
+        if constexpr (UNIFORM_DESC)
+            wgmma_ss(rS, desc_plus(q_desc, a), desc_plus(k_desc, b), kk > 0 ? 1 : 0);
+        else
+            wgmma_ss(rS, smem_desc(q_base + a, 16, SBO_BYTES), smem_desc(k_base + b, 16, SBO_BYTES), kk > 0 ? 1 : 0);
     }
     wgmma_commit();
 }
@@ -342,9 +348,11 @@ __device__ __forceinline__ void issue_qk(float (&rS)[S_REGS], u32 q_base, u32 k_
 // `fresh` (CROSS_TILE only): O = P·V, the old O not read (the tile's first P·V).
 __device__ __forceinline__ void issue_pv(float (&rO)[O_REGS], const u32 (&rP)[P_REGS], u32 v_base,
                                          bool fresh = false) {
+    const u64 v_desc = smem_desc(v_base, BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES);
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
-        const u64 desc = smem_desc(v_base + kk * KSTEP_V_BYTES, BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES);
+        const u64 desc = UNIFORM_DESC ? desc_plus(v_desc, kk * KSTEP_V_BYTES)
+                                      : smem_desc(v_base + kk * KSTEP_V_BYTES, BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES);
         if constexpr (CROSS_TILE)
             wgmma_rs_acc(rO, rP[4 * kk], rP[4 * kk + 1], rP[4 * kk + 2], rP[4 * kk + 3], desc, kk > 0 || !fresh);
         else
@@ -801,7 +809,10 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_fwd_sm90(const 
     }
     __syncthreads();
 
-    const int warp = threadIdx.x / 32, wg = threadIdx.x / WG_THREADS;
+    // UNIFORM_DESC: the warp index broadcast from lane 0 (the same value), which ptxas then
+    // knows to be warp-uniform, so that the consumer's addresses live in uniform registers.
+    const int warp = UNIFORM_DESC ? __shfl_sync(0xffffffffu, threadIdx.x / 32, 0) : threadIdx.x / 32;
+    const int wg = warp / 4;
     switch (role_of(warp)) {
     case ROLE_PRODUCER:
         setmaxnreg_dec<PRODUCER_REGS>();

@@ -125,7 +125,7 @@ pub struct Tiles {
     /// and advanced by a constant per k16 step (FlashAttention-3's way), and the warpgroup index
     /// broadcast from lane 0 so that the addresses derived from it are warp-uniform to ptxas.
     /// Off: each descriptor rebuilt from its address (mask, shift, or), the addresses moved into
-    /// uniform registers with `R2UR`. At d128 × 176 keys, 621 instructions per key block and
+    /// uniform registers with `R2UR`. At d128 × 176 keys, 612 instructions per key block and
     /// warp against 714 (FlashAttention-3: 594; SASS, 2026-12-06, docs/perf-history.md "The
     /// steady loop beside FlashAttention-3's"); not yet run on a GPU.
     pub uniform_desc: bool,

@@ -1,8 +1,8 @@
-// PTX wrappers of the Hopper backward beyond the Hopper layer (`../sm90/ptx.cuh`): the bulk
-// reduction of a dQ tile from shared memory into the f32 accumulator, and the 16-byte
-// shared-memory accesses of the non-finite cleaning and the dQ tile's stores (the 4-byte
-// `st_shared_b32` of the dSᵀ stores and the bulk-group commit and read wait are the Hopper
-// layer's). (`../bwd/ptx.cuh` holds the Ampere-class kernel's register reduction but also a
+// PTX wrappers of the Hopper backward beyond the Hopper layer (`../sm90/ptx.cuh`, which also
+// holds `desc_plus`): the bulk reduction of a dQ tile from shared memory into the f32
+// accumulator, and the 16-byte shared-memory accesses of the non-finite cleaning and the dQ
+// tile's stores (the 4-byte `st_shared_b32` of the dSᵀ stores and the bulk-group commit and read
+// wait are the Hopper layer's). (`../bwd/ptx.cuh` holds the Ampere-class kernel's register reduction but also a
 // `st_global_b32` that the Hopper layer defines too, so it is not included here.)
 
 // dst[0 .. bytes / 4) += src[0 .. bytes / 4) (f32, element by element, as atomic adds in
@@ -30,8 +30,3 @@ __device__ __forceinline__ void st_shared_v4(u32 addr, const u32 (&x)[4]) {
                  : "memory");
 }
 
-// The descriptor of a tile `bytes` (a multiple of 16) past the one `desc` describes: its start
-// address field is (address >> 4) in bits 0–13, and shared addresses stay below 2^18, so the sum
-// never carries out of that field. One add per wgmma where a fresh `smem_desc` masks, shifts and
-// merges each time.
-__device__ __forceinline__ u64 desc_plus(u64 desc, u32 bytes) { return desc + (bytes >> 4); }

@@ -115,12 +115,11 @@ __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
            (static_cast<u64>((sbo & 0x3FFFF) >> 4) << 32) | (1ull << 62);
 }
 
-// The descriptor of the address `bytes` past d's: its start-address field (bits 0-13, the address
-// / 16) grows by bytes / 16, and while the address stays within shared memory (below 256 KiB)
-// nothing carries into the fields above, so only the low word changes: one add.
-__device__ __forceinline__ u64 desc_plus(u64 d, u32 bytes) {
-    return (d & 0xFFFFFFFF00000000ull) | (static_cast<u32>(d) + (bytes >> 4));
-}
+// The descriptor of a tile `bytes` (a multiple of 16) past the one `desc` describes: its start
+// address field is (address >> 4) in bits 0–13, and shared addresses stay below 2^18, so the sum
+// never carries out of that field. One add per wgmma where a fresh `smem_desc` masks, shifts and
+// merges each time.
+__device__ __forceinline__ u64 desc_plus(u64 desc, u32 bytes) { return desc + (bytes >> 4); }
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }

@@ -2,8 +2,9 @@
 // holds `desc_plus`): the bulk reduction of a dQ tile from shared memory into the f32
 // accumulator, and the 16-byte shared-memory accesses of the non-finite cleaning and the dQ
 // tile's stores (the 4-byte `st_shared_b32` of the dSᵀ stores and the bulk-group commit and read
-// wait are the Hopper layer's). (`../bwd/ptx.cuh` holds the Ampere-class kernel's register reduction but also a
-// `st_global_b32` that the Hopper layer defines too, so it is not included here.)
+// wait are the Hopper layer's). (`../bwd/ptx.cuh` holds the Ampere-class kernel's register
+// reduction but also a `st_global_b32` that the Hopper layer defines too, so it is not included
+// here.)
 
 // dst[0 .. bytes / 4) += src[0 .. bytes / 4) (f32, element by element, as atomic adds in
 // global memory), read from shared memory by the TMA unit in this thread's bulk async-group.

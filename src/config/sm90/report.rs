@@ -194,29 +194,22 @@ impl Sm90Plan {
     /// tile table's first entry, as [`Sm90Plan::new`]): the dynamic schedule's tiles
     /// ([`varlen_tiles`]), as [`plan`] takes them.
     pub fn for_varlen(self, arch: &GpuArch, seqlen_q: Option<usize>) -> Sm90Plan {
-        let sq = seqlen_q.unwrap_or(ANY_LENGTH);
-        let tiles = varlen_tiles(arch, self.padded_dims(), sq, sq);
-        Sm90Plan {
-            varlen: true,
-            ..self.retiled(arch, tiles)
-        }
-    }
-
-    fn padded_dims(&self) -> Dims {
-        Dims {
+        let dims = Dims {
             qk: self.padded_head_dim,
             v: self.padded_head_dim_v,
-        }
-    }
-
-    /// The same problem with other tiles (none: unchanged).
-    fn retiled(self, arch: &GpuArch, tiles: Option<Tiles>) -> Sm90Plan {
-        let Some(tiles) = tiles else { return self };
+        };
+        let sq = seqlen_q.unwrap_or(ANY_LENGTH);
+        let plan = match varlen_tiles(arch, dims, sq, sq) {
+            Some(tiles) => Sm90Plan {
+                head_dim_v: self.head_dim_v,
+                slab_maps: self.slab_maps,
+                ..Self::with_tiles(arch, self.head_dim, dims, tiles)
+            },
+            None => self,
+        };
         Sm90Plan {
-            head_dim_v: self.head_dim_v,
-            slab_maps: self.slab_maps,
-            varlen: self.varlen,
-            ..Self::with_tiles(arch, self.head_dim, self.padded_dims(), tiles)
+            varlen: true,
+            ..plan
         }
     }
 

@@ -6,10 +6,10 @@ forward beside another library's (FlashAttention-3's cubins are in its wheel's `
 
 The main loop is the shortest loop (a backward branch and its target) that holds an `HGMMA`, in
 the function named (default: the first function with any): the key-block loop, inside the tile
-loop. It is printed block by block
-(a block ends at a branch or where one lands), then in total by opcode, without the blocks
-named cold (`--cold 5000-5da0`: hex addresses, e.g. a masking block the steady state jumps
-over). Counts are static: one pass through each block, as the steady state takes it.
+loop. It is printed block by block (a block ends at a branch or where one lands), then in total
+by opcode, without the blocks named cold (`--cold 5000-5da0`: hex addresses, e.g. a masking
+block the steady state jumps over). Counts are static: one pass through each block, as the
+steady state takes it.
 Needs no GPU; `cuobjdump` and `nvdisasm` come with PyPI's `nvidia-cuda-cuobjdump`.
 """
 import argparse

@@ -12,7 +12,8 @@ Forward, through `fa4 bench` (one process per variant and round):
   runs variant NAME with another fa4 binary (an A/B of two builds: `--bin new=DIR/fa4-new
   plan@256=plan new@256=plan`). Every variant runs the six shapes of its head dim (seqlen
   1k/4k/16k × causal 0/1, bf16, 16k tokens, hidden 2048), or with `--lengths L,L,...` one
-  packed varlen batch of those lengths × causal 0/1 (`fa4 bench --lengths`; e.g. `bench/peers.py lengths`: the ragged batch of docs/perf.md).
+  packed varlen batch of those lengths × causal 0/1 (`fa4 bench --lengths`; e.g.
+  `bench/peers.py lengths`: the ragged batch of docs/perf.md).
   `--warm N` first runs every variant once, N processes at a time, so that NVRTC compiles the
   variants in parallel into the disk cache (FA4_CACHE_DIR) instead of inside the first round.
   Table: each variant's median over rounds in TFLOP/s and its ratio to `plan` of its head dim.

@@ -41,6 +41,8 @@
 #                        `sm90-dynamic`: its dynamic schedule, fixed-length and varlen; `none`).
 #                        FA4_BWD_SM90_CTAS=N, when set, makes the Hopper backward's persistent
 #                        CTAs walk several tiles each.
+#   FA4_CHECK_CASES      when set, only these sanitized cases of those families (names such as
+#                        `sm90-tiles-uniform-desc`); default every case
 #   FA4_CHECK_TOOLS      sanitizer tools (default memcheck racecheck synccheck)
 #   FA4_CHECK_DECODE_VARIANTS / _MEMCHECK / _RACECHECK   the decode section's variants
 set -uo pipefail
@@ -223,6 +225,7 @@ san_lane() {
     for fam in $families; do
         san_cases | grep -q "^$fam|" || { note san "sanitize $fam" FAIL 0 "unknown family (sm80 sm90 decode backward bwd-sm90 sm90-tiles sm90-dims sm90-dynamic)"; continue; }
         while IFS='|' read -r _ name envs args; do
+            if [ -n "${FA4_CHECK_CASES:-}" ] && ! [[ " $FA4_CHECK_CASES " == *" $name "* ]]; then continue; fi
             plain=$out/sanitize/$name-plain.txt
             t0=$(date +%s)
             # shellcheck disable=SC2086

@@ -178,6 +178,23 @@ fn sm90_plan_reports_roles_budgets_and_the_kernel_choice() {
         out.contains("kernel for this problem: sm90 (") && out.contains("variable-length batch"),
         "{out}"
     );
+    // Causal d64 takes the dynamic schedule; d128 keeps its static walk.
+    let (code, out, _) = fa4(&[
+        "plan", "--arch", "sm90", "--depth", "64", "--causal", "--seqlen", "2048",
+    ]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("tile 128×128") && out.contains("launch: persistent, dynamic"),
+        "{out}"
+    );
+    let (code, out, _) = fa4(&[
+        "plan", "--arch", "sm90", "--depth", "128", "--causal", "--seqlen", "2048",
+    ]);
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("launch: persistent (one CTA per SM walks"),
+        "{out}"
+    );
     // Varlen batches take the dynamic schedule, at any sequence length.
     for seqlen in ["1024", "16384"] {
         let (code, out, _) = fa4(&[

@@ -115,15 +115,15 @@ fn every_sm90_variant_compiles_without_spills_or_wgmma_serialization() {
     let specs = fa4::config::sm90::all_specs(&H200, "sm_90a");
     assert_eq!(
         specs.len(),
-        7 * 8 + 6 * 8,
-        "every planned tile shape (d64 and d128 have two; d192, 192/128, d256 one) × dtype × mask × softcap, fixed-length; varlen on the dynamic schedule (not d64's three consumer warpgroups)"
+        7 * 8 + 6 * 8 + 4,
+        "every planned tile shape (d64 and d128 have two; d192, 192/128, d256 one) × dtype × mask × softcap, fixed-length; varlen on the dynamic schedule (not d64's three consumer warpgroups); causal d64 on the dynamic schedule"
     );
     // The slab-map variants (tensors narrower than their tiles: per-slab loads and stores).
     let slabs = fa4::config::sm90::slab_specs(&H200, "sm_90a");
     assert_eq!(
         slabs.len(),
-        7 + 6,
-        "one per planned fixed-length and varlen tile shape"
+        7 + 6 + 1,
+        "one per planned fixed-length, varlen and causal-dynamic tile shape"
     );
     // The bf16 causal ones also with every kernel switch on that its tiles take (the persistent
     // launch changes only the grid; the overlap and ping-pong need two consumer warpgroups).

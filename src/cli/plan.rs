@@ -85,8 +85,11 @@ pub fn run(args: PlanArgs) -> Result<()> {
     if args.backward.wanted() {
         return plan_backward::run(&args);
     }
+    // `--causal` also picks the Hopper forward's tiles (d64 takes the dynamic schedule).
     if let Some(flag) = args.backward.stray() {
-        return Err(Error::invalid(flag, "belongs to `fa4 plan --backward`"));
+        if !(sm90_forward && flag == "--causal") {
+            return Err(Error::invalid(flag, "belongs to `fa4 plan --backward`"));
+        }
     }
     if let Some(flag) = args.decode.stray() {
         return Err(Error::invalid(flag, "belongs to `fa4 plan --decode`"));
@@ -351,6 +354,8 @@ fn run_sm90(args: &PlanArgs) -> Result<()> {
     let plan = plan.map(|p| {
         if args.varlen {
             p.for_varlen(&arch, args.seqlen)
+        } else if args.backward.causal {
+            p.for_causal(&arch, args.seqlen)
         } else {
             p
         }

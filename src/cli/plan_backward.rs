@@ -32,9 +32,10 @@ pub struct BackwardPlanArgs {
     /// The deterministic backward (dQ summed in a fixed order, no atomics).
     #[arg(long, help_heading = "Backward")]
     deterministic: bool,
-    /// Causal mask, aligned to the bottom-right corner (the window -1,0).
+    /// Causal mask, aligned to the bottom-right corner (the window -1,0); also with `--arch
+    /// sm90` for the forward's tiles.
     #[arg(long, help_heading = "Backward")]
-    causal: bool,
+    pub(crate) causal: bool,
     /// Local window: LEFT keys before the diagonal and RIGHT after; -1 is unbounded.
     #[arg(long, value_name = "LEFT,RIGHT", allow_hyphen_values = true,
           value_parser = super::super::run::parse_window, help_heading = "Backward")]

@@ -21,6 +21,7 @@ use super::KernelKind;
 use crate::arch::{Family, GpuArch};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::mask::Mask;
 use crate::problem::Problem;
 
 mod report;
@@ -301,8 +302,11 @@ pub fn plan(
             // Varlen batches take the dynamic schedule over each sequence's own query blocks
             // (`varlen_tiles`); the static persistent walk lost to one CTA per tile on ragged
             // batches (docs/perf-history.md, "Varlen: the persistent walk and the TMA store").
+            // Causal d64 takes it too (`causal_tiles`).
             let pick = if p.is_varlen() {
                 varlen_tiles
+            } else if p.mask() == Mask::Causal {
+                causal_tiles
             } else {
                 tiles_for
             };
@@ -630,6 +634,37 @@ mod tests {
             ..t
         };
         assert!(plan(&v, &H200, "sm_90a", Some(bad)).is_err());
+    }
+
+    #[test]
+    fn causal_d64_takes_the_dynamic_schedule_on_two_consumer_warpgroups() {
+        use crate::problem::Options;
+        for sq in [1024, 2048, 4096, 16384] {
+            let t = causal_tiles(&H200, 64, sq, sq).unwrap();
+            if sq <= CAUSAL_DYNAMIC_MAX_ROWS {
+                assert!(
+                    t.consumer_wgs == 2 && t.persistent && t.dynamic && t.tma_store,
+                    "{sq}: {t:?}"
+                );
+            } else {
+                assert_eq!(Some(t), tiles_for(&H200, 64, sq, sq), "{sq}");
+            }
+            for d in [128, 256] {
+                assert_eq!(causal_tiles(&H200, d, sq, sq), tiles_for(&H200, d, sq, sq));
+            }
+        }
+        // Through plan: causal d64 numbers every tile; without the mask, the static tiles.
+        let l = crate::tensor::Layout::new("q", &[2, 2048, 8, 64], None).unwrap();
+        let problem =
+            |o: &Options| Problem::new(DType::Bf16, &l, &l, &l, &l, None, None, o).unwrap();
+        let causal = plan(&problem(&Options::new().causal()), &H200, "sm_90a", None).unwrap();
+        assert!(causal.spec.tiles.dynamic);
+        assert_eq!(
+            (causal.grid, causal.tiles),
+            ((H200.sm_count, 1, 1), 16 * 8 * 2)
+        );
+        let full = plan(&problem(&Options::new()), &H200, "sm_90a", None).unwrap();
+        assert!(!full.spec.tiles.dynamic && full.spec.tiles.consumer_wgs == 3);
     }
 
     #[test]

@@ -213,6 +213,24 @@ impl Sm90Plan {
         }
     }
 
+    /// The plan for a causal fixed-length problem of `seqlen_q` rows: [`causal_tiles`] where
+    /// they differ from [`tiles_for`]'s, as [`plan`] takes them.
+    pub fn for_causal(self, arch: &GpuArch, seqlen_q: Option<usize>) -> Sm90Plan {
+        let dims = Dims {
+            qk: self.padded_head_dim,
+            v: self.padded_head_dim_v,
+        };
+        let sq = seqlen_q.unwrap_or(ANY_LENGTH);
+        match causal_tiles(arch, dims, sq, sq) {
+            Some(tiles) if Some(tiles) != tiles_for(arch, dims, sq, sq) => Sm90Plan {
+                head_dim_v: self.head_dim_v,
+                slab_maps: self.slab_maps,
+                ..Self::with_tiles(arch, self.head_dim, dims, tiles)
+            },
+            _ => self,
+        }
+    }
+
     /// The machine-readable form (`fa4 plan --arch sm90 --json`).
     pub fn to_json(&self) -> String {
         serde_json::to_string_pretty(self).expect("plain data serializes")

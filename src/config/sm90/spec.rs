@@ -236,7 +236,8 @@ impl fmt::Display for KernelSpec {
 /// Every spec the planner can emit for `arch` with tensors as wide as their tiles (for compile
 /// tests and warm-up): each entry of the tile table × dtype × mask × softcap, fixed-length with
 /// the TMA store, varlen on the dynamic schedule with the plain store (entries of at most
-/// [`MAX_DYNAMIC_VARLEN_CONSUMERS`] consumer warpgroups: [`varlen_tiles`]). The persistent launch
+/// [`MAX_DYNAMIC_VARLEN_CONSUMERS`] consumer warpgroups: [`varlen_tiles`]), and the dynamic
+/// schedule with the TMA store of the causal d64 tiles ([`causal_tiles`]). The persistent launch
 /// changes only the grid (the dynamic schedule changes the kernel). The slab-map variants of
 /// narrower tensors differ only in the producer's loads and the epilogue's stores;
 /// [`slab_specs`] lists one per tile entry and varlen.
@@ -248,29 +249,38 @@ pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
             tma_store: true,
             ..tiles
         };
-        let dynamic = Tiles {
+        let dynamic = |tma_store| Tiles {
             persistent: true,
             dynamic: true,
+            tma_store,
             ..tiles
         };
-        let mut kinds = vec![(false, fixed)];
+        // (varlen, causal only, tiles)
+        let mut kinds = vec![(false, false, fixed)];
         if tiles.consumer_wgs <= MAX_DYNAMIC_VARLEN_CONSUMERS {
-            kinds.push((true, dynamic));
+            kinds.push((true, false, dynamic(false)));
         }
-        for (varlen, tiles) in kinds {
+        let short = CAUSAL_DYNAMIC_MAX_ROWS;
+        let causal = causal_tiles(arch, dims, short, short);
+        if causal.is_some_and(|c| c.dynamic && c.block_m() == tiles.block_m()) {
+            kinds.push((false, true, dynamic(true)));
+        }
+        for (varlen, causal_only, tiles) in kinds {
             out.extend(
-                crate::config::feature_variants().map(|(bf16, window, softcap)| KernelSpec {
-                    target,
-                    bf16,
-                    head_dim: dims.qk,
-                    head_dim_v: dims.v,
-                    dim: dims.qk,
-                    dim_v: dims.v,
-                    window,
-                    softcap,
-                    varlen,
-                    tiles,
-                }),
+                crate::config::feature_variants()
+                    .filter(|&(_, window, _)| window || !causal_only)
+                    .map(|(bf16, window, softcap)| KernelSpec {
+                        target,
+                        bf16,
+                        head_dim: dims.qk,
+                        head_dim_v: dims.v,
+                        dim: dims.qk,
+                        dim_v: dims.v,
+                        window,
+                        softcap,
+                        varlen,
+                        tiles,
+                    }),
             );
         }
     }

@@ -127,7 +127,9 @@ pub struct Tiles {
     /// Off: each descriptor rebuilt from its address (mask, shift, or), the addresses moved into
     /// uniform registers with `R2UR`. At d128 × 176 keys, 612 instructions per key block and
     /// warp against 714 (FlashAttention-3: 594; SASS, 2026-12-06, docs/perf-history.md "The
-    /// steady loop beside FlashAttention-3's"); not yet run on a GPU.
+    /// steady loop beside FlashAttention-3's"), and 2–15% faster on every grid shape (H100,
+    /// 2026-12-06). On in every entry of the tile table; a `--sm90-tiles` override that leaves
+    /// the field out has it off.
     pub uniform_desc: bool,
 }
 
@@ -433,7 +435,7 @@ pub(crate) const fn t(
         tma_store: false,
         cross_tile: false,
         dynamic: false,
-        uniform_desc: false,
+        uniform_desc: true,
     }
 }
 
@@ -555,6 +557,32 @@ pub fn varlen_tiles(
     t.tma_store = false;
     Some(t)
 }
+
+/// Tiles for a causal fixed-length problem: at d64 (the padded width) and up to
+/// [`CAUSAL_DYNAMIC_MAX_ROWS`] query rows, the dynamic schedule over two consumer warpgroups'
+/// 128-row tiles, with the TMA store; otherwise [`tiles_for`]. Measured on an H100
+/// (2026-12-06, `bench/sweep.py`, 3 interleaved rounds, uniform descriptors on; docs/perf.md
+/// "Varlen and the dynamic schedule"): against the three-consumer static tiles, d64 causal +18%
+/// at 1k and +35% at 2k (where 192-row tiles walk 11 blocks badly), −6% at 4k and 16k; d128
+/// causal ties everywhere and d256 causal loses 3–5%, so they keep [`tiles_for`]'s.
+pub fn causal_tiles(
+    arch: &GpuArch,
+    dims: impl Into<Dims>,
+    seqlen_q: usize,
+    seqlen_k: usize,
+) -> Option<Tiles> {
+    let dims = dims.into();
+    if dims != sq(64) || seqlen_q > CAUSAL_DYNAMIC_MAX_ROWS {
+        return tiles_for(arch, dims, seqlen_q, seqlen_k);
+    }
+    let mut t = tiles_among(arch, dims, seqlen_q, seqlen_k, |t| t.consumer_wgs <= 2)?;
+    t.persistent = true;
+    t.dynamic = true;
+    Some(t)
+}
+
+/// Longest causal d64 sequence (query rows) that takes the dynamic schedule ([`causal_tiles`]).
+pub const CAUSAL_DYNAMIC_MAX_ROWS: usize = 2048;
 
 /// Most consumer warpgroups of a varlen launch on the dynamic schedule ([`varlen_tiles`]).
 pub const MAX_DYNAMIC_VARLEN_CONSUMERS: usize = 2;

@@ -127,8 +127,9 @@ pub struct Tiles {
     /// Off: each descriptor rebuilt from its address (mask, shift, or), the addresses moved into
     /// uniform registers with `R2UR`. At d128 × 176 keys, 612 instructions per key block and
     /// warp against 714 (FlashAttention-3: 594; SASS, 2026-12-06, docs/perf-history.md "The
-    /// steady loop beside FlashAttention-3's"), and 2–15% faster on every grid shape (H100,
-    /// 2026-12-06). On in every entry of the tile table; a `--sm90-tiles` override that leaves
+    /// steady loop beside FlashAttention-3's"), and 2.4–14.5% faster on 23 of the 24 grid
+    /// shapes, level on one (H100, 2026-12-06, docs/perf-history.md "Uniform wgmma descriptors on
+    /// the GPU"). On in every entry of the tile table; a `--sm90-tiles` override that leaves
     /// the field out has it off.
     pub uniform_desc: bool,
 }

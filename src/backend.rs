@@ -6,7 +6,8 @@
 
 use crate::cpu::CpuBackend;
 use crate::cuda::CudaBackend;
-use crate::error::Result;
+use crate::error::{Error, Result};
+use crate::fp8::{Descales, F8E4M3};
 use crate::problem::{Options, Problem};
 use crate::tensor::{Element, Tensor, TensorMut};
 
@@ -139,6 +140,108 @@ impl Backend {
             opts,
         )?;
         self.run(&p, q.data(), k.data(), v.data(), o, lse)
+    }
+
+    /// Attention over a fixed-length batch of fp8 e4m3 inputs (`docs/attention.md`, "FP8
+    /// (e4m3) inputs"): shapes as [`Backend::forward`], `descales` each `[batch, heads_kv]`
+    /// (absent: ones), O in `O` (bf16 or fp16), LSE in f32 over the descaled scores. The CPU
+    /// backend computes it; the GPU kernels do not yet (an error naming `dtype`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_fp8<O: Element>(
+        &self,
+        q: &Tensor<'_, F8E4M3>,
+        k: &Tensor<'_, F8E4M3>,
+        v: &Tensor<'_, F8E4M3>,
+        descales: &Descales,
+        out: &mut TensorMut<'_, O>,
+        lse: Option<&mut [f32]>,
+        opts: &Options,
+    ) -> Result<()> {
+        let (o, ol) = out.parts();
+        let p = Problem::new_fp8(
+            O::DTYPE,
+            q.layout(),
+            k.layout(),
+            v.layout(),
+            &ol,
+            None,
+            None,
+            opts,
+        )?;
+        self.run_fp8(&p, q.data(), k.data(), v.data(), descales, o, lse)
+    }
+
+    /// [`Backend::forward_fp8`] over a packed variable-length batch (shapes and `cu_seqlens` as
+    /// [`Backend::forward_varlen`]); the descales are `[batch, heads_kv]` per sequence.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_varlen_fp8<O: Element>(
+        &self,
+        q: &Tensor<'_, F8E4M3>,
+        k: &Tensor<'_, F8E4M3>,
+        v: &Tensor<'_, F8E4M3>,
+        cu_seqlens_q: &[i32],
+        cu_seqlens_k: &[i32],
+        descales: &Descales,
+        out: &mut TensorMut<'_, O>,
+        lse: Option<&mut [f32]>,
+        opts: &Options,
+    ) -> Result<()> {
+        let (o, ol) = out.parts();
+        let p = Problem::new_fp8(
+            O::DTYPE,
+            q.layout(),
+            k.layout(),
+            v.layout(),
+            &ol,
+            Some(cu_seqlens_q),
+            Some(cu_seqlens_k),
+            opts,
+        )?;
+        self.run_fp8(&p, q.data(), k.data(), v.data(), descales, o, lse)
+    }
+
+    /// Runs a validated fp8 problem ([`Problem::new_fp8`]) on slices laid out as it says,
+    /// after checking the buffers and the descales against it.
+    #[allow(clippy::too_many_arguments)]
+    pub fn run_fp8<O: Element>(
+        &self,
+        p: &Problem,
+        q: &[F8E4M3],
+        k: &[F8E4M3],
+        v: &[F8E4M3],
+        descales: &Descales,
+        out: &mut [O],
+        lse: Option<&mut [f32]>,
+    ) -> Result<()> {
+        if p.out_dtype() != O::DTYPE {
+            return Err(Error::invalid(
+                "out",
+                format!(
+                    "element type {} does not match the problem's O ({})",
+                    O::DTYPE,
+                    p.out_dtype()
+                ),
+            ));
+        }
+        p.check_buffers(
+            crate::dtype::DType::Fp8E4M3,
+            q.len(),
+            k.len(),
+            v.len(),
+            out.len(),
+            lse.as_deref().map(<[f32]>::len),
+        )?;
+        descales.validate(p)?;
+        match self {
+            Backend::Cpu => {
+                crate::fp8::forward_cpu(&CpuBackend::default(), p, q, k, v, descales, out, lse)
+            }
+            Backend::CpuWith(cpu) => crate::fp8::forward_cpu(cpu, p, q, k, v, descales, out, lse),
+            Backend::Cuda(_) => Err(Error::invalid(
+                "dtype",
+                "fp8 inputs run on the CPU backend; the GPU kernels do not compute them yet",
+            )),
+        }
     }
 
     /// Runs a validated problem on slices laid out as the problem says.

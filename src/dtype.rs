@@ -14,7 +14,8 @@ pub enum DType {
     F16,
     /// bfloat16.
     Bf16,
-    /// fp8 e4m3; planned for (FA4Config), not yet computed by any backend.
+    /// fp8 e4m3 ("fn": finite, ±448), inputs only: O is bf16 or fp16 (`docs/attention.md`,
+    /// "FP8 (e4m3) inputs"); computed by the CPU backend.
     Fp8E4M3,
 }
 

@@ -9,7 +9,7 @@
 //! ```
 //!
 //! Supported element types are the ones attention needs: little-endian float32 (`'<f4'`),
-//! float16 (`'<f2'`) and int32 (`'<i4'`). Big-endian data, other dtypes, structured dtypes and
+//! float16 (`'<f2'`), int32 (`'<i4'`) and uint8 (`'|u1'`, the bytes of fp8 e4m3 tensors). Big-endian data, other dtypes, structured dtypes and
 //! Fortran-ordered arrays of rank ≥ 2 are rejected with an error naming the argument the file
 //! came from (`--q`, say) and the file. So is every malformation: a bad magic, a truncated
 //! header, a shape whose size overflows, data shorter or longer than the shape says.
@@ -44,6 +44,8 @@ pub enum NpyDType {
     F16,
     /// int32, `'<i4'`.
     I32,
+    /// uint8, `'|u1'` (fp8 e4m3 bit patterns).
+    U8,
 }
 
 impl NpyDType {
@@ -53,6 +55,7 @@ impl NpyDType {
             NpyDType::F32 => "<f4",
             NpyDType::F16 => "<f2",
             NpyDType::I32 => "<i4",
+            NpyDType::U8 => "|u1",
         }
     }
 
@@ -61,6 +64,7 @@ impl NpyDType {
         match self {
             NpyDType::F32 | NpyDType::I32 => 4,
             NpyDType::F16 => 2,
+            NpyDType::U8 => 1,
         }
     }
 
@@ -70,11 +74,12 @@ impl NpyDType {
             NpyDType::F32 => "float32",
             NpyDType::F16 => "float16",
             NpyDType::I32 => "int32",
+            NpyDType::U8 => "uint8",
         }
     }
 
     /// Every supported type.
-    pub const ALL: [NpyDType; 3] = [NpyDType::F32, NpyDType::F16, NpyDType::I32];
+    pub const ALL: [NpyDType; 4] = [NpyDType::F32, NpyDType::F16, NpyDType::I32, NpyDType::U8];
 
     /// The type of `descr` if it is one of `allowed`; else why not, naming what is allowed.
     fn from_descr(descr: &str, allowed: &[NpyDType]) -> std::result::Result<Self, String> {
@@ -126,6 +131,8 @@ pub enum Data {
     F16(Vec<f16>),
     /// int32 elements.
     I32(Vec<i32>),
+    /// uint8 elements.
+    U8(Vec<u8>),
 }
 
 /// An array read from a `.npy` file.
@@ -144,6 +151,7 @@ impl Array {
             Data::F32(_) => NpyDType::F32,
             Data::F16(_) => NpyDType::F16,
             Data::I32(_) => NpyDType::I32,
+            Data::U8(_) => NpyDType::U8,
         }
     }
 
@@ -153,6 +161,7 @@ impl Array {
             Data::F32(x) => x.len(),
             Data::F16(x) => x.len(),
             Data::I32(x) => x.len(),
+            Data::U8(x) => x.len(),
         }
     }
 
@@ -167,9 +176,10 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
     impl Sealed for i32 {}
+    impl Sealed for u8 {}
 }
 
-/// An element type that can be written to a `.npy` file: `f32`, [`half::f16`], `i32`.
+/// An element type that can be written to a `.npy` file: `f32`, [`half::f16`], `i32`, `u8`.
 pub trait NpyElement: Copy + sealed::Sealed {
     /// The type tag.
     const DTYPE: NpyDType;
@@ -195,6 +205,13 @@ impl NpyElement for i32 {
     const DTYPE: NpyDType = NpyDType::I32;
     fn put(self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.to_le_bytes());
+    }
+}
+
+impl NpyElement for u8 {
+    const DTYPE: NpyDType = NpyDType::U8;
+    fn put(self, out: &mut Vec<u8>) {
+        out.push(self);
     }
 }
 
@@ -483,12 +500,14 @@ fn parse_raw(bytes: &[u8], allowed: &[NpyDType]) -> std::result::Result<Array, S
                 .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect(),
         ),
+        NpyDType::U8 => Data::U8(body.to_vec()),
     };
     debug_assert_eq!(
         match &data {
             Data::F32(x) => x.len(),
             Data::F16(x) => x.len(),
             Data::I32(x) => x.len(),
+            Data::U8(x) => x.len(),
         },
         numel
     );

@@ -90,6 +90,7 @@ pub struct Sequence {
 #[derive(Debug, Clone, PartialEq)]
 pub struct Problem {
     dtype: DType,
+    out_dtype: DType,
     heads_q: usize,
     heads_kv: usize,
     head_dim: usize,
@@ -229,9 +230,65 @@ impl Problem {
         if dtype == DType::Fp8E4M3 {
             return Err(Error::invalid(
                 "dtype",
-                "fp8 is planned for but not computed yet",
+                "fp8 problems have their own constructor, Problem::new_fp8 (O is bf16 or fp16, \
+                 and the call takes descales: Backend::forward_fp8)",
             ));
         }
+        Self::build(dtype, q, k, v, o, cu_seqlens_q, cu_seqlens_k, opts)
+    }
+
+    /// An fp8 e4m3 problem (`docs/attention.md`, "FP8 (e4m3) inputs"): Q, K and V in e4m3, O
+    /// in `out_dtype` (bf16 or fp16, else an error naming `out`); shapes as [`Problem::new`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn new_fp8(
+        out_dtype: DType,
+        q: &Layout,
+        k: &Layout,
+        v: &Layout,
+        o: &Layout,
+        cu_seqlens_q: Option<&[i32]>,
+        cu_seqlens_k: Option<&[i32]>,
+        opts: &Options,
+    ) -> Result<Problem> {
+        Self::build(DType::F32, q, k, v, o, cu_seqlens_q, cu_seqlens_k, opts)?.as_fp8(out_dtype)
+    }
+
+    /// The same shapes as an fp8 problem with O in `out_dtype` (bf16 or fp16, else an error
+    /// naming `out`).
+    pub fn as_fp8(&self, out_dtype: DType) -> Result<Problem> {
+        if !matches!(out_dtype, DType::Bf16 | DType::F16) {
+            return Err(Error::invalid(
+                "out",
+                format!("O of fp8 inputs is bf16 or fp16, not {out_dtype}"),
+            ));
+        }
+        Ok(Problem {
+            dtype: DType::Fp8E4M3,
+            out_dtype,
+            ..self.clone()
+        })
+    }
+
+    /// The same problem with other storage dtypes (the CPU's fp8 path runs it in f32).
+    pub(crate) fn with_dtype(&self, dtype: DType) -> Problem {
+        Problem {
+            dtype,
+            out_dtype: dtype,
+            ..self.clone()
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn build(
+        dtype: DType,
+        q: &Layout,
+        k: &Layout,
+        v: &Layout,
+        o: &Layout,
+        cu_seqlens_q: Option<&[i32]>,
+        cu_seqlens_k: Option<&[i32]>,
+        opts: &Options,
+    ) -> Result<Problem> {
         let packed = q.packed;
         for (name, l) in [("k", k), ("v", v), ("out", o)] {
             if l.packed != packed {
@@ -380,6 +437,7 @@ impl Problem {
 
         Ok(Problem {
             dtype,
+            out_dtype: dtype,
             heads_q: hq,
             heads_kv: hkv,
             head_dim: d,
@@ -397,6 +455,11 @@ impl Problem {
             scale,
             softcap,
         })
+    }
+
+    /// Storage dtype of O: [`Problem::dtype`] but for fp8 problems (bf16 or fp16).
+    pub fn out_dtype(&self) -> DType {
+        self.out_dtype
     }
 
     /// Storage dtype of Q, K, V and O.

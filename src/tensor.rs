@@ -15,10 +15,12 @@ mod sealed {
     impl Sealed for f32 {}
     impl Sealed for half::f16 {}
     impl Sealed for half::bf16 {}
+    impl Sealed for float8::F8E4M3 {}
 }
 
-/// A storage element type fa4 computes with: `f32`, [`half::f16`], [`half::bf16`].
-pub trait Element:
+/// A type a tensor may hold: the [`Element`] types and [`float8::F8E4M3`] (fp8 inputs, which
+/// have their own calls: `Backend::forward_fp8`).
+pub trait Storage:
     Copy
     + Send
     + Sync
@@ -29,6 +31,12 @@ pub trait Element:
     + cudarc::driver::DeviceRepr
     + cudarc::driver::ValidAsZeroBits
 {
+}
+
+impl Storage for float8::F8E4M3 {}
+
+/// A storage element type fa4 computes with: `f32`, [`half::f16`], [`half::bf16`].
+pub trait Element: Storage {
     /// The runtime tag of this type.
     const DTYPE: DType;
     /// Widens exactly to f32.
@@ -44,6 +52,8 @@ pub trait Element:
     const NAN: Self;
 }
 
+impl Storage for f32 {}
+
 impl Element for f32 {
     const DTYPE: DType = DType::F32;
     const NAN: Self = f32::NAN;
@@ -54,6 +64,8 @@ impl Element for f32 {
         x
     }
 }
+
+impl Storage for f16 {}
 
 impl Element for f16 {
     const DTYPE: DType = DType::F16;
@@ -68,6 +80,8 @@ impl Element for f16 {
         f16::from_f64(x)
     }
 }
+
+impl Storage for bf16 {}
 
 impl Element for bf16 {
     const DTYPE: DType = DType::Bf16;
@@ -220,7 +234,7 @@ pub struct Tensor<'a, T> {
     layout: Layout,
 }
 
-impl<'a, T: Element> Tensor<'a, T> {
+impl<'a, T: Storage> Tensor<'a, T> {
     /// A contiguous (row-major) tensor of `shape` (rank 3 or 4) over `data`.
     pub fn new(data: &'a [T], shape: &[usize]) -> Result<Self> {
         Self::strided(data, shape, None)
@@ -261,7 +275,7 @@ pub struct TensorMut<'a, T> {
     layout: Layout,
 }
 
-impl<'a, T: Element> TensorMut<'a, T> {
+impl<'a, T: Storage> TensorMut<'a, T> {
     /// A contiguous (row-major) tensor of `shape` (rank 3 or 4) over `data`.
     pub fn new(data: &'a mut [T], shape: &[usize]) -> Result<Self> {
         Self::strided(data, shape, None)

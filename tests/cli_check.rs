@@ -81,7 +81,7 @@ fn the_default_is_the_whole_matrix() {
 fn bad_filters_are_one_line_and_exit_2() {
     let cases: [(&[&str], &str); 7] = [
         (&["check", "--threads", "0"], "--threads"),
-        (&["check", "--dtype", "fp8"], "--dtype"),
+        (&["check", "--dtype", "fp8", "--backward"], "--backward"),
         (&["check", "--dtype", "f32,int8"], "dtype"),
         (&["check", "--head-dim", "0"], "--head-dim"),
         (&["check", "--head-dim", "64,2000"], "--head-dim"),

@@ -619,8 +619,12 @@ fn bad_input_is_one_line_naming_the_argument() {
         (with(plain(&small), &["--out", &o]), &["--out", "--q"]),
         (with(plain(&small), &["--lse", &o]), &["--lse", "--q"]),
         (
-            with(files(&q, &k, &v), &["--dtype", "fp8"]),
-            &["--dtype", "fp8"],
+            with(files(&q, &k, &v), &["--dtype", "fp8", "--q-descale", &q]),
+            &["`--q-descale`", "quantizes"],
+        ),
+        (
+            with(files(&q, &k, &v), &["--q-descale", &q]),
+            &["`--q-descale`", "--dtype fp8"],
         ),
         (
             plain(&[
@@ -673,8 +677,8 @@ fn bad_input_is_one_line_naming_the_argument() {
         (with(plain(&small), &["--scale", "abc"]), &["--scale"]),
         (with(plain(&small), &["--backend", "tpu"]), &["--backend"]),
         (
-            with(plain(&small), &["--dtype", "fp8"]),
-            &["--dtype", "fp8"],
+            with(plain(&small), &["--dtype", "fp8", "--out-dtype", "f32"]),
+            &["`--out-dtype`", "bf16 or fp16"],
         ),
         (with(plain(&small), &["--dtype", "int4"]), &["dtype"]),
         (

@@ -142,6 +142,7 @@ fn len_of(a: &Array) -> usize {
         Data::F32(x) => x.len(),
         Data::F16(x) => x.len(),
         Data::I32(x) => x.len(),
+        Data::U8(x) => x.len(),
     }
 }
 

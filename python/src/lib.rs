@@ -198,7 +198,7 @@ macro_rules! by_dtype {
                 $body
             }
             DType::Fp8E4M3 => Err(PyValueError::new_err(
-                "invalid argument `dtype`: fp8 is not computed yet",
+                "invalid argument `dtype`: the Python package does not take fp8 yet (fa4's Rust API and CLI compute fp8 inputs on the CPU)",
             )),
         }
     };

@@ -3,9 +3,10 @@
 //!
 //! ```text
 //! 16-bit storage:  max|O − O_ref| ≤ 2 · max|O_lowp − O_ref| + atol,  atol = max|round(O_ref) − O_ref|
+//! fp8 inputs:      the same, O_lowp rounding 2⁸·P to e4m3, round() to O's type (`check_fp8`)
 //! f32 storage:     max|O − O_ref| ≤ 2e-5 · max(1, max|O_ref|)
 //! LSE, finite rows: |LSE − LSE_ref| ≤ a + 8e-7 · |LSE_ref| for each row,
-//!                   a = 1e-3 (16-bit) or 1e-5 (f32)
+//!                   a = 1e-3 (16-bit, fp8) or 1e-5 (f32)
 //! ```
 //! and no element of O (or LSE) differs in finiteness from the reference. The relative LSE term
 //! (about 7 f32 ulps) is the rounding of LSE itself when it is large: an f32 LSE of 72.66 is
@@ -22,6 +23,7 @@ use rand_distr::{Distribution, StandardNormal};
 use crate::cpu::reference;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::fp8::{Descales, F8E4M3};
 use crate::problem::Problem;
 use crate::tensor::Element;
 
@@ -197,9 +199,46 @@ pub fn check_against<T: Element>(
             ),
         ));
     }
-    let sixteen = T::DTYPE != DType::F32;
-    let (lowp_err, atol) = if sixteen {
-        let low = reference::attention_lowp(p, q, k, v)?;
+    let low = if T::DTYPE != DType::F32 {
+        Some(reference::attention_lowp(p, q, k, v)?)
+    } else {
+        None
+    };
+    Ok(judge(p, T::DTYPE, want, low.as_ref(), o, lse))
+}
+
+/// Applies the tolerance rule to the O (`out`'s type, bf16 or fp16) and optional LSE of fp8
+/// inputs (`docs/attention.md`, "FP8 (e4m3) inputs"): the float64 oracle of the dequantized
+/// inputs, the fp8 naive evaluation, the 16-bit bounds. Errors as [`check`], and name a descale
+/// array of the wrong length.
+pub fn check_fp8<O: Element>(
+    p: &Problem,
+    q: &[F8E4M3],
+    k: &[F8E4M3],
+    v: &[F8E4M3],
+    descales: &Descales,
+    o: &[O],
+    lse: Option<&[f32]>,
+) -> Result<Report> {
+    check_outputs(p, o, lse)?;
+    let want = reference::attention_f64_fp8(p, q, k, v, descales)?;
+    let low = reference::attention_lowp_fp8::<O>(p, q, k, v, descales)?;
+    Ok(judge(p, DType::Fp8E4M3, &want, Some(&low), o, lse))
+}
+
+/// The rule itself: `low` (the naive evaluation) present for 16-bit and fp8 inputs, whose O
+/// bound is `2 · max|O_lowp − O_ref| + atol` with `atol` O's type's rounding of `O_ref`;
+/// absent for f32.
+fn judge<O: Element>(
+    p: &Problem,
+    dtype: DType,
+    want: &reference::Output<f64>,
+    low: Option<&reference::Output<f32>>,
+    o: &[O],
+    lse: Option<&[f32]>,
+) -> Report {
+    let sixteen = low.is_some();
+    let (lowp_err, atol) = if let Some(low) = low {
         let lowp_err = low
             .o
             .iter()
@@ -211,7 +250,7 @@ pub fn check_against<T: Element>(
             .o
             .iter()
             .filter(|x| x.is_finite())
-            .map(|&x| (f64::from(T::from_f64(x).to_f32()) - x).abs())
+            .map(|&x| (f64::from(O::from_f64(x).to_f32()) - x).abs())
             .fold(0.0, f64::max);
         (lowp_err, atol)
     } else {
@@ -288,8 +327,8 @@ pub fn check_against<T: Element>(
             }
         }
     }
-    Ok(Report {
-        dtype: T::DTYPE,
+    Report {
+        dtype,
         elements,
         max_err,
         mean_err: if n > 0 { sum_err / n as f64 } else { 0.0 },
@@ -302,7 +341,7 @@ pub fn check_against<T: Element>(
         lse_worst,
         finiteness_mismatches: mismatches,
         first_bad,
-    })
+    }
 }
 
 /// Scale of the outlier K rows in [`random_qkv`]: their scores jump, so the online softmax must

@@ -183,7 +183,7 @@ pub fn read_d_out<T: Element>(p: &Problem, grad: &GradArgs) -> Result<Option<Vec
     Ok(Some(match a.data {
         Data::F32(x) => x.into_iter().map(T::from_f32).collect(),
         Data::F16(x) => x.into_iter().map(|e| T::from_f32(e.to_f32())).collect(),
-        Data::I32(_) => unreachable!("read_as admits only float32 and float16"),
+        Data::I32(_) | Data::U8(_) => unreachable!("read_as admits only float32 and float16"),
     }))
 }
 

@@ -25,6 +25,8 @@ use super::BackendArg;
 
 #[path = "decode.rs"]
 mod decode;
+#[path = "run_fp8.rs"]
+mod fp8run;
 
 /// The check runs unless told otherwise when the oracle costs at most this many multiply-adds
 /// (the float64 pass, plus the storage-precision pass for 16-bit dtypes). Measured on a 2-core
@@ -93,8 +95,9 @@ pub struct RunArgs {
     #[arg(long, value_name = "LSE.npy", help_heading = "Inputs from files")]
     lse: Option<PathBuf>,
 
-    /// Storage dtype: f32, fp16 or bf16; file inputs are rounded to it [default: bf16 for a
-    /// random problem, the files' dtype otherwise].
+    /// Storage dtype: f32, fp16, bf16 or fp8 (e4m3 inputs, O in bf16 or --out-dtype; uint8
+    /// files hold e4m3 bytes, float files are quantized); file inputs are rounded to it
+    /// [default: bf16 for a random problem, the files' dtype otherwise].
     #[arg(long)]
     dtype: Option<DType>,
     /// Causal mask, aligned to the bottom-right corner (the window -1,0).
@@ -130,6 +133,9 @@ pub struct RunArgs {
     /// Context parallelism (`--cp N`, `--cp-split`).
     #[command(flatten)]
     cp: super::cp::CpArgs,
+    /// fp8 inputs' descales and O's type (`src/cli/run_fp8.rs`).
+    #[command(flatten)]
+    fp8: fp8run::Fp8Args,
 }
 
 impl RunArgs {
@@ -209,8 +215,16 @@ fn run_in_pool(args: RunArgs) -> Result<ExitCode> {
     // The backend is resolved once the arguments are known to be good, just before the work:
     // `--backend auto`'s account of its choice is then never printed beside a usage error.
     let backend = args.backend;
-    if args.dtype == Some(DType::Fp8E4M3) {
-        return Err(fp8());
+    let fp8 = args.dtype == Some(DType::Fp8E4M3);
+    if !fp8 {
+        args.fp8.refuse()?;
+    }
+    if fp8 && args.paged.wanted() {
+        return Err(Error::invalid(
+            "--dtype",
+            "fp8 queries over a paged cache are not computed yet (the paged run takes bf16, fp16 \
+             or f32)",
+        ));
     }
     let mut opts = Options::new();
     match (args.causal, args.window) {
@@ -244,6 +258,9 @@ fn run_in_pool(args: RunArgs) -> Result<ExitCode> {
         (_, true) => CheckPolicy::Never,
         _ => CheckPolicy::Affordable,
     };
+    if fp8 {
+        return fp8run::run(&args, backend, &opts, policy);
+    }
     if args.cp.cp.is_some() {
         if let Some(flag) = args.grad.first_given() {
             return Err(Error::invalid(
@@ -598,7 +615,7 @@ fn convert<T: Element>(a: Array) -> Vec<T> {
     match a.data {
         Data::F32(x) => x.into_iter().map(T::from_f32).collect(),
         Data::F16(x) => x.into_iter().map(|e| T::from_f32(e.to_f32())).collect(),
-        Data::I32(_) => unreachable!("read_as admits only float32 and float16"),
+        Data::I32(_) | Data::U8(_) => unreachable!("read_as admits only float32 and float16"),
     }
 }
 
@@ -759,6 +776,16 @@ impl Shapes {
             *last = dv;
         }
         o
+    }
+
+    /// The fp8 problem of these shapes, O in `out`.
+    fn problem_fp8(
+        &self,
+        out: DType,
+        cu: Option<(&[i32], &[i32])>,
+        opts: &Options,
+    ) -> Result<Problem> {
+        self.problem(DType::F32, cu, opts)?.as_fp8(out)
     }
 
     fn problem(

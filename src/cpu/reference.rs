@@ -17,6 +17,7 @@ use std::sync::Mutex;
 use rayon::prelude::*;
 
 use crate::error::{Error, Result};
+use crate::fp8::{Descales, F8E4M3};
 use crate::mask::Mask;
 use crate::problem::{Problem, Sequence};
 use crate::tensor::{Element, Layout};
@@ -143,7 +144,7 @@ where
 
 /// Row `row` (within the tensor's sequence axis) of head `head`, `n` elements; the caller
 /// checked the buffer with [`check_len`].
-fn row<'a, T: Element>(
+fn row<'a, T>(
     data: &'a [T],
     l: &Layout,
     s: &Sequence,
@@ -159,13 +160,90 @@ fn row<'a, T: Element>(
 /// the problem says. Errors name a buffer too short for its layout.
 pub fn attention_f64<T: Element>(p: &Problem, q: &[T], k: &[T], v: &[T]) -> Result<Output<f64>> {
     check_inputs(p, q, k, v)?;
+    Ok(oracle(
+        p,
+        q,
+        k,
+        v,
+        |x: &T| f64::from(x.to_f32()),
+        |_, _| [1.0; 3],
+    ))
+}
+
+/// The value of an e4m3 ("fn") byte, read from the format's definition (sign, four exponent
+/// bits of bias 7, three mantissa bits; exponent 0 subnormal; `S.1111.111` NaN; no
+/// infinities), independently of the conversions the backends use.
+pub fn e4m3_value(bits: u8) -> f64 {
+    let sign = if bits & 0x80 != 0 { -1.0 } else { 1.0 };
+    let (e, m) = (i32::from((bits >> 3) & 0xF), f64::from(bits & 7));
+    if e == 15 && m == 7.0 {
+        return f64::NAN;
+    }
+    let mag = if e == 0 {
+        m * 2f64.powi(-9)
+    } else {
+        (1.0 + m / 8.0) * 2f64.powi(e - 7)
+    };
+    sign * mag
+}
+
+/// The descales of sequence `si`, KV head `hk` (`[sequences, heads_kv]` arrays, absent: 1),
+/// read with the oracle's own indexing.
+fn descales_at(p: &Problem, d: &Descales, si: usize, hk: usize) -> [f64; 3] {
+    let at = |a: Option<&[f32]>| a.map_or(1.0, |a| f64::from(a[si * p.heads_kv() + hk]));
+    [at(d.q), at(d.k), at(d.v)]
+}
+
+fn check_descales(p: &Problem, d: &Descales) -> Result<()> {
+    let n = p.sequences().len() * p.heads_kv();
+    for (name, a) in [("q_descale", d.q), ("k_descale", d.k), ("v_descale", d.v)] {
+        if a.is_some_and(|a| a.len() != n) {
+            return Err(Error::invalid(name, format!("expected {n} entries")));
+        }
+    }
+    Ok(())
+}
+
+/// Float64 evaluation of fp8 e4m3 inputs (`docs/attention.md`, "FP8 (e4m3) inputs"): each
+/// byte decoded by [`e4m3_value`] and multiplied by its descale, exactly, in float64. Errors
+/// name a buffer too short for its layout or a descale array of the wrong length.
+pub fn attention_f64_fp8(
+    p: &Problem,
+    q: &[F8E4M3],
+    k: &[F8E4M3],
+    v: &[F8E4M3],
+    descales: &Descales,
+) -> Result<Output<f64>> {
+    check_inputs(p, q, k, v)?;
+    check_descales(p, descales)?;
+    Ok(oracle(
+        p,
+        q,
+        k,
+        v,
+        |x: &F8E4M3| e4m3_value(x.to_bits()),
+        |si, hk| descales_at(p, descales, si, hk),
+    ))
+}
+
+/// The float64 evaluation, reading elements with `value` and multiplying Q's, K's and V's
+/// elements of sequence `si`, KV head `hk` by `descale(si, hk)`.
+fn oracle<T: Sync>(
+    p: &Problem,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    value: impl Fn(&T) -> f64 + Sync,
+    descale: impl Fn(usize, usize) -> [f64; 3] + Sync,
+) -> Output<f64> {
     let (d, dv) = (p.head_dim(), p.head_dim_v());
     let scale = f64::from(p.scale());
     let softcap = p.softcap().map(f64::from);
     let mask = p.mask();
-    Ok(evaluate(p, |si, h| {
+    evaluate(p, |si, h| {
         let s = &p.sequences()[si];
         let hk = h / (p.heads_q() / p.heads_kv());
+        let [dq, dk, dvs] = descale(si, hk);
         let mut o = vec![0f64; s.q_len * dv];
         let mut lse = vec![f64::NEG_INFINITY; s.q_len];
         let mut scores = Vec::new();
@@ -177,7 +255,7 @@ pub fn attention_f64<T: Element>(p: &Problem, q: &[T], k: &[T], v: &[T]) -> Resu
                 let dot: f64 = qi
                     .iter()
                     .zip(kj)
-                    .map(|(a, b)| f64::from(a.to_f32()) * f64::from(b.to_f32()))
+                    .map(|(a, b)| dq * value(a) * (dk * value(b)))
                     .sum();
                 let mut x = scale * dot;
                 if let Some(c) = softcap {
@@ -207,7 +285,7 @@ pub fn attention_f64<T: Element>(p: &Problem, q: &[T], k: &[T], v: &[T]) -> Resu
                 let w = (x - l).exp();
                 let vj = row(v, p.v_layout(), s, s.k_start + j, hk, dv);
                 for (acc, val) in oi.iter_mut().zip(vj) {
-                    *acc += w * f64::from(val.to_f32());
+                    *acc += w * (dvs * value(val));
                 }
             }
         }
@@ -217,7 +295,7 @@ pub fn attention_f64<T: Element>(p: &Problem, q: &[T], k: &[T], v: &[T]) -> Resu
             o,
             lse,
         }
-    }))
+    })
 }
 
 /// The naive evaluation in the storage precision: inputs in `T`, scores and P rounded to `T`,
@@ -279,6 +357,89 @@ pub fn attention_lowp<T: Element>(p: &Problem, q: &[T], k: &[T], v: &[T]) -> Res
             }
             for x in oi.iter_mut() {
                 *x = round(*x / sum);
+            }
+        }
+        Block {
+            seq: si,
+            head: h,
+            o,
+            lse,
+        }
+    }))
+}
+
+/// Largest value of `P̃ = 2⁸ · exp(s − max)` in the fp8 naive evaluation (and the GPU
+/// kernel's scaling, `docs/attention.md`): P rounded to e4m3 from `(0, 256]`.
+pub const FP8_P_SCALE: f32 = 256.0;
+
+/// The naive evaluation of fp8 inputs: the dequantized values in f32, f32 scores,
+/// `P̃ = 256 · exp(s − max)` rounded to e4m3 (what the P·V product takes), the row sum in f32
+/// over the unrounded `P̃`, O rounded to `O`. Errors as [`attention_f64_fp8`].
+pub fn attention_lowp_fp8<O: Element>(
+    p: &Problem,
+    q: &[F8E4M3],
+    k: &[F8E4M3],
+    v: &[F8E4M3],
+    descales: &Descales,
+) -> Result<Output<f32>> {
+    check_inputs(p, q, k, v)?;
+    check_descales(p, descales)?;
+    let (d, dv) = (p.head_dim(), p.head_dim_v());
+    let (scale, softcap, mask) = (p.scale(), p.softcap(), p.mask());
+    Ok(evaluate(p, |si, h| {
+        let s = &p.sequences()[si];
+        let hk = h / (p.heads_q() / p.heads_kv());
+        let [dq, dk, dvs] = descales_at(p, descales, si, hk).map(|x| x as f32);
+        let mut o = vec![0f32; s.q_len * dv];
+        let mut lse = vec![f32::NEG_INFINITY; s.q_len];
+        let mut scores = Vec::new();
+        for i in 0..s.q_len {
+            let qi = row(q, p.q_layout(), s, s.q_start + i, h, d);
+            scores.clear();
+            for j in (0..s.k_len).filter(|&j| allowed(mask, s.q_len, s.k_len, i, j)) {
+                let kj = row(k, p.k_layout(), s, s.k_start + j, hk, d);
+                let dot: f32 = qi
+                    .iter()
+                    .zip(kj)
+                    .map(|(a, b)| (a.to_f32() * dq) * (b.to_f32() * dk))
+                    .sum();
+                let mut x = scale * dot;
+                if let Some(c) = softcap {
+                    x = c * (x / c).tanh();
+                }
+                scores.push((j, x));
+            }
+            if scores.is_empty() {
+                continue;
+            }
+            let mx = scores
+                .iter()
+                .map(|&(_, x)| x)
+                .fold(f32::NEG_INFINITY, f32::max);
+            let any_nan = scores.iter().any(|&(_, x)| x.is_nan());
+            let shift = if mx.is_finite() { mx } else { 0.0 };
+            let mut sum = 0f32;
+            let oi = &mut o[i * dv..(i + 1) * dv];
+            for &(j, x) in &scores {
+                let w = FP8_P_SCALE * (x - shift).exp();
+                sum += w;
+                let w8 = F8E4M3::from_f32(w).to_f32();
+                let vj = row(v, p.v_layout(), s, s.k_start + j, hk, dv);
+                for (acc, val) in oi.iter_mut().zip(vj) {
+                    *acc += w8 * (val.to_f32() * dvs);
+                }
+            }
+            lse[i] = if any_nan {
+                f32::NAN
+            } else {
+                shift + (sum / FP8_P_SCALE).ln()
+            };
+            if lse[i] == f32::NEG_INFINITY {
+                oi.fill(0.0);
+                continue;
+            }
+            for x in oi.iter_mut() {
+                *x = O::from_f32(*x / sum).to_f32();
             }
         }
         Block {

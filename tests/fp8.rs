@@ -373,3 +373,221 @@ fn check_runs_the_fp8_matrix() {
     let (code, _, err) = fa4(&["check", "--dtype", "fp8", "--backend", "cuda"]);
     assert!(code == 2 && err.contains("`--backend`"), "{err}");
 }
+
+/// A random paged bf16 problem whose cache is quantized to e4m3 with per-KV-head amax scales.
+struct PagedFp8 {
+    x: fa4::paged::random::PagedInputs<bf16>,
+    k8: Vec<F8E4M3>,
+    v8: Vec<F8E4M3>,
+    scales: [Vec<f32>; 2],
+}
+
+fn paged_fp8(spec: &fa4::paged::random::PagedSpec, seed: u64) -> PagedFp8 {
+    let x = fa4::paged::random::random_paged::<bf16, _>(&mut StdRng::seed_from_u64(seed), spec)
+        .unwrap();
+    let quantize = |cache: &[bf16], w: usize| {
+        let h = spec.heads_kv;
+        let mut amax = vec![0f32; h];
+        for (i, e) in cache.iter().enumerate() {
+            let v = e.to_f32();
+            if v.is_finite() {
+                amax[(i / w) % h] = amax[(i / w) % h].max(v.abs());
+            }
+        }
+        let s: Vec<f32> = amax
+            .iter()
+            .map(|&a| if a > 0.0 { a / 448.0 } else { 1.0 })
+            .collect();
+        let b = cache
+            .iter()
+            .enumerate()
+            .map(|(i, e)| F8E4M3::from_f32(e.to_f32() / s[(i / w) % h]))
+            .collect();
+        (b, s)
+    };
+    let (k8, ks) = quantize(&x.k_cache, spec.head_dim);
+    let (v8, vs) = quantize(&x.v_cache, spec.head_dim_v);
+    PagedFp8 {
+        x,
+        k8,
+        v8,
+        scales: [ks, vs],
+    }
+}
+
+#[test]
+fn an_fp8_paged_cache_on_the_cpu_matches_the_oracle() {
+    use fa4::paged::random::PagedSpec;
+    use fa4::paged::{reference, KvScales, PagedKv, PagedOptions};
+    for (page_size, varlen, seqlens_q, splits) in [
+        (1, false, vec![1, 1, 1], 1),
+        (16, true, vec![1, 5, 3], 3),
+        (64, false, vec![4, 4, 4], 2),
+    ] {
+        let spec = PagedSpec {
+            seqlens_q,
+            seqlens_k: vec![37, 5, 200],
+            heads_q: 8,
+            heads_kv: 2,
+            head_dim: 64,
+            head_dim_v: 64,
+            page_size,
+            varlen,
+        };
+        let c = paged_fp8(&spec, 11);
+        let x = &c.x;
+        let kv = PagedKv::new(
+            Tensor::new(&c.k8, &x.k_shape).unwrap(),
+            Tensor::new(&c.v8, &x.v_shape).unwrap(),
+            &x.page_table,
+            x.max_pages_per_seq,
+            &x.seqlens_k,
+        )
+        .unwrap();
+        let opts = Options::new().causal();
+        let p = x.problem(&opts).unwrap();
+        let scales = KvScales {
+            k: &c.scales[0],
+            v: &c.scales[1],
+        };
+        let mut o_shape = x.q_shape.clone();
+        *o_shape.last_mut().unwrap() = 64;
+        let run = |s: &KvScales| {
+            let mut o = vec![bf16::NAN; p.o_layout().numel()];
+            let mut lse = vec![f32::NAN; p.lse_len()];
+            let plan = Backend::Cpu
+                .forward_paged_fp8(
+                    &Tensor::new(&x.q, &x.q_shape).unwrap(),
+                    &kv,
+                    s,
+                    x.cu_seqlens_q.as_deref(),
+                    &mut TensorMut::new(&mut o, &o_shape).unwrap(),
+                    Some(&mut lse),
+                    &PagedOptions::new(opts).num_splits(splits),
+                )
+                .unwrap();
+            assert_eq!(plan.num_splits, splits);
+            (o, lse)
+        };
+        let (o, lse) = run(&scales);
+        let r = reference::check_fp8(&p, &x.q, &c.k8, &c.v8, &scales, &o, Some(&lse)).unwrap();
+        assert!(r.passed(), "page {page_size}: {r}");
+        // The same bytes read with the scales of the other head fail.
+        let swapped = [c.scales[0][1], c.scales[0][0]];
+        let (o2, l2) = run(&KvScales {
+            k: &swapped,
+            v: &c.scales[1],
+        });
+        let r = reference::check_fp8(&p, &x.q, &c.k8, &c.v8, &scales, &o2, Some(&l2)).unwrap();
+        assert!(!r.passed(), "page {page_size}: swapped scales passed: {r}");
+        // Scales are checked by name.
+        let e = Backend::Cpu
+            .forward_paged_fp8(
+                &Tensor::new(&x.q, &x.q_shape).unwrap(),
+                &kv,
+                &KvScales {
+                    k: &c.scales[0],
+                    v: &[1.0, 0.0],
+                },
+                x.cu_seqlens_q.as_deref(),
+                &mut TensorMut::new(&mut vec![bf16::NAN; p.o_layout().numel()], &o_shape).unwrap(),
+                None,
+                &PagedOptions::new(opts),
+            )
+            .unwrap_err();
+        assert!(e.to_string().contains("`v_scale`"), "{e}");
+    }
+}
+
+#[test]
+fn append_quantizes_new_rows_with_the_scales() {
+    use fa4::paged::{append_fp8, KvScales, PagedCache};
+    // Two sequences of 3 and 0 keys in pages of 4, 2 KV heads of width 8.
+    let (pages, ps, h, d) = (3, 4, 2, 8);
+    let kl = Layout::new("k_cache", &[pages, ps, h, d], None).unwrap();
+    let cache = PagedCache::new(&kl, &kl, &[0, 1, 2, -1], 2, &[3, 0]).unwrap();
+    let mut k = vec![F8E4M3::from_bits(0x7F); pages * ps * h * d];
+    let mut v = k.clone();
+    let new: Vec<bf16> = (0..3 * h * d)
+        .map(|i| bf16::from_f32((i as f32 - 20.0) * 0.37))
+        .collect();
+    let scales = KvScales {
+        k: &[0.05, 0.5],
+        v: &[1.0, 0.01],
+    };
+    let lens = append_fp8(&cache, &mut k, &mut v, &new, &new, &[0, 2, 3], &scales).unwrap();
+    assert_eq!(lens, vec![5, 1]);
+    // Sequence 0's rows land in slot 3 of page 0 and slot 0 of page 1; sequence 1's in page 2.
+    for (row, (page, slot)) in [(0, (0, 3)), (1, (1, 0)), (2, (2, 0))] {
+        for hh in 0..h {
+            for c in 0..d {
+                let x = new[(row * h + hh) * d + c].to_f32();
+                let at = ((page * ps + slot) * h + hh) * d + c;
+                assert_eq!(k[at], F8E4M3::from_f32(x / scales.k[hh]), "k row {row}");
+                assert_eq!(v[at], F8E4M3::from_f32(x / scales.v[hh]), "v row {row}");
+            }
+        }
+    }
+    // Untouched slots keep their bytes; bad scales write nothing.
+    assert_eq!(k[0].to_bits(), 0x7F);
+    let bits = |x: &[F8E4M3]| x.iter().map(|e| e.to_bits()).collect::<Vec<u8>>();
+    let before = bits(&k);
+    let e = append_fp8(
+        &cache,
+        &mut k,
+        &mut v,
+        &new,
+        &new,
+        &[0, 2, 3],
+        &KvScales {
+            k: &[1.0],
+            v: &[1.0, 1.0],
+        },
+    )
+    .unwrap_err();
+    assert!(e.to_string().contains("`k_scale`"), "{e}");
+    assert!(bits(&k) == before, "a refused append wrote");
+}
+
+#[test]
+fn run_over_an_fp8_paged_cache() {
+    for page in ["1", "64"] {
+        let (code, out, err) = fa4(&[
+            "run",
+            "--paged",
+            "--kv-dtype",
+            "fp8",
+            "--page-size",
+            page,
+            "--seqlen-k",
+            "150",
+            "--seqlen-q",
+            "2",
+            "--causal",
+            "--backend",
+            "cpu",
+        ]);
+        assert_eq!(code, 0, "{out}{err}");
+        assert!(
+            out.contains("fp8 e4m3 cache") && out.contains("check    pass"),
+            "{out}"
+        );
+    }
+    for (args, flag) in [
+        (&["run", "--paged", "--kv-dtype", "fp16"][..], "--kv-dtype"),
+        (
+            &["run", "--kv-dtype", "fp8", "--backend", "cpu"][..],
+            "--kv-dtype",
+        ),
+        (
+            &["run", "--paged", "--kv-dtype", "fp8", "--dtype", "fp8"][..],
+            "--dtype",
+        ),
+    ] {
+        let (code, _, err) = fa4(args);
+        assert!(
+            code == 2 && err.contains(&format!("`{flag}`")),
+            "{args:?}: {err}"
+        );
+    }
+}

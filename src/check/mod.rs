@@ -226,6 +226,50 @@ pub fn check_fp8<O: Element>(
     Ok(judge(p, DType::Fp8E4M3, &want, Some(&low), o, lse))
 }
 
+/// Applies the tolerance rule to queries in `T` against an fp8 e4m3 K and V with one scale per
+/// KV head (an fp8 KV cache, gathered): the float64 oracle of the dequantized keys and values,
+/// and as the naive evaluation the 16-bit one on K and V dequantized into `T` (what a kernel
+/// that widens the cache into the queries' type computes). Bounds as for 16-bit storage.
+#[allow(clippy::too_many_arguments)]
+pub fn check_kv_fp8<T: Element>(
+    p: &Problem,
+    q: &[T],
+    k: &[F8E4M3],
+    v: &[F8E4M3],
+    k_scale: &[f32],
+    v_scale: &[f32],
+    o: &[T],
+    lse: Option<&[f32]>,
+) -> Result<Report> {
+    check_outputs(p, o, lse)?;
+    for (name, l, w) in [
+        ("k", p.k_layout(), p.head_dim()),
+        ("v", p.v_layout(), p.head_dim_v()),
+    ] {
+        let [_, s, h, _] = l.dims;
+        if l.strides[2] != w || l.strides[1] != h * w || (!l.packed && l.strides[0] != s * h * w) {
+            return Err(Error::invalid(
+                name,
+                "must be contiguous (a gathered cache)",
+            ));
+        }
+    }
+    let want = reference::attention_f64_kv_fp8(p, q, k, v, k_scale, v_scale)?;
+    let widen = |x: &[F8E4M3], s: &[f32], w: usize| -> Vec<T> {
+        let hkv = p.heads_kv();
+        x.iter()
+            .enumerate()
+            .map(|(i, e)| {
+                T::from_f64(reference::e4m3_value(e.to_bits()) * f64::from(s[(i / w) % hkv]))
+            })
+            .collect()
+    };
+    let kw = widen(k, k_scale, p.head_dim());
+    let vw = widen(v, v_scale, p.head_dim_v());
+    let low = reference::attention_lowp(p, q, &kw, &vw)?;
+    Ok(judge(p, T::DTYPE, &want, Some(&low), o, lse))
+}
+
 /// The rule itself: `low` (the naive evaluation) present for 16-bit and fp8 inputs, whose O
 /// bound is `2 · max|O_lowp − O_ref| + atol` with `atol` O's type's rounding of `O_ref`;
 /// absent for f32.

@@ -27,6 +27,9 @@ use super::{
 };
 use crate::cli::BackendArg;
 
+#[path = "decode_fp8.rs"]
+mod fp8kv;
+
 /// Defaults of a random paged problem: a decode step of a small batch against caches of up to
 /// 1024 keys, with the head configuration (32 query heads over 8 KV heads, d = 128) and
 /// vLLM's page size.
@@ -63,6 +66,10 @@ pub struct PagedRunArgs {
     /// Splits over the keys, 1..=128 [default: the planner's choice, `fa4 plan --decode`].
     #[arg(long, allow_negative_numbers = true, help_heading = "Paged KV cache")]
     num_splits: Option<usize>,
+    /// The cache's element type when it differs from the queries': fp8 (e4m3 bytes with one
+    /// scale per KV head, on the CPU backend; with --paged).
+    #[arg(long, value_name = "DTYPE", help_heading = "Paged KV cache")]
+    kv_dtype: Option<DType>,
 }
 
 impl PagedRunArgs {
@@ -75,6 +82,7 @@ impl PagedRunArgs {
             || self.page_table.is_some()
             || self.seqlens_k.is_some()
             || self.num_splits.is_some()
+            || self.kv_dtype.is_some()
     }
 }
 
@@ -92,6 +100,16 @@ pub fn run(
         || pa.seqlens_k.is_some();
     if pa.num_splits == Some(0) {
         return Err(Error::invalid("--num-splits", "must be at least 1"));
+    }
+    match pa.kv_dtype {
+        None => {}
+        Some(DType::Fp8E4M3) => return fp8kv::run(args, backend, opts, policy),
+        Some(t) => {
+            return Err(Error::invalid(
+                "--kv-dtype",
+                format!("{t}: the cache has the queries' type (--dtype) unless it is fp8"),
+            ))
+        }
     }
     refuse_given(
         &[
@@ -127,6 +145,18 @@ fn random(
     opts: &Options,
     policy: CheckPolicy,
 ) -> Result<ExitCode> {
+    let (spec, mut rng, dtype) = random_spec(args)?;
+    match dtype {
+        DType::F32 => random_typed::<f32>(&spec, &mut rng, backend, opts, policy, args),
+        DType::F16 => random_typed::<f16>(&spec, &mut rng, backend, opts, policy, args),
+        DType::Bf16 => random_typed::<bf16>(&spec, &mut rng, backend, opts, policy, args),
+        DType::Fp8E4M3 => Err(fp8()),
+    }
+}
+
+/// The random paged problem the flags describe: its shape, the generator (seeded, past the
+/// lengths it drew) and the queries' dtype.
+fn random_spec(args: &RunArgs) -> Result<(PagedSpec, StdRng, DType)> {
     refuse_given(
         &[
             ("--q", args.q.is_some()),
@@ -203,12 +233,7 @@ fn random(
         page_size: ps,
         varlen: false,
     };
-    match dtype {
-        DType::F32 => random_typed::<f32>(&spec, &mut rng, backend, opts, policy, args),
-        DType::F16 => random_typed::<f16>(&spec, &mut rng, backend, opts, policy, args),
-        DType::Bf16 => random_typed::<bf16>(&spec, &mut rng, backend, opts, policy, args),
-        DType::Fp8E4M3 => Err(fp8()),
-    }
+    Ok((spec, rng, dtype))
 }
 
 fn random_typed<T: Element>(

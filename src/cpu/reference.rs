@@ -98,7 +98,7 @@ pub(crate) fn check_len(name: &str, l: &Layout, len: usize) -> Result<()> {
     }
 }
 
-fn check_inputs<T>(p: &Problem, q: &[T], k: &[T], v: &[T]) -> Result<()> {
+fn check_inputs<Tq, Tk>(p: &Problem, q: &[Tq], k: &[Tk], v: &[Tk]) -> Result<()> {
     check_len("q", p.q_layout(), q.len())?;
     check_len("k", p.k_layout(), k.len())?;
     check_len("v", p.v_layout(), v.len())
@@ -160,14 +160,8 @@ fn row<'a, T>(
 /// the problem says. Errors name a buffer too short for its layout.
 pub fn attention_f64<T: Element>(p: &Problem, q: &[T], k: &[T], v: &[T]) -> Result<Output<f64>> {
     check_inputs(p, q, k, v)?;
-    Ok(oracle(
-        p,
-        q,
-        k,
-        v,
-        |x: &T| f64::from(x.to_f32()),
-        |_, _| [1.0; 3],
-    ))
+    let value = |x: &T| f64::from(x.to_f32());
+    Ok(oracle(p, q, k, v, value, value, |_, _| [1.0; 3]))
 }
 
 /// The value of an e4m3 ("fn") byte, read from the format's definition (sign, four exponent
@@ -216,24 +210,53 @@ pub fn attention_f64_fp8(
 ) -> Result<Output<f64>> {
     check_inputs(p, q, k, v)?;
     check_descales(p, descales)?;
+    let value = |x: &F8E4M3| e4m3_value(x.to_bits());
+    Ok(oracle(p, q, k, v, value, value, |si, hk| {
+        descales_at(p, descales, si, hk)
+    }))
+}
+
+/// Float64 evaluation of 16-bit (or f32) queries against fp8 e4m3 keys and values with one scale
+/// per KV head (an fp8 KV cache, gathered: `docs/attention.md`, "Paged KV cache"): key `j` of KV
+/// head `hk` stands for `k_scale[hk] · k_j`, exactly. Errors name a buffer too short for its
+/// layout or a scale array that is not `heads_kv` long.
+pub fn attention_f64_kv_fp8<T: Element>(
+    p: &Problem,
+    q: &[T],
+    k: &[F8E4M3],
+    v: &[F8E4M3],
+    k_scale: &[f32],
+    v_scale: &[f32],
+) -> Result<Output<f64>> {
+    check_inputs(p, q, k, v)?;
+    for (name, a) in [("k_scale", k_scale), ("v_scale", v_scale)] {
+        if a.len() != p.heads_kv() {
+            return Err(Error::invalid(
+                name,
+                format!("expected {} entries", p.heads_kv()),
+            ));
+        }
+    }
     Ok(oracle(
         p,
         q,
         k,
         v,
+        |x: &T| f64::from(x.to_f32()),
         |x: &F8E4M3| e4m3_value(x.to_bits()),
-        |si, hk| descales_at(p, descales, si, hk),
+        |_, hk| [1.0, f64::from(k_scale[hk]), f64::from(v_scale[hk])],
     ))
 }
 
 /// The float64 evaluation, reading elements with `value` and multiplying Q's, K's and V's
 /// elements of sequence `si`, KV head `hk` by `descale(si, hk)`.
-fn oracle<T: Sync>(
+fn oracle<Tq: Sync, Tk: Sync>(
     p: &Problem,
-    q: &[T],
-    k: &[T],
-    v: &[T],
-    value: impl Fn(&T) -> f64 + Sync,
+    q: &[Tq],
+    k: &[Tk],
+    v: &[Tk],
+    qvalue: impl Fn(&Tq) -> f64 + Sync,
+    value: impl Fn(&Tk) -> f64 + Sync,
     descale: impl Fn(usize, usize) -> [f64; 3] + Sync,
 ) -> Output<f64> {
     let (d, dv) = (p.head_dim(), p.head_dim_v());
@@ -255,7 +278,7 @@ fn oracle<T: Sync>(
                 let dot: f64 = qi
                     .iter()
                     .zip(kj)
-                    .map(|(a, b)| dq * value(a) * (dk * value(b)))
+                    .map(|(a, b)| dq * qvalue(a) * (dk * value(b)))
                     .sum();
                 let mut x = scale * dot;
                 if let Some(c) = softcap {

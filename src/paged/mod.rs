@@ -68,6 +68,7 @@
 //! it).
 
 mod cpu;
+mod fp8;
 pub mod random;
 pub mod reference;
 
@@ -80,6 +81,7 @@ use crate::problem::{Options, Sequence, MAX_HEAD_DIM};
 use crate::tensor::{Element, Layout, Tensor, TensorMut};
 
 pub use cpu::CPU_TILES;
+pub use fp8::{append_fp8, KvScales};
 
 /// Options of a paged call: the attention options and, optionally, a forced split count.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -315,7 +317,7 @@ pub struct PagedKv<'a, T> {
     v: &'a [T],
 }
 
-impl<'a, T: Element> PagedKv<'a, T> {
+impl<'a, T: crate::tensor::Storage> PagedKv<'a, T> {
     /// Validates a cache (see the module docs): `k_cache` `[num_pages, page_size, heads_kv,
     /// head_dim]`, `v_cache` `[num_pages, page_size, heads_kv, head_dim_v]`, `page_table`
     /// `[seqlens_k.len(), max_pages_per_seq]` row-major, `seqlens_k` `[batch]`.

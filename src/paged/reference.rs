@@ -10,6 +10,7 @@ use super::PagedProblem;
 use crate::check::{self, Report};
 use crate::cpu::reference::{self, Output};
 use crate::error::Result;
+use crate::fp8::F8E4M3;
 use crate::problem::{Options, Problem};
 use crate::tensor::{Element, Layout};
 
@@ -17,24 +18,25 @@ use crate::tensor::{Element, Layout};
 /// K `[total_k, heads_kv, head_dim]`, V `[total_k, heads_kv, head_dim_v]`, sequence `b` at rows
 /// `cu_q[b]..` and `cu_k[b]..` (the same sequences, rows and heads as the paged problem).
 #[derive(Debug, Clone)]
-pub struct Gathered<T> {
+pub struct Gathered<T, K = T> {
     /// The validated varlen problem.
     pub problem: Problem,
     /// Queries.
     pub q: Vec<T>,
     /// Keys in sequence order.
-    pub k: Vec<T>,
+    pub k: Vec<K>,
     /// Values in sequence order.
-    pub v: Vec<T>,
+    pub v: Vec<K>,
 }
 
-/// Gathers `p`'s queries and each sequence's keys and values (see [`Gathered`]).
-pub fn gather<T: Element>(
+/// Gathers `p`'s queries and each sequence's keys and values (see [`Gathered`]); the cache's
+/// element type may differ from the queries' (an fp8 cache).
+pub fn gather<T: Element, K: Copy>(
     p: &PagedProblem,
     q: &[T],
-    k_cache: &[T],
-    v_cache: &[T],
-) -> Result<Gathered<T>> {
+    k_cache: &[K],
+    v_cache: &[K],
+) -> Result<Gathered<T, K>> {
     let c = p.cache();
     let (hq, hkv, d, dv) = (p.heads_q(), c.heads_kv(), c.head_dim(), c.head_dim_v());
     let (ps, max_pages) = (c.page_size(), c.max_pages_per_seq());
@@ -139,12 +141,55 @@ pub fn check<T: Element>(
     lse: Option<&[f32]>,
 ) -> Result<Report> {
     let g = gather(p, q, k_cache, v_cache)?;
+    let (go, gl) = regather(p, &g.problem, o, lse);
+    check::check(
+        &g.problem,
+        &g.q,
+        &g.k,
+        &g.v,
+        &go,
+        lse.map(|_| gl.as_slice()),
+    )
+}
+
+/// [`check`] for an fp8 e4m3 cache with per-KV-head scales ([`super::KvScales`]), judged by
+/// [`check::check_kv_fp8`] on the gathered problem.
+pub fn check_fp8<T: Element>(
+    p: &PagedProblem,
+    q: &[T],
+    k_cache: &[F8E4M3],
+    v_cache: &[F8E4M3],
+    scales: &super::KvScales,
+    o: &[T],
+    lse: Option<&[f32]>,
+) -> Result<Report> {
+    let g = gather(p, q, k_cache, v_cache)?;
+    let (go, gl) = regather(p, &g.problem, o, lse);
+    check::check_kv_fp8(
+        &g.problem,
+        &g.q,
+        &g.k,
+        &g.v,
+        scales.k,
+        scales.v,
+        &go,
+        lse.map(|_| gl.as_slice()),
+    )
+}
+
+/// A backend's O and LSE moved into the gathered problem's layouts.
+fn regather<T: Element>(
+    p: &PagedProblem,
+    gathered: &Problem,
+    o: &[T],
+    lse: Option<&[f32]>,
+) -> (Vec<T>, Vec<f32>) {
     let dv = p.cache().head_dim_v();
     let total_q = p.total_q();
     let mut go = Vec::with_capacity(total_q * p.heads_q() * dv);
     let mut gl = vec![0f32; p.lse_len()];
     for (b, s) in p.sequences().iter().enumerate() {
-        let gathered_row0 = g.problem.sequences()[b].q_start;
+        let gathered_row0 = gathered.sequences()[b].q_start;
         for i in 0..s.q_len {
             for h in 0..p.heads_q() {
                 let off = p.o_layout().offset(s.batch_index, s.q_start + i, h);
@@ -155,12 +200,5 @@ pub fn check<T: Element>(
             }
         }
     }
-    check::check(
-        &g.problem,
-        &g.q,
-        &g.k,
-        &g.v,
-        &go,
-        lse.map(|_| gl.as_slice()),
-    )
+    (go, gl)
 }

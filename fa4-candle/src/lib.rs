@@ -11,6 +11,7 @@
 //! | [`flash_attn_varlen`], [`flash_attn_varlen_windowed`] | packed `[total, heads, dim]`, `seqlens_*` cumulative `[batch + 1]` → `[total_q, heads_q, head_dim_v]` |
 //! | `*_with_lse` | also the LSE, f32: `[batch, heads_q, seqlen_q]` (fixed) or `[heads_q, total_q]` (varlen) |
 //! | [`attention`], [`attention_varlen`] (+ `_with_lse`) | every option at once: scale, window, softcap |
+//! | [`attention_fp8`] | `F8E4M3` `q`, `k`, `v` as [`flash_attn`]'s, descales `[batch, heads_kv]` ([`Fp8Descales`]) → bf16; CPU only |
 //! | [`flash_attn_paged`], [`attention_paged`] (+ `_with_lse`) | `q` `[batch, seqlen_q, heads_q, head_dim]` over a paged cache `[num_pages, page_size, heads_kv, dim]`, `page_table` `[batch, max_pages]`, `seqlens_k` `[batch]` → `[batch, seqlen_q, heads_q, head_dim_v]` |
 //!
 //! GQA/MQA follows from the head counts (`heads_q % heads_kv == 0`; query head `h` reads KV head
@@ -42,6 +43,7 @@
 
 #[cfg(feature = "cuda")]
 mod cuda;
+mod fp8;
 mod op;
 mod paged;
 
@@ -49,6 +51,7 @@ use candle::{DType, Result, Tensor};
 
 use op::{Fa4Attn, HostSeqlens};
 
+pub use fp8::{attention_fp8, Fp8Descales};
 pub use paged::{
     attention_paged, attention_paged_with_lse, flash_attn_paged, flash_attn_paged_with_lse,
 };

@@ -591,3 +591,116 @@ fn run_over_an_fp8_paged_cache() {
         );
     }
 }
+
+#[test]
+fn run_over_an_fp8_paged_cache_from_files() {
+    use fa4::paged::random::PagedSpec;
+    let spec = PagedSpec {
+        seqlens_q: vec![2, 2],
+        seqlens_k: vec![40, 17],
+        heads_q: 4,
+        heads_kv: 2,
+        head_dim: 32,
+        head_dim_v: 32,
+        page_size: 8,
+        varlen: false,
+    };
+    let c = paged_fp8(&spec, 5);
+    let x = &c.x;
+    let t = TempDir::new();
+    let bits = |v: &[F8E4M3]| v.iter().map(|e| e.to_bits()).collect::<Vec<u8>>();
+    let qf: Vec<f32> = x.q.iter().map(|e| e.to_f32()).collect();
+    let q = t.npy("q.npy", &x.q_shape, &qf);
+    let kc = t.npy("kc.npy", &x.k_shape, &bits(&c.k8));
+    let vc = t.npy("vc.npy", &x.v_shape, &bits(&c.v8));
+    let pt = t.npy("pt.npy", &[2, x.max_pages_per_seq], &x.page_table);
+    let sk = t.npy("sk.npy", &[2], &x.seqlens_k);
+    let (o, l) = (t.path("o.npy"), t.path("l.npy"));
+    let ks = format!("{},{}", c.scales[0][0], c.scales[0][1]);
+    let vs = format!("{},{}", c.scales[1][0], c.scales[1][1]);
+    let base = [
+        "run",
+        "--backend",
+        "cpu",
+        "--dtype",
+        "bf16",
+        "--kv-dtype",
+        "fp8",
+        "--causal",
+        "--q",
+        &q,
+        "--k-cache",
+        &kc,
+        "--v-cache",
+        &vc,
+        "--page-table",
+        &pt,
+        "--seqlens-k",
+        &sk,
+        "--out",
+        &o,
+    ];
+    let mut args = base.to_vec();
+    args.extend(["--lse", &l, "--k-scale", &ks, "--v-scale", &vs]);
+    let (code, out, err) = fa4(&args);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("check    pass"), "{out}");
+    assert!(std::path::Path::new(&o).exists() && std::path::Path::new(&l).exists());
+    // O is the library's, to the bit (the scales went through as given).
+    let mut want = vec![bf16::NAN; x.q.len()];
+    let mut o_shape = x.q_shape.clone();
+    *o_shape.last_mut().unwrap() = 32;
+    Backend::Cpu
+        .forward_paged_fp8(
+            &Tensor::new(&x.q, &x.q_shape).unwrap(),
+            &fa4::paged::PagedKv::new(
+                Tensor::new(&c.k8, &x.k_shape).unwrap(),
+                Tensor::new(&c.v8, &x.v_shape).unwrap(),
+                &x.page_table,
+                x.max_pages_per_seq,
+                &x.seqlens_k,
+            )
+            .unwrap(),
+            &fa4::paged::KvScales {
+                k: &c.scales[0],
+                v: &c.scales[1],
+            },
+            None,
+            &mut TensorMut::new(&mut want, &o_shape).unwrap(),
+            None,
+            &fa4::paged::PagedOptions::new(Options::new().causal()),
+        )
+        .unwrap();
+    let Data::F32(got) = npy::read(std::path::Path::new(&o), "o").unwrap().data else {
+        panic!()
+    };
+    assert!(got
+        .iter()
+        .zip(&want)
+        .all(|(a, b)| a.to_bits() == b.to_f32().to_bits()));
+    // Bad scales are refused by name.
+    for (extra, flag) in [
+        (vec!["--k-scale", "1,2,3"], "--k-scale"),
+        (vec!["--v-scale", "0"], "--v-scale"),
+        (vec!["--v-scale", "x"], "--v-scale"),
+    ] {
+        let mut a = base.to_vec();
+        a.extend(extra);
+        let (code, _, err) = fa4(&a);
+        assert!(
+            code == 2 && err.contains(flag) && err.trim().lines().count() == 1,
+            "{a:?}: {err}"
+        );
+    }
+    // A float cache with --kv-dtype fp8, and scales without it.
+    let kf = t.npy("kf.npy", &x.k_shape, &vec![0.5f32; c.k8.len()]);
+    let mut a = base.to_vec();
+    a[11] = &kf;
+    let (code, _, err) = fa4(&a);
+    assert!(
+        code == 2 && err.contains("`--k-cache`") && err.contains("uint8"),
+        "{err}"
+    );
+    let (code, _, err) = fa4(&["run", "--paged", "--k-scale", "2"]);
+    assert!(code == 2 && err.contains("`--k-scale`"), "{err}");
+}

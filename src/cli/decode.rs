@@ -67,9 +67,16 @@ pub struct PagedRunArgs {
     #[arg(long, allow_negative_numbers = true, help_heading = "Paged KV cache")]
     num_splits: Option<usize>,
     /// The cache's element type when it differs from the queries': fp8 (e4m3 bytes with one
-    /// scale per KV head, on the CPU backend; with --paged).
+    /// scale per KV head, on the CPU backend; --k-cache/--v-cache files are then uint8).
     #[arg(long, value_name = "DTYPE", help_heading = "Paged KV cache")]
     kv_dtype: Option<DType>,
+    /// An fp8 cache's K scales: one value for every KV head, or one per KV head
+    /// (comma-separated) [default: 1].
+    #[arg(long, value_name = "S[,S...]", value_parser = fp8kv::parse_scales, help_heading = "Paged KV cache")]
+    k_scale: Option<fp8kv::Scales>,
+    /// An fp8 cache's V scales, as --k-scale.
+    #[arg(long, value_name = "S[,S...]", value_parser = fp8kv::parse_scales, help_heading = "Paged KV cache")]
+    v_scale: Option<fp8kv::Scales>,
 }
 
 impl PagedRunArgs {
@@ -83,6 +90,8 @@ impl PagedRunArgs {
             || self.seqlens_k.is_some()
             || self.num_splits.is_some()
             || self.kv_dtype.is_some()
+            || self.k_scale.is_some()
+            || self.v_scale.is_some()
     }
 }
 
@@ -100,6 +109,15 @@ pub fn run(
         || pa.seqlens_k.is_some();
     if pa.num_splits == Some(0) {
         return Err(Error::invalid("--num-splits", "must be at least 1"));
+    }
+    if pa.kv_dtype != Some(DType::Fp8E4M3) {
+        refuse_given(
+            &[
+                ("--k-scale", pa.k_scale.is_some()),
+                ("--v-scale", pa.v_scale.is_some()),
+            ],
+            "belongs to an fp8 cache (--kv-dtype fp8)",
+        )?;
     }
     match pa.kv_dtype {
         None => {}
@@ -302,12 +320,14 @@ fn flag_error(e: Error) -> Error {
     }
 }
 
-fn from_files(
+pub(super) fn from_files(
     args: &RunArgs,
     backend: &Backend,
     opts: &Options,
     policy: CheckPolicy,
 ) -> Result<ExitCode> {
+    // An fp8 cache (`--kv-dtype fp8`): uint8 e4m3 pages, the queries' type from --dtype or --q.
+    let fp8_cache = args.paged.kv_dtype == Some(DType::Fp8E4M3);
     let mut random = args.random_flags().to_vec();
     random.push(("--page-size", args.paged.page_size.is_some()));
     refuse_given(
@@ -333,8 +353,9 @@ fn from_files(
     )?;
     const FLOATS: [NpyDType; 2] = [NpyDType::F32, NpyDType::F16];
     let qa = npy::read_as(&qp, "--q", &FLOATS)?;
-    let ka = npy::read_as(&kp, "--k-cache", &FLOATS)?;
-    let va = npy::read_as(&vp, "--v-cache", &FLOATS)?;
+    let cache_types: &[NpyDType] = if fp8_cache { &[NpyDType::U8] } else { &FLOATS };
+    let ka = npy::read_as(&kp, "--k-cache", cache_types)?;
+    let va = npy::read_as(&vp, "--v-cache", cache_types)?;
     let (table, tshape) = i32_array(&tp, "--page-table", 2, "[batch, max_pages_per_seq]")?;
     let (seqlens, _) = i32_array(&sp, "--seqlens-k", 1, "[batch]")?;
     let cu = match &args.cu_seqlens_q {
@@ -380,7 +401,15 @@ fn from_files(
             ),
         ));
     }
-    let dtype = file_dtype(args.dtype, &qa, [("--k-cache", &ka), ("--v-cache", &va)])?;
+    let dtype = if fp8_cache {
+        match (args.dtype, qa.dtype()) {
+            (Some(t), _) => t,
+            (None, NpyDType::F16) => DType::F16,
+            (None, _) => DType::F32,
+        }
+    } else {
+        file_dtype(args.dtype, &qa, [("--k-cache", &ka), ("--v-cache", &va)])?
+    };
     let problem = || -> Result<PagedProblem> {
         let kl = Layout::new("k_cache", &ka.shape, None)?;
         let vl = Layout::new("v_cache", &va.shape, None)?;
@@ -393,6 +422,9 @@ fn from_files(
     };
     let p = problem().map_err(flag_error)?;
     let outputs = (out.as_path(), args.lse.as_deref());
+    if fp8_cache {
+        return fp8kv::files(args, p, [qa, ka, va], backend, policy, outputs);
+    }
     let auto = matches!(args.backend, BackendArg::Auto);
     let run = match dtype {
         DType::F32 => files_typed::<f32>,

@@ -385,28 +385,8 @@ struct PagedFp8 {
 fn paged_fp8(spec: &fa4::paged::random::PagedSpec, seed: u64) -> PagedFp8 {
     let x = fa4::paged::random::random_paged::<bf16, _>(&mut StdRng::seed_from_u64(seed), spec)
         .unwrap();
-    let quantize = |cache: &[bf16], w: usize| {
-        let h = spec.heads_kv;
-        let mut amax = vec![0f32; h];
-        for (i, e) in cache.iter().enumerate() {
-            let v = e.to_f32();
-            if v.is_finite() {
-                amax[(i / w) % h] = amax[(i / w) % h].max(v.abs());
-            }
-        }
-        let s: Vec<f32> = amax
-            .iter()
-            .map(|&a| if a > 0.0 { a / 448.0 } else { 1.0 })
-            .collect();
-        let b = cache
-            .iter()
-            .enumerate()
-            .map(|(i, e)| F8E4M3::from_f32(e.to_f32() / s[(i / w) % h]))
-            .collect();
-        (b, s)
-    };
-    let (k8, ks) = quantize(&x.k_cache, spec.head_dim);
-    let (v8, vs) = quantize(&x.v_cache, spec.head_dim_v);
+    let (k8, ks) = fa4::paged::quantize_cache(&x.k_cache, spec.heads_kv, spec.head_dim);
+    let (v8, vs) = fa4::paged::quantize_cache(&x.v_cache, spec.heads_kv, spec.head_dim_v);
     PagedFp8 {
         x,
         k8,
@@ -683,6 +663,8 @@ fn run_over_an_fp8_paged_cache_from_files() {
         (vec!["--k-scale", "1,2,3"], "--k-scale"),
         (vec!["--v-scale", "0"], "--v-scale"),
         (vec!["--v-scale", "x"], "--v-scale"),
+        (vec!["--k-scale", "-1"], "--k-scale"),
+        (vec!["--k-scale", "1e39"], "--k-scale"),
     ] {
         let mut a = base.to_vec();
         a.extend(extra);

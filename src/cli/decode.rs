@@ -72,10 +72,10 @@ pub struct PagedRunArgs {
     kv_dtype: Option<DType>,
     /// An fp8 cache's K scales: one value for every KV head, or one per KV head
     /// (comma-separated) [default: 1].
-    #[arg(long, value_name = "S[,S...]", value_parser = fp8kv::parse_scales, help_heading = "Paged KV cache")]
+    #[arg(long, value_name = "S[,S...]", value_parser = fp8kv::parse_scales, allow_hyphen_values = true, help_heading = "Paged KV cache")]
     k_scale: Option<fp8kv::Scales>,
     /// An fp8 cache's V scales, as --k-scale.
-    #[arg(long, value_name = "S[,S...]", value_parser = fp8kv::parse_scales, help_heading = "Paged KV cache")]
+    #[arg(long, value_name = "S[,S...]", value_parser = fp8kv::parse_scales, allow_hyphen_values = true, help_heading = "Paged KV cache")]
     v_scale: Option<fp8kv::Scales>,
 }
 

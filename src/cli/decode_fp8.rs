@@ -6,7 +6,7 @@
 //! `--k-scale`, `--v-scale` give the scales (one value for every KV head, or one per head).
 
 use fa4::fp8::F8E4M3;
-use fa4::paged::{KvScales, PagedKv, PagedOptions};
+use fa4::paged::{quantize_cache, KvScales, PagedKv, PagedOptions};
 use fa4::Tensor;
 
 use super::*;
@@ -39,28 +39,6 @@ fn scales_for(flag: &str, given: &Option<Scales>, heads_kv: usize) -> Result<Vec
         e => e,
     })?;
     Ok(s)
-}
-
-/// Quantizes a cache per KV head (amax over the finite elements / 448; 1 for an empty head).
-fn quantize<T: Element>(cache: &[T], heads_kv: usize, width: usize) -> (Vec<F8E4M3>, Vec<f32>) {
-    let mut amax = vec![0f32; heads_kv];
-    for (i, e) in cache.iter().enumerate() {
-        let x = e.to_f32();
-        if x.is_finite() {
-            let h = (i / width) % heads_kv;
-            amax[h] = amax[h].max(x.abs());
-        }
-    }
-    let s: Vec<f32> = amax
-        .iter()
-        .map(|&a| if a > 0.0 { a / fa4::fp8::E4M3_MAX } else { 1.0 })
-        .collect();
-    let bytes = cache
-        .iter()
-        .enumerate()
-        .map(|(i, e)| F8E4M3::from_f32(e.to_f32() / s[(i / width) % heads_kv]))
-        .collect();
-    (bytes, s)
 }
 
 pub(super) fn run(
@@ -132,8 +110,8 @@ fn typed<T: Element>(
 ) -> Result<ExitCode> {
     let x = random_paged::<T, _>(rng, spec)?;
     let p = x.problem(opts)?;
-    let (k8, ks) = quantize(&x.k_cache, spec.heads_kv, spec.head_dim);
-    let (v8, vs) = quantize(&x.v_cache, spec.heads_kv, spec.head_dim_v);
+    let (k8, ks) = quantize_cache(&x.k_cache, spec.heads_kv, spec.head_dim);
+    let (v8, vs) = quantize_cache(&x.v_cache, spec.heads_kv, spec.head_dim_v);
     let scales = KvScales { k: &ks, v: &vs };
     let kv = PagedKv::new(
         Tensor::with_name("k_cache", &k8, &x.k_shape, None)?,

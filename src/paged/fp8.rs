@@ -160,6 +160,41 @@ fn forward_cpu<T: Element>(
     Ok(plan)
 }
 
+/// Quantizes a contiguous cache (`[num_pages, page_size, heads_kv, width]`, any float type)
+/// per KV head: the scale of head `h` is the largest finite magnitude of its elements / 448 (1
+/// when there is none), and each element becomes `x / scale[h]` rounded to e4m3. Returns the
+/// bytes and the `heads_kv` scales.
+pub fn quantize_cache<T: Element>(
+    cache: &[T],
+    heads_kv: usize,
+    width: usize,
+) -> (Vec<F8E4M3>, Vec<f32>) {
+    let head = |i: usize| (i / width.max(1)) % heads_kv.max(1);
+    let mut amax = vec![0f32; heads_kv];
+    for (i, e) in cache.iter().enumerate() {
+        let x = e.to_f32();
+        if x.is_finite() {
+            amax[head(i)] = amax[head(i)].max(x.abs());
+        }
+    }
+    let scales: Vec<f32> = amax
+        .iter()
+        .map(|&a| {
+            if a > 0.0 {
+                a / crate::fp8::E4M3_MAX
+            } else {
+                1.0
+            }
+        })
+        .collect();
+    let bytes = cache
+        .iter()
+        .enumerate()
+        .map(|(i, e)| F8E4M3::from_f32(e.to_f32() / scales[head(i)]))
+        .collect();
+    (bytes, scales)
+}
+
 /// [`super::append`] into an fp8 cache: each new element `x` of KV head `h` is stored as
 /// `x / scale[h]` rounded to e4m3 (nearest, ties to even, saturating at ±448). Validation and
 /// errors are [`super::append`]'s, and the scales' (`k_scale`, `v_scale`).

@@ -81,7 +81,7 @@ use crate::problem::{Options, Sequence, MAX_HEAD_DIM};
 use crate::tensor::{Element, Layout, Tensor, TensorMut};
 
 pub use cpu::CPU_TILES;
-pub use fp8::{append_fp8, KvScales};
+pub use fp8::{append_fp8, quantize_cache, KvScales};
 
 /// Options of a paged call: the attention options and, optionally, a forced split count.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]

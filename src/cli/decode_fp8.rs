@@ -170,21 +170,7 @@ fn typed<T: Element>(
         secs * 1e3,
         if secs > 0.0 { bytes / secs / 1e9 } else { 0.0 }
     );
-    if let Some(why) = skip_reason(policy, check_cost(&p)) {
-        println!("check    {why}");
-        return Ok(ExitCode::SUCCESS);
-    }
-    let t0 = Instant::now();
-    let report = reference::check_fp8(&p, &x.q, &k8, &v8, &scales, &o, Some(&lse))?;
-    println!(
-        "check    {report} (float64 paged oracle, {:.2} s)",
-        t0.elapsed().as_secs_f64()
-    );
-    Ok(if report.passed() {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    })
+    verify(&p, &x.q, [&k8, &v8], &scales, (&o, &lse), policy)
 }
 
 /// A paged run on files over an fp8 cache: `--k-cache`/`--v-cache` uint8 e4m3 bytes, the
@@ -290,12 +276,25 @@ fn files_typed<T: Element>(
     for w in &wrote {
         println!("wrote    {w}");
     }
-    if let Some(why) = skip_reason(policy, check_cost(&p)) {
+    verify(&p, &q, [&k8, &v8], &scales, (&o, &lse), policy)
+}
+
+/// The check of both forms against the paged fp8 oracle (or why it is skipped); exit code 1 if
+/// it fails.
+fn verify<T: Element>(
+    p: &PagedProblem,
+    q: &[T],
+    [k8, v8]: [&[F8E4M3]; 2],
+    scales: &KvScales,
+    (o, lse): (&[T], &[f32]),
+    policy: CheckPolicy,
+) -> Result<ExitCode> {
+    if let Some(why) = skip_reason(policy, check_cost(p)) {
         println!("check    {why}");
         return Ok(ExitCode::SUCCESS);
     }
     let t0 = Instant::now();
-    let report = reference::check_fp8(&p, &q, &k8, &v8, &scales, &o, Some(&lse))?;
+    let report = reference::check_fp8(p, q, k8, v8, scales, o, Some(lse))?;
     println!(
         "check    {report} (float64 paged oracle, {:.2} s)",
         t0.elapsed().as_secs_f64()

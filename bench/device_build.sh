@@ -12,7 +12,8 @@
 # `fa4 fa4-candle`. FA4_PRECOMPILE=1 also fills DEST/cache.tar.xz with `decode_bench
 # --precompile` (every split, combine, append and all-heads decode kernel for sm_90a, ~540
 # kernels, 6–11 min on two cores; FA4_PRECOMPILE=VARIANT,… only the decode grid's kernels under
-# those variants, a minute or two), so that a device call spends no time in NVRTC; it needs
+# those variants, a minute or two; FA4_PRECOMPILE=fp8 the e4m3 forward's kernels, those of the fp8
+# matrix and the fp8 grid's with `fp8_bench --precompile`), so that a device call spends no time in NVRTC; it needs
 # NVRTC here (LD_LIBRARY_PATH, e.g. the pip wheel's nvidia/cu13/lib). device_check.sh unpacks
 # it into FA4_CACHE_DIR (an NVRTC of another version on the device misses it and compiles).
 # Prints the folder's size and what it holds; exits non-zero if a build fails or the folder
@@ -49,7 +50,7 @@ for line in open(msgs):
     if not m.get("profile", {}).get("test"):
         if t["name"] == "fa4" and t["kind"] == ["bin"]:
             subprocess.run(["strip", "-o", f"{out}/fa4", exe], check=True)
-        elif t["kind"] == ["example"] and t["name"] in ("decode_bench", "bwd_bench"):
+        elif t["kind"] == ["example"] and t["name"] in ("decode_bench", "bwd_bench", "fp8_bench"):
             # `cargo test` builds the examples too; kept apart from the test binaries.
             os.makedirs(f"{out}/examples", exist_ok=True)
             subprocess.run(["strip", "-o", f"{out}/examples/{t['name']}", exe], check=True)
@@ -67,7 +68,7 @@ for line in open(msgs):
 print(f"{len(names)} test binaries: {' '.join(sorted(names))}")
 EOF
 [ -x "$stage/bins/fa4" ] || { echo "device_build: cargo built no fa4 CLI" >&2; exit 1; }
-for e in decode_bench bwd_bench; do
+for e in decode_bench bwd_bench fp8_bench; do
     [ -x "$stage/bins/examples/$e" ] || { echo "device_build: cargo built no $e example" >&2; exit 1; }
 done
 # Where the binaries were built: tests find the fa4 CLI and the crate's files through paths
@@ -82,9 +83,15 @@ if [ -n "${FA4_PRECOMPILE:-}" ]; then
     cache=$stage/cache
     mkdir -p "$cache"
     only=()
-    [ "$FA4_PRECOMPILE" != 1 ] && only=("$FA4_PRECOMPILE")
-    FA4_CACHE_DIR="$cache" FA4_REQUIRE_NVRTC=1 "$stage/bins/examples/decode_bench" --precompile "${only[@]}" \
-        > "$stage/precompile.log"
+    [ "$FA4_PRECOMPILE" != 1 ] && [ "$FA4_PRECOMPILE" != fp8 ] && only=("$FA4_PRECOMPILE")
+    if [ "$FA4_PRECOMPILE" = fp8 ]; then
+        # Only the e4m3 forward's kernels (fp8_bench --precompile).
+        FA4_CACHE_DIR="$cache" FA4_REQUIRE_NVRTC=1 "$stage/bins/examples/fp8_bench" --precompile \
+            > "$stage/precompile.log"
+    else
+        FA4_CACHE_DIR="$cache" FA4_REQUIRE_NVRTC=1 "$stage/bins/examples/decode_bench" --precompile "${only[@]}" \
+            > "$stage/precompile.log"
+    fi
     # Packed: the full cache's cubins (about 60 MiB) pass the carry limit, xz makes them ~4 MiB.
     tar -C "$cache" -cf - . | xz -T0 -6 > "$dest/cache.tar.xz"
     echo "kernel cache: $(ls "$cache" | wc -l) kernels"

@@ -237,10 +237,7 @@ impl Backend {
                 crate::fp8::forward_cpu(&CpuBackend::default(), p, q, k, v, descales, out, lse)
             }
             Backend::CpuWith(cpu) => crate::fp8::forward_cpu(cpu, p, q, k, v, descales, out, lse),
-            Backend::Cuda(_) => Err(Error::invalid(
-                "dtype",
-                "fp8 inputs run on the CPU backend; the GPU kernels do not compute them yet",
-            )),
+            Backend::Cuda(cuda) => cuda.forward_fp8_host(p, q, k, v, descales, out, lse),
         }
     }
 

@@ -522,6 +522,7 @@ fn precompile_hopper(
             specs.push(fa4::config::sm90::KernelSpec {
                 target,
                 bf16: bits & 1 != 0,
+                fp8: false,
                 head_dim: dims.qk,
                 head_dim_v: dims.v,
                 dim,

@@ -100,6 +100,20 @@ impl fmt::Display for Case {
 }
 
 impl Case {
+    /// The problem the case runs (for an fp8 case the e4m3 one with O in bf16), without its data.
+    pub fn problem(&self) -> Result<Problem> {
+        let f32_case = Case {
+            dtype: DType::F32,
+            ..self.clone()
+        };
+        let (p, _) = setup::<f32>(&f32_case, 0)?;
+        match self.dtype {
+            DType::Fp8E4M3 => p.as_fp8(DType::Bf16),
+            DType::F32 => Ok(p),
+            d => Ok(p.with_dtype(d)),
+        }
+    }
+
     fn base(dtype: DType, d: usize, seqlens: Seqlens) -> Case {
         Case {
             dtype,
@@ -268,7 +282,9 @@ pub(super) fn setup<T: Element>(case: &Case, seed: u64) -> Result<(Problem, Data
     };
     let packed = cu.is_some();
     let layout = |name: &str, s: usize, h: usize, d: usize| -> Result<(Layout, usize)> {
-        let pad = if case.strided { d + 8 } else { 0 };
+        // A pad of 16 elements keeps rows 16-byte aligned for every element size (fp8's TMA
+        // maps need it).
+        let pad = if case.strided { d + 16 } else { 0 };
         let (row, head) = (h * d + pad, d);
         let strides = [s * row, row, head, 1];
         let shape = [b, s, h, d];

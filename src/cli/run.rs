@@ -26,7 +26,7 @@ use super::BackendArg;
 #[path = "decode.rs"]
 mod decode;
 #[path = "run_fp8.rs"]
-mod fp8run;
+pub(super) mod fp8run;
 
 /// The check runs unless told otherwise when the oracle costs at most this many multiply-adds
 /// (the float64 pass, plus the storage-precision pass for 16-bit dtypes). Measured on a 2-core

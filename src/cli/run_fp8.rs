@@ -1,5 +1,6 @@
-//! `fa4 run --dtype fp8`: fp8 e4m3 inputs (`docs/attention.md`, "FP8 (e4m3) inputs") on the
-//! CPU backend, checked against the float64 oracle of the dequantized inputs.
+//! `fa4 run --dtype fp8`: fp8 e4m3 inputs (`docs/attention.md`, "FP8 (e4m3) inputs") on a
+//! Hopper GPU (the e4m3 kernel) or the CPU backend, checked against the float64 oracle of the
+//! dequantized inputs.
 //!
 //! Random problems draw the usual float inputs and quantize them with per-(sequence, KV head)
 //! amax scales. Files: Q, K and V either all uint8 (e4m3 bytes; descales from `--q-descale`,
@@ -91,24 +92,32 @@ pub(super) fn run(
             ))
         }
     };
-    let cpu = match backend {
-        BackendArg::Cuda => {
-            return Err(Error::invalid(
-                "--backend",
-                "fp8 inputs run on the CPU backend; the GPU kernels do not compute them yet",
-            ))
-        }
-        BackendArg::Auto | BackendArg::Cpu => Backend::Cpu,
-    };
     let inputs = if args.q.is_some() || args.k.is_some() || args.v.is_some() {
         files(args, opts, out)?
     } else {
         random(args, opts, out)?
     };
+    // fp8 runs on Hopper GPUs (the e4m3 kernel) and the CPU: `--backend auto` on another GPU
+    // takes the CPU, `--backend cuda` there is refused by the planner naming `dtype`. Resolved
+    // after the inputs, so that a bad input's error is the only line.
+    let cpu = match backend.resolve()? {
+        b @ Backend::Cuda(_) if backend == BackendArg::Cuda || hopper(&b) => b,
+        Backend::Cuda(_) => {
+            eprintln!("fa4: fp8 runs on Hopper GPUs and the CPU: on the CPU");
+            Backend::Cpu
+        }
+        b => b,
+    };
+
     match out {
         DType::F16 => execute::<f16>(args, &cpu, &inputs, policy),
         _ => execute::<bf16>(args, &cpu, &inputs, policy),
     }
+}
+
+/// Whether `b` is a Hopper GPU, where the e4m3 kernel runs.
+pub(crate) fn hopper(b: &Backend) -> bool {
+    matches!(b, Backend::Cuda(c) if c.info().arch.family == fa4::arch::Family::Hopper)
 }
 
 fn random(args: &RunArgs, opts: &Options, out: DType) -> Result<Inputs> {
@@ -407,7 +416,11 @@ fn execute<O: Element>(
     let mut lse = alloc("lse", p.lse_len(), f32::NAN)?;
     let threads = rayon::current_num_threads();
     let progress = Progress::start(
-        "computing attention on the CPU",
+        if matches!(cpu, Backend::Cuda(_)) {
+            "computing attention on the GPU"
+        } else {
+            "computing attention on the CPU"
+        },
         p.flops() / (CPU_FLOPS_PER_THREAD_S * threads as f64),
         0,
     );
@@ -447,10 +460,7 @@ fn execute<O: Element>(
         O::DTYPE
     );
     println!("descales {}", x.origin);
-    println!(
-        "backend  {} (fp8 inputs run on the CPU backend)",
-        backend_name(cpu)
-    );
+    println!("backend  {}", backend_name(cpu));
     let secs = elapsed.as_secs_f64();
     let rate = if secs > 0.0 && gflop > 0.0 {
         format!("{} GFLOP/s", three_digits(gflop / secs))

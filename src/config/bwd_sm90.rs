@@ -263,6 +263,7 @@ impl Spec {
             n: self.tiles.block_m,
             a: OperandA::Smem,
             bf16: self.bf16,
+            e4m3: false,
             b_transposed: false,
         };
         let dkv = Wgmma {
@@ -270,6 +271,7 @@ impl Spec {
             n: self.head_dim,
             a: OperandA::Regs,
             bf16: self.bf16,
+            e4m3: false,
             b_transposed: true,
         };
         let dq = Wgmma {
@@ -277,6 +279,7 @@ impl Spec {
             n: self.dq_n(),
             a: OperandA::Smem,
             bf16: self.bf16,
+            e4m3: false,
             b_transposed: true,
         };
         format!(

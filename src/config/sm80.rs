@@ -175,6 +175,7 @@ impl KernelSpec {
             .flag("Q_IN_REGS", t.q_in_regs)
             .flag("LAZY_RESCALE", t.lazy_rescale)
             .flag("IS_BF16", self.bf16)
+            .flag("FP8", false)
             .flag("HAS_WINDOW", self.window)
             .flag("HAS_SOFTCAP", self.softcap)
             .define("FA4_SMEM_BYTES", self.smem_bytes())

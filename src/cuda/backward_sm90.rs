@@ -195,7 +195,11 @@ fn map(
 ) -> Result<TmaMap> {
     let m = MapSpec {
         ptr,
-        bf16,
+        elem: if bf16 {
+            tma::MapElem::Bf16
+        } else {
+            tma::MapElem::F16
+        },
         dims: l.dims,
         strides: l.strides,
         box_rows,

@@ -59,6 +59,8 @@ pub const SM90_PIPELINE_SRC: &str = include_str!("../kernels/sm90/pipeline.cuh")
 pub const SM90_TILES_SRC: &str = include_str!("../kernels/sm90/tiles.cuh");
 /// The Hopper forward kernel.
 pub const SM90_FWD_SRC: &str = include_str!("../kernels/sm90/fwd.cu");
+/// The e4m3 Hopper kernel's Vᵀ pass.
+pub const SM90_VT_FP8_SRC: &str = include_str!("../kernels/sm90/vt_fp8.cu");
 /// The Blackwell kernel's tcgen05 wrappers.
 pub const SM100_TCGEN05_SRC: &str = include_str!("../kernels/sm100/tcgen05.cuh");
 /// The Blackwell forward kernel (not run on hardware: see `config::sm100_kernel`).
@@ -143,7 +145,7 @@ impl KernelSource for sm90::KernelSpec {
         sm90::KernelSpec::prelude(self)
     }
     fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>> {
-        vec![
+        let mut v: Vec<std::borrow::Cow<'static, str>> = vec![
             SM90_PARAMS_SRC.into(),
             MBARRIER_SRC.into(),
             SM90_PTX_SRC.into(),
@@ -152,10 +154,18 @@ impl KernelSource for sm90::KernelSpec {
             SM90_TILES_SRC.into(),
             EXACT_SRC.into(),
             SM90_FWD_SRC.into(),
-        ]
+        ];
+        if self.fp8 {
+            // The e4m3 kernel's Vᵀ pass, a second entry of its module.
+            v.push(SM90_VT_FP8_SRC.into());
+        }
+        v
     }
     fn exact_fixup(&self) -> bool {
         true
+    }
+    fn extra_entries(&self) -> &'static [&'static str] {
+        sm90::KernelSpec::extra_entries(self)
     }
     fn entry(&self) -> &'static str {
         sm90::KernelSpec::entry(self)

@@ -20,6 +20,7 @@ pub mod bench;
 pub mod compile;
 pub mod decode;
 mod external;
+pub mod fp8;
 pub use external::ForeignBuffer;
 pub mod family;
 mod libs;

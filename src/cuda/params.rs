@@ -168,6 +168,16 @@ pub struct Sm90Params {
     pub p: FwdParams,
     /// [`crate::config::sm90::Plan::tiles`]: the tiles the dynamic schedule's counter numbers.
     pub tiles: i32,
+    /// e4m3 kernel, fixed-length batch: Vᵀ columns per sequence (0 otherwise).
+    pub vt_seq_keys: i32,
+    /// e4m3 kernel, varlen batch: device `[batch + 1]` first Vᵀ column per sequence (0 otherwise).
+    pub cu_vt: u64,
+    /// e4m3 kernel: device `[3][batch][heads_kv]` f32 descales of Q, K and V (0 otherwise).
+    pub descales: u64,
+    /// e4m3 kernel: batch · heads_kv, the distance between the descale planes.
+    pub descale_plane: i32,
+    /// Padding (the header's `pad0`).
+    pub pad0: i32,
     /// O, for the TMA-store epilogue (zeroed where the kernel stores O itself).
     pub to: TmaMap,
 }
@@ -178,6 +188,8 @@ pub const SM90_PARAMS_SIZE: usize = 768;
 const _: () = assert!(std::mem::size_of::<Sm90Params>() == SM90_PARAMS_SIZE);
 const _: () = assert!(std::mem::offset_of!(Sm90Params, p) == 384);
 const _: () = assert!(std::mem::offset_of!(Sm90Params, tiles) == 384 + PARAMS_SIZE);
+const _: () = assert!(std::mem::offset_of!(Sm90Params, cu_vt) == 384 + PARAMS_SIZE + 8);
+const _: () = assert!(std::mem::offset_of!(Sm90Params, to) == 640);
 
 // SAFETY: #[repr(C)] plain data (the maps are opaque bytes, FwdParams is DeviceRepr), laid out
 // like the header's struct (size asserted on both sides, alignment 64 on both).

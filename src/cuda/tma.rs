@@ -13,15 +13,40 @@ use cudarc::driver::sys::{
 };
 
 use super::params::TmaMap;
-use crate::config::sm90::SWIZZLE_ELEMS;
 use crate::error::{Error, Result};
+
+/// The element type of a map.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum MapElem {
+    /// bf16.
+    Bf16,
+    /// fp16.
+    F16,
+    /// One byte (e4m3 bit patterns): a 128-byte swizzle row is 128 of them.
+    Byte,
+}
+
+impl MapElem {
+    /// Bytes per element.
+    pub fn bytes(self) -> u64 {
+        match self {
+            MapElem::Byte => 1,
+            _ => 2,
+        }
+    }
+
+    /// Elements per 128-byte swizzle row (a slab's width).
+    pub fn slab_elems(self) -> usize {
+        128 / self.bytes() as usize
+    }
+}
 
 /// One tensor for a map.
 pub(crate) struct MapSpec {
     /// Device address of element (0, 0, 0, 0): 16-byte aligned.
     pub ptr: u64,
-    /// bf16 (else fp16).
-    pub bf16: bool,
+    /// The element type.
+    pub elem: MapElem,
     /// `[batch, rows, heads, head_dim]`; head_dim a multiple of 64 for the 5-D maps, of 8 for
     /// the slab maps.
     pub dims: [usize; 4],
@@ -38,7 +63,7 @@ pub(crate) struct MapSpec {
 /// writes only the columns inside it.
 pub(crate) fn encode_slabs(name: &str, m: &MapSpec) -> Result<TmaMap> {
     let [batch, rows, heads, head_dim] = m.dims;
-    let el = 2u64;
+    let el = m.elem.bytes();
     let batch_stride = if batch == 1 {
         (m.strides[1] as u64 * el).max(16)
     } else {
@@ -53,13 +78,13 @@ pub(crate) fn encode_slabs(name: &str, m: &MapSpec) -> Result<TmaMap> {
             m.strides[2] as u64 * el,
             batch_stride,
         ],
-        &[SWIZZLE_ELEMS as u32, m.box_rows as u32, 1, 1],
+        &[m.elem.slab_elems() as u32, m.box_rows as u32, 1, 1],
     )
 }
 
 /// Encodes a map, or the driver's error naming the tensor.
 pub(crate) fn encode(name: &str, m: &MapSpec) -> Result<TmaMap> {
-    five_d(name, m, m.dims[3] / SWIZZLE_ELEMS)
+    five_d(name, m, m.dims[3] / m.elem.slab_elems())
 }
 
 /// Encodes the map of the Hopper kernel's TMA-store epilogue: the same 5-D view as [`encode`],
@@ -74,15 +99,16 @@ pub(crate) fn encode_store(name: &str, m: &MapSpec) -> Result<TmaMap> {
 /// The 5-D map of [`encode`] with `box_slabs` slabs per box.
 fn five_d(name: &str, m: &MapSpec, box_slabs: usize) -> Result<TmaMap> {
     let [batch, rows, heads, head_dim] = m.dims;
-    let slabs = head_dim / SWIZZLE_ELEMS;
+    let slab = m.elem.slab_elems();
+    let slabs = head_dim / slab;
     let global_dim: [u64; 5] = [
-        SWIZZLE_ELEMS as u64,
+        slab as u64,
         rows as u64,
         slabs as u64,
         heads as u64,
         batch as u64,
     ];
-    let el = 2u64;
+    let el = m.elem.bytes();
     // A batch axis of extent 1 (packed varlen tensors: stride 0) is never stepped along; the
     // driver still wants a non-zero multiple of 16 bytes there.
     let batch_stride = if batch == 1 {
@@ -92,18 +118,32 @@ fn five_d(name: &str, m: &MapSpec, box_slabs: usize) -> Result<TmaMap> {
     };
     let global_strides: [u64; 4] = [
         m.strides[1] as u64 * el,
-        SWIZZLE_ELEMS as u64 * el,
+        128,
         m.strides[2] as u64 * el,
         batch_stride,
     ];
-    let box_dim: [u32; 5] = [
-        SWIZZLE_ELEMS as u32,
-        m.box_rows as u32,
-        box_slabs as u32,
-        1,
-        1,
-    ];
+    let box_dim: [u32; 5] = [slab as u32, m.box_rows as u32, box_slabs as u32, 1, 1];
     tiled(name, m, &global_dim, &global_strides, &box_dim)
+}
+
+/// The 3-D map of the e4m3 kernel's Vᵀ buffer `[heads_kv][rows][cols]` bytes: dimensions
+/// (cols, rows, heads_kv), innermost first, boxes of (128 columns, `rows`, 1), one 128-byte
+/// swizzled slab of Vᵀ per box.
+pub(crate) fn encode_vt(ptr: u64, cols: usize, rows: usize, heads_kv: usize) -> Result<TmaMap> {
+    let m = MapSpec {
+        ptr,
+        elem: MapElem::Byte,
+        dims: [1, rows, heads_kv, cols],
+        strides: [0, cols, rows * cols],
+        box_rows: rows,
+    };
+    tiled(
+        "vt",
+        &m,
+        &[cols as u64, rows as u64, heads_kv as u64],
+        &[cols as u64, (rows * cols) as u64],
+        &[128, rows as u32, 1],
+    )
 }
 
 /// `cuTensorMapEncodeTiled` with the 128-byte swizzle: `dims` innermost first, byte `strides` of
@@ -122,10 +162,10 @@ fn tiled(
     );
     let element_strides = [1u32; 5];
     let mut map = sys::CUtensorMap { opaque: [0; 16] };
-    let dtype = if m.bf16 {
-        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16
-    } else {
-        CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16
+    let dtype = match m.elem {
+        MapElem::Bf16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+        MapElem::F16 => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+        MapElem::Byte => CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_UINT8,
     };
     // SAFETY: every pointer is to a live array of at least the rank's length (dims, box dims,
     // element strides; rank − 1 strides) or to `map`; the driver only writes `map`. The address

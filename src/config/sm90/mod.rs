@@ -24,6 +24,7 @@ use crate::error::{Error, Result};
 use crate::mask::Mask;
 use crate::problem::Problem;
 
+pub mod fp8;
 mod report;
 mod schedule;
 mod spec;
@@ -326,6 +327,7 @@ pub fn plan(
         spec: KernelSpec {
             target,
             bf16: p.dtype() == DType::Bf16,
+            fp8: false,
             head_dim: head_dim.qk,
             head_dim_v: head_dim.v,
             dim: p.head_dim(),

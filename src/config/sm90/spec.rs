@@ -11,8 +11,13 @@ use crate::config::prelude::{Prelude, RoleWarps};
 pub struct KernelSpec {
     /// NVRTC target: `sm_90a` (wgmma and setmaxnreg need the `a` target).
     pub target: &'static str,
-    /// bf16 (true) or fp16 (false) storage.
+    /// bf16 (true) or fp16 (false) storage; with `fp8`, O's type.
     pub bf16: bool,
+    /// Q, K and V in e4m3 (`docs/attention.md`, "FP8 (e4m3) inputs"): k32 `wgmma`, tiles of
+    /// 128-element slabs, V read transposed from the Vᵀ buffer that the module's
+    /// `fa4_vt_fp8` entry writes, the descales folded into the softmax and the epilogue, O
+    /// stored plainly in 16 bits ([`super::fp8`]).
+    pub fp8: bool,
     /// Tile width of Q and K (one of [`HEAD_DIMS`]: the head dim, padded).
     pub head_dim: usize,
     /// Tile width of V and O (one of [`HEAD_DIMS`], at most `head_dim`).
@@ -45,7 +50,21 @@ impl KernelSpec {
 
     /// Dynamic shared memory of a launch.
     pub fn smem_bytes(&self) -> usize {
-        self.tiles.smem(self.dims()).total()
+        self.tiles.smem_elem(self.dims(), self.elem_bytes()).total()
+    }
+
+    /// Bytes per Q, K and V element: 2, or 1 for e4m3.
+    pub fn elem_bytes(&self) -> usize {
+        if self.fp8 {
+            1
+        } else {
+            2
+        }
+    }
+
+    /// Elements per k step of the products: 16 (16-bit), 32 (e4m3).
+    pub fn k_step(&self) -> usize {
+        32 / self.elem_bytes()
     }
 
     /// Q and K are narrower than their tiles (slab maps).
@@ -71,6 +90,16 @@ impl KernelSpec {
         "fa4_fwd_sm90"
     }
 
+    /// The module's entry points beside [`KernelSpec::entry`]: the exact fixup, and with `fp8`
+    /// the Vᵀ pass.
+    pub fn extra_entries(&self) -> &'static [&'static str] {
+        if self.fp8 {
+            &["fa4_exact_fixup", super::fp8::VT_ENTRY]
+        } else {
+            &["fa4_exact_fixup"]
+        }
+    }
+
     /// The constants the kernel source is compiled with: the tiles, the role table (from
     /// [`roles`], as `fa4 plan` prints it) and the named barriers.
     pub fn prelude(&self) -> String {
@@ -80,13 +109,13 @@ impl KernelSpec {
             .int("HEAD_DIM_V", self.head_dim_v)
             .flag("SLAB_MAPS_QK", self.slab_maps_qk())
             .flag("SLAB_MAPS_V", self.slab_maps_v())
-            .int("QK_DIM", self.dim.next_multiple_of(16))
+            .int("QK_DIM", self.dim.next_multiple_of(self.k_step()))
             .int("O_DIM", self.dim_v)
             .int("BLOCK_M", t.block_m())
             .int("BLOCK_N", t.block_n)
             .int("CONSUMER_WGS", t.consumer_wgs)
             .int("STAGES", t.stages)
-            .int("Q_STAGES", t.q_stages(self.dims()))
+            .int("Q_STAGES", t.q_stages_elem(self.dims(), self.elem_bytes()))
             .int("PRODUCER_REGS", t.producer_regs)
             .int("CONSUMER_REGS", t.consumer_regs)
             .flag("LAZY_RESCALE", t.lazy_rescale)
@@ -99,6 +128,7 @@ impl KernelSpec {
             .flag("DYNAMIC", t.dynamic)
             .flag("UNIFORM_DESC", t.uniform_desc)
             .flag("IS_BF16", self.bf16)
+            .flag("FP8", self.fp8)
             .flag("HAS_WINDOW", self.window)
             .flag("HAS_SOFTCAP", self.softcap)
             .flag("VARLEN", self.varlen)
@@ -120,13 +150,16 @@ impl KernelSpec {
             a: OperandA::Smem,
             bf16: self.bf16,
             b_transposed: false,
+            e4m3: self.fp8,
         };
+        // e4m3: Vᵀ is K-major, as the hardware wants 8-bit operands.
         let o = Wgmma {
             name: "wgmma_rs",
             n: self.dim_v,
             a: OperandA::Regs,
             bf16: self.bf16,
-            b_transposed: true,
+            b_transposed: !self.fp8,
+            e4m3: self.fp8,
         };
         // The cross-tile overlap starts a tile's O with its first P·V (accumulate 0) instead of
         // zeroing it: a second definition of O in the persistent loop makes ptxas spill P and
@@ -187,8 +220,9 @@ impl fmt::Display for KernelSpec {
         let t = &self.tiles;
         write!(
             f,
-            "sm90-fwd {} {} d{}{} {}x{} c{} s{} r{}/{}{}{}{}{}{}{}{}{}{}{}{}{}{}",
+            "sm90-fwd {} {}{} d{}{} {}x{} c{} s{} r{}/{}{}{}{}{}{}{}{}{}{}{}{}{}{}",
             self.target,
+            if self.fp8 { "e4m3->" } else { "" },
             if self.bf16 { "bf16" } else { "fp16" },
             self.dims(),
             if self.slab_maps_qk() || self.slab_maps_v() {
@@ -272,6 +306,7 @@ pub fn all_specs(arch: &GpuArch, target: &'static str) -> Vec<KernelSpec> {
                     .map(|(bf16, window, softcap)| KernelSpec {
                         target,
                         bf16,
+                        fp8: false,
                         head_dim: dims.qk,
                         head_dim_v: dims.v,
                         dim: dims.qk,

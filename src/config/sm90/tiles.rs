@@ -48,6 +48,9 @@ pub const ROWS_PER_CONSUMER: usize = 64;
 /// Elements per 128-byte swizzle atom row (16-bit): TMA boxes and `wgmma` descriptors move the
 /// head dim in slabs of this width.
 pub const SWIZZLE_ELEMS: usize = 64;
+/// Elements per 128-byte swizzle atom row of e4m3 (the e4m3 kernel's slab width, and its Vᵀ
+/// slabs' keys).
+pub const FP8_SLAB_ELEMS: usize = 128;
 /// Alignment of every shared-memory tile: the 128-byte swizzle pattern repeats every 1024 bytes.
 pub const TILE_ALIGN: usize = 1024;
 /// `setmaxnreg` bounds: a multiple of 8 in 24..=256.
@@ -233,12 +236,19 @@ impl Tiles {
 
     /// Shared memory, tile by tile, for padded head dims of 16-bit elements.
     pub fn smem(&self, dims: impl Into<Dims>) -> SmemBudget {
-        let dims = dims.into();
-        self.smem_with(dims, self.q_stages(dims))
+        self.smem_elem(dims, 2)
     }
 
-    fn smem_with(&self, dims: Dims, q_stages: usize) -> SmemBudget {
-        let tile = |rows: usize, width: usize| (rows * width * 2).next_multiple_of(TILE_ALIGN);
+    /// Shared memory, tile by tile, for elements of `elem_bytes` (2, or 1 for e4m3, whose V
+    /// tile is Vᵀ: `dims.v` rows of `block_n` keys, the same bytes).
+    pub fn smem_elem(&self, dims: impl Into<Dims>, elem_bytes: usize) -> SmemBudget {
+        let dims = dims.into();
+        self.smem_with(dims, self.q_stages_elem(dims, elem_bytes), elem_bytes)
+    }
+
+    fn smem_with(&self, dims: Dims, q_stages: usize, elem_bytes: usize) -> SmemBudget {
+        let tile =
+            |rows: usize, width: usize| (rows * width * elem_bytes).next_multiple_of(TILE_ALIGN);
         SmemBudget {
             q: q_stages * tile(self.block_m(), dims.qk),
             k: self.stages * tile(self.block_n, dims.qk),
@@ -252,8 +262,13 @@ impl Tiles {
     /// Q slots: two where they fit in a Hopper block's shared memory (a persistent CTA then loads
     /// its next tile's Q during the current one), else one.
     pub fn q_stages(&self, dims: impl Into<Dims>) -> usize {
+        self.q_stages_elem(dims, 2)
+    }
+
+    /// [`Tiles::q_stages`] for elements of `elem_bytes`.
+    pub fn q_stages_elem(&self, dims: impl Into<Dims>, elem_bytes: usize) -> usize {
         let limit = crate::arch::H100.max_smem_per_block() as usize;
-        if self.smem_with(dims.into(), 2).total() <= limit {
+        if self.smem_with(dims.into(), 2, elem_bytes).total() <= limit {
             2
         } else {
             1
@@ -280,13 +295,35 @@ impl Tiles {
     /// (64 × the V width) and the packed 16-bit P (64 × block_n), spread over 128 threads. With
     /// the intra-warpgroup overlap all three are live at once.
     pub fn accumulator_regs(&self, dims: impl Into<Dims>) -> u32 {
+        self.accumulator_regs_elem(dims, 2)
+    }
+
+    /// [`Tiles::accumulator_regs`] for operands of `elem_bytes`: e4m3 packs four P values per
+    /// register, and without the intra-warpgroup overlap its S is dead once P is packed, so S
+    /// and O bound the count (the 16-bit count keeps P beside them, as it was measured).
+    pub fn accumulator_regs_elem(&self, dims: impl Into<Dims>, elem_bytes: usize) -> u32 {
         let f32s = ROWS_PER_CONSUMER * (self.block_n + dims.into().v) / WARPGROUP_THREADS;
-        let p = ROWS_PER_CONSUMER * self.block_n / (2 * WARPGROUP_THREADS);
+        let p = ROWS_PER_CONSUMER * self.block_n * elem_bytes / (4 * WARPGROUP_THREADS);
+        if elem_bytes == 1 && !self.intra_wg_overlap {
+            return f32s as u32;
+        }
         (f32s + p) as u32
     }
 
     /// Checks the tiles against the kernel's rules and the GPU's limits, naming each violation.
     pub fn check(&self, dims: impl Into<Dims>, arch: &GpuArch) -> Result<()> {
+        self.check_elem(dims, arch, 2)
+    }
+
+    /// [`Tiles::check`] for operands of `elem_bytes` (2, or 1: the e4m3 kernel, whose Q and K
+    /// tiles are whole 128-byte slabs of 128 elements, Vᵀ `dims.v` rows in slabs of 128 keys,
+    /// and O stored plainly).
+    pub fn check_elem(
+        &self,
+        dims: impl Into<Dims>,
+        arch: &GpuArch,
+        elem_bytes: usize,
+    ) -> Result<()> {
         let dims = dims.into();
         let bad = |why: String| {
             Err(Error::invalid(
@@ -311,6 +348,30 @@ impl Tiles {
         }
         if !(1..=3).contains(&self.consumer_wgs) {
             return bad("consumer_wgs must be 1 to 3".into());
+        }
+        if elem_bytes == 1 {
+            if !dims.qk.is_multiple_of(FP8_SLAB_ELEMS) {
+                return bad(format!(
+                    "e4m3 Q and K tiles are whole {FP8_SLAB_ELEMS}-element slabs (widths 128 or 256)"
+                ));
+            }
+            if !self.block_n.is_multiple_of(FP8_SLAB_ELEMS) {
+                return bad(format!(
+                    "e4m3 key blocks are whole {FP8_SLAB_ELEMS}-key slabs of Vᵀ (128 or 256)"
+                ));
+            }
+            if self.lazy_rescale {
+                return bad(
+                    "the e4m3 kernel scales P by 2^8 into e4m3's range, which needs the exact row max (no lazy rescale)"
+                        .into(),
+                );
+            }
+            if self.tma_store || self.cross_tile {
+                return bad(
+                    "the e4m3 kernel stores its 16-bit O plainly (a Q slot of e4m3 is too narrow to stage it), without the cross-tile overlap"
+                        .into(),
+                );
+            }
         }
         // N of the Q·Kᵀ wgmma (≤ 256, a multiple of 8) and K of the P·V one (a multiple of 16);
         // TMA boxes hold at most 256 rows.
@@ -393,15 +454,15 @@ impl Tiles {
                 self.producer_regs, self.consumer_wgs, self.consumer_regs, self.launch_regs(arch)
             ));
         }
-        let need = self.accumulator_regs(dims) + CONSUMER_REG_MARGIN;
+        let acc = self.accumulator_regs_elem(dims, elem_bytes);
+        let need = acc + CONSUMER_REG_MARGIN;
         if need > self.consumer_regs {
             return bad(format!(
-                "consumers need about {need} registers (S and O accumulators {} + margin {CONSUMER_REG_MARGIN}), budget {}",
-                self.accumulator_regs(dims),
+                "consumers need about {need} registers (S and O accumulators {acc} + margin {CONSUMER_REG_MARGIN}), budget {}",
                 self.consumer_regs
             ));
         }
-        let smem = self.smem(dims).total();
+        let smem = self.smem_elem(dims, elem_bytes).total();
         if smem > arch.max_smem_per_block() as usize {
             return bad(format!(
                 "{smem} bytes of shared memory exceed {}'s {} per block",

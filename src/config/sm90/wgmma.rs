@@ -8,14 +8,15 @@
 pub enum OperandA {
     /// Shared memory, through a descriptor (K-major).
     Smem,
-    /// Registers: four packed 16-bit pairs per thread (the accumulator layout, pairwise).
+    /// Registers: four 32-bit registers per thread (16-bit: packed pairs in the accumulator
+    /// layout; e4m3: four bytes each, consecutive k).
     Regs,
     /// Registers, as [`OperandA::Regs`], with an `accumulate` argument like the shared-memory
     /// form's (0: D = A·B, the old D not read).
     RegsScaled,
 }
 
-/// One `wgmma.mma_async` shape: m64 n`n` k16, f32 accumulators.
+/// One `wgmma.mma_async` shape: m64 n`n` k16 (16-bit operands) or k32 (e4m3), f32 accumulators.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Wgmma {
     /// The C++ function's name.
@@ -26,8 +27,11 @@ pub struct Wgmma {
     pub a: OperandA,
     /// bf16 (true) or fp16 operands.
     pub bf16: bool,
-    /// B is MN-major (transposed): V in O += P·V.
+    /// B is MN-major (transposed): V in O += P·V. 16-bit only: e4m3 operands are K-major.
     pub b_transposed: bool,
+    /// e4m3 operands (k32; `bf16` is then ignored). The hardware takes 8-bit operands K-major
+    /// only, so there are no transpose immediates.
+    pub e4m3: bool,
 }
 
 impl Wgmma {
@@ -40,19 +44,35 @@ impl Wgmma {
             "wgmma N {} is not a multiple of 8 in 8..=256",
             self.n
         );
+        assert!(
+            !(self.e4m3 && self.b_transposed),
+            "e4m3 wgmma operands are K-major"
+        );
         let (name, n) = (self.name, self.n);
-        let ty = if self.bf16 { "bf16" } else { "f16" };
+        let (ty, k) = match (self.e4m3, self.bf16) {
+            (true, _) => ("e4m3", 32),
+            (false, true) => ("bf16", 16),
+            (false, false) => ("f16", 16),
+        };
+        // 16-bit operands take the transpose immediates (A never transposed); 8-bit ones none.
+        let (ss_tail, rs_tail) = if self.e4m3 {
+            (String::new(), String::new())
+        } else {
+            (
+                format!(", 0, {}", u8::from(self.b_transposed)),
+                format!(", {}", u8::from(self.b_transposed)),
+            )
+        };
         let half = n / 2;
         let list: Vec<String> = (0..half).map(|i| format!("%{i}")).collect();
         let list = list.join(", ");
         let outs: Vec<String> = (0..half).map(|i| format!("\"+f\"(d[{i}])")).collect();
         let outs = outs.join(", ");
-        let tb = u8::from(self.b_transposed);
         match self.a {
             OperandA::Smem => format!(
                 "__device__ __forceinline__ void {name}(float (&d)[{half}], u64 desc_a, u64 desc_b, int accumulate) {{\n\
                  \x20   asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc}, 0;\\n\"\n\
-                 \x20                \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} {{{list}}}, %{a}, %{b}, p, 1, 1, 0, {tb};\\n}}\\n\"\n\
+                 \x20                \"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ty}.{ty} {{{list}}}, %{a}, %{b}, p, 1, 1{ss_tail};\\n}}\\n\"\n\
                  \x20                : {outs}\n\
                  \x20                : \"l\"(desc_a), \"l\"(desc_b), \"r\"(accumulate));\n\
                  }}\n",
@@ -63,7 +83,7 @@ impl Wgmma {
             OperandA::RegsScaled => format!(
                 "__device__ __forceinline__ void {name}(float (&d)[{half}], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc_b, int accumulate) {{\n\
                  \x20   asm volatile(\"{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{acc}, 0;\\n\"\n\
-                 \x20                \"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} {{{list}}}, {{%{a0}, %{a1}, %{a2}, %{a3}}}, %{b}, p, 1, 1, {tb};\\n}}\\n\"\n\
+                 \x20                \"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ty}.{ty} {{{list}}}, {{%{a0}, %{a1}, %{a2}, %{a3}}}, %{b}, p, 1, 1{rs_tail};\\n}}\\n\"\n\
                  \x20                : {outs}\n\
                  \x20                : \"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), \"l\"(desc_b), \"r\"(accumulate));\n\
                  }}\n",
@@ -76,7 +96,7 @@ impl Wgmma {
             ),
             OperandA::Regs => format!(
                 "__device__ __forceinline__ void {name}(float (&d)[{half}], u32 a0, u32 a1, u32 a2, u32 a3, u64 desc_b) {{\n\
-                 \x20   asm volatile(\"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ty}.{ty} {{{list}}}, {{%{a0}, %{a1}, %{a2}, %{a3}}}, %{b}, 1, 1, 1, {tb};\\n\"\n\
+                 \x20   asm volatile(\"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ty}.{ty} {{{list}}}, {{%{a0}, %{a1}, %{a2}, %{a3}}}, %{b}, 1, 1, 1{rs_tail};\\n\"\n\
                  \x20                : {outs}\n\
                  \x20                : \"r\"(a0), \"r\"(a1), \"r\"(a2), \"r\"(a3), \"l\"(desc_b));\n\
                  }}\n",
@@ -102,6 +122,7 @@ mod tests {
             a: OperandA::Smem,
             bf16: true,
             b_transposed: false,
+            e4m3: false,
         }
         .wrapper();
         assert!(ss.contains("void mma_s(float (&d)[88], u64 desc_a"));
@@ -115,6 +136,7 @@ mod tests {
             a: OperandA::Regs,
             bf16: false,
             b_transposed: true,
+            e4m3: false,
         }
         .wrapper();
         assert!(rs.contains("m64n64k16.f32.f16.f16 {%0,"));
@@ -125,10 +147,36 @@ mod tests {
             a: OperandA::RegsScaled,
             bf16: true,
             b_transposed: true,
+            e4m3: false,
         }
         .wrapper();
         assert!(scaled.contains("u64 desc_b, int accumulate)"));
         assert!(scaled.contains("setp.ne.b32 p, %37, 0;"));
         assert!(scaled.contains("%31}, {%32, %33, %34, %35}, %36, p, 1, 1, 1;"));
+        // e4m3: k32, no transpose immediates, on both forms.
+        let f8 = Wgmma {
+            name: "mma_s8",
+            n: 128,
+            a: OperandA::Smem,
+            bf16: true,
+            b_transposed: false,
+            e4m3: true,
+        }
+        .wrapper();
+        assert!(f8.contains("m64n128k32.f32.e4m3.e4m3 {%0,"));
+        assert!(f8.contains("%63}, %64, %65, p, 1, 1;"), "{f8}");
+        let f8 = Wgmma {
+            name: "mma_o8",
+            n: 64,
+            a: OperandA::Regs,
+            bf16: true,
+            b_transposed: false,
+            e4m3: true,
+        }
+        .wrapper();
+        assert!(
+            f8.contains("%31}, {%32, %33, %34, %35}, %36, 1, 1, 1;"),
+            "{f8}"
+        );
     }
 }

@@ -252,7 +252,7 @@ impl CudaBackend {
 }
 
 /// The TMA description of a tensor of the problem (the Hopper and Blackwell families' maps).
-fn map_spec(
+pub(crate) fn map_spec(
     ptr: u64,
     bf16: bool,
     l: &crate::tensor::Layout,
@@ -260,7 +260,11 @@ fn map_spec(
 ) -> super::tma::MapSpec {
     super::tma::MapSpec {
         ptr,
-        bf16,
+        elem: if bf16 {
+            super::tma::MapElem::Bf16
+        } else {
+            super::tma::MapElem::F16
+        },
         dims: l.dims,
         strides: l.strides,
         box_rows,

@@ -61,6 +61,11 @@ impl ForwardFamily for Sm100 {
             tv: map("v", common.v, p.v_layout(), cfg.bn() as usize)?,
             p: common,
             tiles: 0,
+            vt_seq_keys: 0,
+            cu_vt: 0,
+            descales: 0,
+            descale_plane: 0,
+            pad0: 0,
             // The Hopper kernel's TMA-store map; this kernel stores O itself.
             to: Default::default(),
         })

@@ -86,6 +86,11 @@ impl ForwardFamily for Sm90 {
             },
             p: common,
             tiles: plan.tiles as i32, // at most 2^30 (`sm90::plan`)
+            vt_seq_keys: 0,
+            cu_vt: 0,
+            descales: 0,
+            descale_plane: 0,
+            pad0: 0,
         })
     }
 }

@@ -1,6 +1,7 @@
 // Rows the forward kernels' fast path may get wrong, and the kernel that recomputes them exactly
 // (issue 12). Included by the Ampere-class and Hopper forward kernels after the shared layer;
-// needs the prelude's HEAD_DIM, IS_BF16, HAS_SOFTCAP and HAS_WINDOW.
+// needs the prelude's HEAD_DIM, IS_BF16, FP8, HAS_SOFTCAP and HAS_WINDOW. With FP8 (the e4m3
+// Hopper kernel) Q, K and V are e4m3 bytes, dequantized here with their descales, and O is 16-bit.
 //
 // The fast path is wrong in exactly three ways, each visible at the end of a row:
 // (a) huge finite scores: the shift RN(m·c) loses the exponent once |m·c| is large (P = inf or 0:
@@ -81,6 +82,59 @@ __device__ __forceinline__ void load_pair(const u16* src, float& lo, float& hi) 
     unpack2(*reinterpret_cast<const u32*>(src), lo, hi);
 }
 
+// Two e4m3 values at `src` (2-byte aligned) as floats (exact: e4m3 widens to f16 exactly).
+__device__ __forceinline__ void load_pair(const unsigned char* src, float& lo, float& hi) {
+    const unsigned short b = *reinterpret_cast<const unsigned short*>(src);
+    u32 h2;
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(h2) : "h"(b));
+    asm("{\n.reg .f16 l, h;\nmov.b32 {l, h}, %2;\ncvt.f32.f16 %0, l;\ncvt.f32.f16 %1, h;\n}\n"
+        : "=f"(lo), "=f"(hi)
+        : "r"(h2));
+}
+
+// The element type of Q, K and V: 16-bit, or e4m3 bytes.
+template <bool F>
+struct InputOf {
+    using type = u16;
+};
+template <>
+struct InputOf<true> {
+    using type = unsigned char;
+};
+using Input = InputOf<FP8>::type;
+
+// The fixup's argument: the forward's common params, and with FP8 its descales (the layout of
+// `Sm90Params::descales`), mirrored by `cuda::params::ExactFp8Params`.
+struct ExactFp8Params {
+    FwdParams p;
+    const float* descales;  // [3][batch][heads_kv]: q, k, v
+    int descale_plane;      // batch · heads_kv
+    int pad0;
+};
+#define FA4_EXACT_FP8_PARAMS_SIZE 240
+static_assert(sizeof(ExactFp8Params) == FA4_EXACT_FP8_PARAMS_SIZE, "ExactFp8Params layout must match the Rust mirror");
+template <bool F>
+struct ExactArgsOf {
+    using type = FwdParams;
+};
+template <>
+struct ExactArgsOf<true> {
+    using type = ExactFp8Params;
+};
+using ExactArgs = ExactArgsOf<FP8>::type;
+__device__ __forceinline__ const FwdParams& common_of(const FwdParams& a) { return a; }
+__device__ __forceinline__ const FwdParams& common_of(const ExactFp8Params& a) { return a.p; }
+
+// The descales of sequence b's KV head (1 without FP8): Q·Kᵀ's product qk, and V's v.
+struct RowDescales {
+    float qk, v;
+};
+__device__ __forceinline__ RowDescales descales_of(const FwdParams&, int, int) { return {1.0f, 1.0f}; }
+__device__ __forceinline__ RowDescales descales_of(const ExactFp8Params& a, int b, int kv_head) {
+    const int at = b * (a.p.heads_q / a.p.group) + kv_head;
+    return {a.descales[at] * a.descales[a.descale_plane + at], a.descales[2 * a.descale_plane + at]};
+}
+
 // tanh for the softcap: the fast path's form (`tanh_accurate`, relative error ~1e-7) with the
 // division by the fast reciprocal (2 ulp, 0 past 2^126 where tanh is ±1): IEEE division's slow
 // path is a call, whose stack frame spilled this kernel.
@@ -98,14 +152,16 @@ constexpr int EXACT_PAIRS = (HEAD_DIM + 63) / 64;
 // value), the row max, then P = exp2((s − max)·c) with the subtraction first (exact at any
 // magnitude), the sum and O over the allowed keys only (a masked key's V is never read). An
 // infinite max shifts by 0, as the fast path and the definition do. Writes O and the LSE.
-__device__ __forceinline__ void exact_row(const FwdParams& p, const Seq s, int bi, int head, int i, int lane) {
+// `d`: the row's descales (FP8; else 1): the score is qk · (Q·Kᵀ) of the bytes, O takes v.
+__device__ __forceinline__ void exact_row(const FwdParams& p, const Seq s, int bi, int head, int i, int lane,
+                                          RowDescales d) {
     const int kv_head = head / p.group;
-    const u16* gq = static_cast<const u16*>(p.q) + bi * p.q_batch_stride + (s.q_start + i) * p.q_row_stride +
-                    head * p.q_head_stride;
-    const u16* gk = static_cast<const u16*>(p.k) + bi * p.k_batch_stride + s.k_start * p.k_row_stride +
-                    kv_head * p.k_head_stride;
-    const u16* gv = static_cast<const u16*>(p.v) + bi * p.v_batch_stride + s.k_start * p.v_row_stride +
-                    kv_head * p.v_head_stride;
+    const Input* gq = static_cast<const Input*>(p.q) + bi * p.q_batch_stride + (s.q_start + i) * p.q_row_stride +
+                      head * p.q_head_stride;
+    const Input* gk = static_cast<const Input*>(p.k) + bi * p.k_batch_stride + s.k_start * p.k_row_stride +
+                      kv_head * p.k_head_stride;
+    const Input* gv = static_cast<const Input*>(p.v) + bi * p.v_batch_stride + s.k_start * p.v_row_stride +
+                      kv_head * p.v_head_stride;
     float q[EXACT_PAIRS][2];
     bool col_ok[EXACT_PAIRS];  // the column pair is in Q/K
     // ... and in V/O (computed where used: a second flag array made ptxas spill this kernel).
@@ -123,7 +179,7 @@ __device__ __forceinline__ void exact_row(const FwdParams& p, const Seq s, int b
     }
     // Raw score of key j (before scale_log2), the same value on every lane.
     auto score = [&](int j) {
-        const u16* kj = gk + j * p.k_row_stride;
+        const Input* kj = gk + j * p.k_row_stride;
         float acc = 0.0f;
 #pragma unroll
         for (int k = 0; k < EXACT_PAIRS; ++k) {
@@ -134,6 +190,7 @@ __device__ __forceinline__ void exact_row(const FwdParams& p, const Seq s, int b
         }
 #pragma unroll
         for (int m = 16; m >= 1; m /= 2) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+        if constexpr (FP8) acc *= d.qk;
         if constexpr (HAS_SOFTCAP) acc = p.softcap * exact_tanh(acc * p.softcap_scale);
         return acc;
     };
@@ -149,7 +206,7 @@ __device__ __forceinline__ void exact_row(const FwdParams& p, const Seq s, int b
         const float sj = score(j);
         const float pj = exp2f(finite_max ? (sj - mx) * p.scale_log2 : sj * p.scale_log2);
         sum += pj;
-        const u16* vj = gv + j * p.v_row_stride;
+        const Input* vj = gv + j * p.v_row_stride;
 #pragma unroll
         for (int k = 0; k < EXACT_PAIRS; ++k) {
             if (!v_ok(k)) continue;
@@ -159,7 +216,7 @@ __device__ __forceinline__ void exact_row(const FwdParams& p, const Seq s, int b
             o[k][1] = fmaf(pj, v1, o[k][1]);
         }
     }
-    const float inv = row_inv_sum(sum);
+    const float inv = row_inv_sum(sum) * d.v;
     u16* go = static_cast<u16*>(p.o) + bi * p.o_batch_stride + (s.q_start + i) * p.o_row_stride + head * p.o_head_stride;
 #pragma unroll
     for (int k = 0; k < EXACT_PAIRS; ++k)
@@ -179,8 +236,9 @@ constexpr int EXACT_THREADS = 256;
 // lane r scans row r's stored O for a NaN, and the warp recomputes each such row (exact_row);
 // rows that are NaN by the definition come out NaN again. The last CTA to finish clears the flag
 // (every CTA read it as set before any could clear it: the count only completes after all have).
-extern "C" __global__ void __launch_bounds__(EXACT_THREADS) fa4_exact_fixup(const FwdParams p) {
+extern "C" __global__ void __launch_bounds__(EXACT_THREADS) fa4_exact_fixup(const ExactArgs args) {
     if (*static_cast<volatile unsigned*>(&fa4_exact_flag[0]) == 0u) return;
+    const FwdParams& p = common_of(args);
     const bool varlen = p.cu_seqlens_q != nullptr;
     const int lane = threadIdx.x % 32;
     const long long warps = static_cast<long long>(gridDim.x) * (EXACT_THREADS / 32);
@@ -203,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(EXACT_THREADS) fa4_exact_fixup(cons
         while (rows != 0) {
             const int r = __ffs(rows) - 1;
             rows &= rows - 1;
-            exact_row(p, s, bi, head, base + r, lane);
+            exact_row(p, s, bi, head, base + r, lane, descales_of(args, b, head / p.group));
         }
     }
     __syncthreads();

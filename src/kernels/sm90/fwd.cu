@@ -57,15 +57,33 @@
 // rest of a step adds nothing) and P·V with N = O_DIM (V's head dim), so that O's accumulator
 // holds exactly the columns that are stored: a padded d80 costs its own products, not d128's.
 
+// FP8 (e4m3 Q, K, V; `docs/attention.md`, "FP8 (e4m3) inputs"): the same kernel on bytes. A slab
+// is 128 e4m3 columns, a k step 32 of them (the same 32 bytes as a 16-bit k16 step), so Q·Kᵀ
+// keeps its layout and descriptors. The hardware takes 8-bit operands K-major only, so P·V reads
+// Vᵀ: (HEAD_DIM_V rows, BLOCK_N keys) in slabs of 128 keys, loaded from the Vᵀ buffer that the
+// module's Vᵀ pass (`vt_fp8.cu`) writes before the launch. P goes into the A operand as e4m3
+// bytes scaled by 2^8 (P̃ = 2^8 · exp(s − m) ≤ 256 < 448, so the largest weights keep e4m3's
+// full precision); the row sums add the unrounded P̃, and the epilogue divides the 2^8 out of
+// the LSE. The k32 A operand wants bytes of consecutive keys where the S accumulator holds pairs
+// 8 columns apart: instead of moving P's bytes between threads, the Vᵀ pass stores each 32-key
+// group's columns in the order the registers hold them (`pack_p`, `vt_fp8.cu`), and the product
+// over keys does not depend on their order. The descales of the tile's (sequence, KV head) fold
+// into the score scale and O's epilogue scale (`fp8_params`). Each sequence's Vᵀ columns are
+// padded with zeros to whole key blocks, so no block holds another sequence's V (no foreign rows).
 constexpr int WG_THREADS = 128;
 constexpr int NUM_THREADS = WG_THREADS * (1 + CONSUMER_WGS);
-constexpr int SLAB_ELEMS = 64;                      // one 128-byte swizzle row of 16-bit values
+constexpr int ELEM_BYTES = FP8 ? 1 : 2;
+constexpr int SLAB_ELEMS = 128 / ELEM_BYTES;        // one 128-byte swizzle row
 constexpr int SLAB_ROW_BYTES = 128;
+constexpr int KSTEP_ELEMS = 32 / ELEM_BYTES;        // the k of a wgmma: 16 (16-bit) or 32 (e4m3)
 constexpr int SLABS = HEAD_DIM / SLAB_ELEMS;        // of a Q or K tile
 constexpr int SLABS_V = HEAD_DIM_V / SLAB_ELEMS;    // of a V or O tile
-constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * 2;     // (BLOCK_M, HEAD_DIM)
-constexpr int K_BYTES = BLOCK_N * HEAD_DIM * 2;     // (BLOCK_N, HEAD_DIM)
-constexpr int V_BYTES = BLOCK_N * HEAD_DIM_V * 2;   // (BLOCK_N, HEAD_DIM_V)
+constexpr int Q_BYTES = BLOCK_M * HEAD_DIM * ELEM_BYTES;    // (BLOCK_M, HEAD_DIM)
+constexpr int K_BYTES = BLOCK_N * HEAD_DIM * ELEM_BYTES;    // (BLOCK_N, HEAD_DIM)
+constexpr int V_BYTES = BLOCK_N * HEAD_DIM_V * ELEM_BYTES;  // (BLOCK_N, HEAD_DIM_V); FP8: Vᵀ
+constexpr int VT_SLAB_BYTES = HEAD_DIM_V * SLAB_ROW_BYTES;  // FP8: one 128-key slab of Vᵀ
+constexpr int VT_LOAD_BYTES = BLOCK_N * O_DIM;              // FP8: the Vᵀ rows a block loads
+constexpr float FP8_P_EXP2 = 8.0f;                          // FP8: P̃ = 2^8 · P
 constexpr int NUM_BARRIERS = 2 * Q_STAGES + 5 * STAGES;  // v_tail is allocated whether used or not
 constexpr int TILE_ALIGN = 1024;
 constexpr int SLOT_BYTES = 16;                     // a Q slot's tile (DYNAMIC): m0, head, batch (−1: the end)
@@ -73,18 +91,20 @@ constexpr int SMEM_BYTES = Q_STAGES * Q_BYTES + STAGES * (K_BYTES + V_BYTES) + 8
                            (DYNAMIC ? SLOT_BYTES * (Q_STAGES + 1) : 0) + TILE_ALIGN;  // the slots, the producer's cursor
 constexpr int S_REGS = BLOCK_N / 2;                 // f32 S accumulator per thread, (64, BLOCK_N) per warpgroup
 constexpr int O_REGS = O_DIM / 2;                   // f32 O accumulator per thread, (64, O_DIM)
-constexpr int P_REGS = BLOCK_N / 4;                 // packed 16-bit P pairs per thread
+constexpr int P_REGS = BLOCK_N * ELEM_BYTES / 8;    // packed P per thread: 16-bit pairs, or e4m3 quads
 constexpr int SBO_BYTES = 8 * SLAB_ROW_BYTES;       // 8-row core-matrix groups of a swizzle atom
 constexpr int KSTEP_K_MAJOR_BYTES = 32;             // k16 step inside a 128-byte swizzle row
 constexpr int KSTEP_V_BYTES = 16 * SLAB_ROW_BYTES;  // k16 step over 16 key rows of V
 
 static_assert(BLOCK_M == 64 * CONSUMER_WGS, "a consumer warpgroup owns 64 query rows (the M of wgmma)");
 static_assert(FIRST_CONSUMER_WARP == WG_THREADS / 32, "warpgroup 0 produces, the others consume");
-static_assert(SLABS * SLAB_ELEMS == HEAD_DIM && SLABS_V * SLAB_ELEMS == HEAD_DIM_V,
-              "tile widths are whole 64-element slabs");
+static_assert(SLABS * SLAB_ELEMS == HEAD_DIM && (FP8 ? HEAD_DIM_V % 8 == 0 : SLABS_V * SLAB_ELEMS == HEAD_DIM_V),
+              "tile widths are whole 128-byte slabs (FP8: Vᵀ's rows, whole 8-row core matrices)");
 static_assert(HEAD_DIM_V <= HEAD_DIM, "O is staged in the Q slot for the TMA store, and the exact path's columns");
-static_assert(QK_DIM % 16 == 0 && QK_DIM <= HEAD_DIM && O_DIM % 8 == 0 && O_DIM <= HEAD_DIM_V,
-              "Q·Kᵀ runs over whole k16 steps of the tile, P·V over O's columns");
+static_assert(QK_DIM % KSTEP_ELEMS == 0 && QK_DIM <= HEAD_DIM && O_DIM % 8 == 0 && O_DIM <= HEAD_DIM_V,
+              "Q·Kᵀ runs over whole k steps of the tile, P·V over O's columns");
+static_assert(!FP8 || (BLOCK_N % SLAB_ELEMS == 0 && !TMA_STORE && !CROSS_TILE && !LAZY_RESCALE),
+              "FP8: key blocks of whole Vᵀ slabs, O stored plainly, P̃ ≤ 256 (exact row max)");
 static_assert(BLOCK_N % 16 == 0 && BLOCK_N <= 256, "BLOCK_N is a wgmma N and a multiple of k16");
 static_assert(Q_BYTES % TILE_ALIGN == 0 && K_BYTES % TILE_ALIGN == 0 && V_BYTES % TILE_ALIGN == 0,
               "tiles keep 1024-byte alignment");
@@ -162,6 +182,11 @@ __device__ __forceinline__ bool slot_tile(const FwdParams& p, const Smem& sm, in
 // Producer: one thread loads, tile after tile, Q and then K and V of every key block into the
 // ring (whose position runs on across tiles).
 
+// FP8: the first Vᵀ column of sequence `batch` (`params.cuh`).
+__device__ __forceinline__ int vt_start(const Sm90Params& P, int batch) {
+    return VARLEN ? P.cu_vt[batch] : batch * P.vt_seq_keys;
+}
+
 // One tile's loads: Q into Q slot use kq (DYNAMIC: its tile into the slot's words first), then K
 // and V of each key block from ring position j on (j moves past them).
 __device__ __forceinline__ void load_tile(const Sm90Params& P, const Smem& sm, const Tile& w, int kq, int& j) {
@@ -177,20 +202,32 @@ __device__ __forceinline__ void load_tile(const Sm90Params& P, const Smem& sm, c
         st_shared_b32(a + 8, static_cast<u32>(w.batch));
     }
     sm.pipe_q().expect(qs, Q_BYTES);
-    tma_load_tile<SLAB_MAPS_QK, SLABS>(sm.q_slot(qs.stage), &P.tq, sm.load_q[qs.stage], BLOCK_M, w.s.q_start + w.m0,
-                                       w.head, w.bi);
+    tma_load_tile<SLAB_MAPS_QK, SLABS, SLAB_ELEMS>(sm.q_slot(qs.stage), &P.tq, sm.load_q[qs.stage], BLOCK_M,
+                                                   w.s.q_start + w.m0, w.head, w.bi);
     for (int n = w.kb.n_begin; n < w.kb.n_end; ++n, ++j) {
         const KvState r = KvState::at(j);
         const int row = w.s.k_start + n * BLOCK_N;
         sm.pipe_k().acquire(r);
         sm.pipe_k().expect(r, K_BYTES);
-        tma_load_tile<SLAB_MAPS_QK, SLABS>(sm.k_stage(r.stage), &P.tk, sm.load_k[r.stage], BLOCK_N, row, kv_head,
-                                           w.bi);
+        tma_load_tile<SLAB_MAPS_QK, SLABS, SLAB_ELEMS>(sm.k_stage(r.stage), &P.tk, sm.load_k[r.stage], BLOCK_N, row,
+                                                       kv_head, w.bi);
         sm.pipe_v().acquire(r);
-        // A block with foreign rows lands on load_v_tail; warp 1 completes its load_v.
-        const u32 v_bar = (foreign_rows(w.s, n) ? sm.load_v_tail : sm.load_v)[r.stage];
-        mbar_expect_tx(v_bar, V_BYTES);
-        tma_load_tile<SLAB_MAPS_V, SLABS_V>(sm.v_stage(r.stage), &P.tv, v_bar, BLOCK_N, row, kv_head, w.bi);
+        if constexpr (FP8) {
+            // Vᵀ: one box of (128 keys, O_DIM rows) per slab.
+            const int col = vt_start(P, w.batch) + n * BLOCK_N;
+            const u32 v_bar = sm.load_v[r.stage];
+            mbar_expect_tx(v_bar, VT_LOAD_BYTES);
+#pragma unroll
+            for (int slab = 0; slab < BLOCK_N / SLAB_ELEMS; ++slab)
+                tma_load_3d(sm.v_stage(r.stage) + slab * VT_SLAB_BYTES, &P.tv, v_bar, col + slab * SLAB_ELEMS, 0,
+                            kv_head);
+        } else {
+            // A block with foreign rows lands on load_v_tail; warp 1 completes its load_v.
+            const u32 v_bar = (foreign_rows(w.s, n) ? sm.load_v_tail : sm.load_v)[r.stage];
+            mbar_expect_tx(v_bar, V_BYTES);
+            tma_load_tile<SLAB_MAPS_V, SLABS_V, SLAB_ELEMS>(sm.v_stage(r.stage), &P.tv, v_bar, BLOCK_N, row, kv_head,
+                                                            w.bi);
+        }
     }
 }
 
@@ -248,21 +285,26 @@ __device__ __forceinline__ void producer(const Sm90Params& P, const Smem& sm) {
 // wgmma (the async proxy) and completes the block's load_v.
 // One tile's blocks with foreign rows: each waited for on load_v_tail, its foreign rows zeroed,
 // its load_v completed. `j`: the ring position of the tile's first key block (moves past them).
+// FP8 has no foreign rows (`foreign_rows`): nothing to do (HAS_FOREIGN = !FP8; a template, so
+// that the discarded body is not compiled).
+template <bool HAS_FOREIGN>
 __device__ __forceinline__ void zero_tile_v_rows(const Smem& sm, const Tile& w, int lane, int& j, u32& tail_phase) {
-    for (int n = w.kb.n_begin; n < w.kb.n_end; ++n, ++j) {
-        if (!foreign_rows(w.s, n)) continue;
-        const KvState r = KvState::at(j);
-        mbar_wait(sm.load_v_tail[r.stage], (tail_phase >> r.stage) & 1);
-        tail_phase ^= 1u << r.stage;
-        const int valid = w.s.k_len - n * BLOCK_N;  // ≥ 1: the block holds an allowed key
-        const int chunks = (BLOCK_N - valid) * (SLAB_ROW_BYTES / 16);
-        for (int slab = 0; slab < SLABS_V; ++slab) {
-            const u32 base = sm.v_stage(r.stage) + slab * (BLOCK_N * SLAB_ROW_BYTES) + valid * SLAB_ROW_BYTES;
-            for (int c = lane; c < chunks; c += 32) st_shared_zero16(base + 16 * c);
+    if constexpr (HAS_FOREIGN) {
+        for (int n = w.kb.n_begin; n < w.kb.n_end; ++n, ++j) {
+            if (!foreign_rows(w.s, n)) continue;
+            const KvState r = KvState::at(j);
+            mbar_wait(sm.load_v_tail[r.stage], (tail_phase >> r.stage) & 1);
+            tail_phase ^= 1u << r.stage;
+            const int valid = w.s.k_len - n * BLOCK_N;  // ≥ 1: the block holds an allowed key
+            const int chunks = (BLOCK_N - valid) * (SLAB_ROW_BYTES / 16);
+            for (int slab = 0; slab < SLABS_V; ++slab) {
+                const u32 base = sm.v_stage(r.stage) + slab * (BLOCK_N * SLAB_ROW_BYTES) + valid * SLAB_ROW_BYTES;
+                for (int c = lane; c < chunks; c += 32) st_shared_zero16(base + 16 * c);
+            }
+            fence_proxy_async();
+            __syncwarp();
+            if (lane == 0) mbar_arrive(sm.load_v[r.stage]);
         }
-        fence_proxy_async();
-        __syncwarp();
-        if (lane == 0) mbar_arrive(sm.load_v[r.stage]);
     }
 }
 
@@ -275,7 +317,7 @@ __device__ __forceinline__ void zero_foreign_v_rows(const Sm90Params& P, const S
         // The tile from its slot, which this warp releases too (one more arrival).
         for (int kq = 0; slot_tile(p, sm, kq, w); ++kq) {
             sm.pipe_q().release(QState::at(kq), lane);
-            zero_tile_v_rows(sm, w, lane, j, tail_phase);
+            zero_tile_v_rows<!FP8>(sm, w, lane, j, tail_phase);
         }
         return;
     }
@@ -285,7 +327,7 @@ __device__ __forceinline__ void zero_foreign_v_rows(const Sm90Params& P, const S
         if (t < 0) break;
         const Tile w = tile_at(p, t);
         if (w.empty) continue;
-        zero_tile_v_rows(sm, w, lane, j, tail_phase);
+        zero_tile_v_rows<!FP8>(sm, w, lane, j, tail_phase);
     }
 }
 
@@ -332,7 +374,7 @@ __device__ __forceinline__ void sched_pass(int c) {
 __device__ __forceinline__ void issue_qk(float (&rS)[S_REGS], u32 q_base, u32 k_base) {
     const u64 q_desc = smem_desc(q_base, 16, SBO_BYTES), k_desc = smem_desc(k_base, 16, SBO_BYTES);
 #pragma unroll
-    for (int kk = 0; kk < QK_DIM / 16; ++kk) {
+    for (int kk = 0; kk < QK_DIM / KSTEP_ELEMS; ++kk) {
         const u32 a = (kk / 4) * (BLOCK_M * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
         const u32 b = (kk / 4) * (BLOCK_N * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
         if constexpr (UNIFORM_DESC)
@@ -348,6 +390,22 @@ __device__ __forceinline__ void issue_qk(float (&rS)[S_REGS], u32 q_base, u32 k_
 // `fresh` (CROSS_TILE only): O = P·V, the old O not read (the tile's first P·V).
 __device__ __forceinline__ void issue_pv(float (&rO)[O_REGS], const u32 (&rP)[P_REGS], u32 v_base,
                                          bool fresh = false) {
+    if constexpr (FP8) {
+        // Vᵀ (O_DIM rows, BLOCK_N keys) is K-major like K in Q·Kᵀ: k32 steps of 32 bytes inside
+        // a 128-byte swizzle row, slabs of 128 keys VT_SLAB_BYTES apart.
+        const u64 vt_desc = smem_desc(v_base, 16, SBO_BYTES);
+#pragma unroll
+        for (int kk = 0; kk < BLOCK_N / KSTEP_ELEMS; ++kk) {
+            const u32 off = (kk / 4) * VT_SLAB_BYTES + (kk % 4) * KSTEP_K_MAJOR_BYTES;
+            const u64 desc = UNIFORM_DESC ? desc_plus(vt_desc, off) : smem_desc(v_base + off, 16, SBO_BYTES);
+            if constexpr (CROSS_TILE)
+                wgmma_rs_acc(rO, rP[4 * kk], rP[4 * kk + 1], rP[4 * kk + 2], rP[4 * kk + 3], desc, kk > 0 || !fresh);
+            else
+                wgmma_rs(rO, rP[4 * kk], rP[4 * kk + 1], rP[4 * kk + 2], rP[4 * kk + 3], desc);
+        }
+        wgmma_commit();
+        return;
+    }
     const u64 v_desc = smem_desc(v_base, BLOCK_N * SLAB_ROW_BYTES, SBO_BYTES);
 #pragma unroll
     for (int kk = 0; kk < BLOCK_N / 16; ++kk) {
@@ -371,6 +429,14 @@ __device__ __forceinline__ float exp2_mixed(int i, float x) {
 // Returns each row's O correction factor.
 __device__ __forceinline__ void softmax_block(const FwdParams& p, const Seq& s, float (&rS)[S_REGS], RowState& st, int n,
                                               int row0, int lane, const KeyBlocks& kb, float (&corr)[2]) {
+    // FP8 takes a scale ≤ 0 too: with a negative one the scores are negated here (the scale's
+    // magnitude is in scale_log2), where the 16-bit kernels negate Q.
+    if constexpr (FP8) {
+        if (p.negate_q) {
+#pragma unroll
+            for (int i = 0; i < S_REGS; ++i) rS[i] = -rS[i];
+        }
+    }
     if constexpr (HAS_SOFTCAP) {
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i) rS[i] = p.softcap * tanh_accurate(rS[i] * p.softcap_scale);
@@ -398,21 +464,38 @@ __device__ __forceinline__ void softmax_block(const FwdParams& p, const Seq& s, 
         for (int i = 0; i < S_REGS; ++i)
             if (acc_slot(i) == h) mx = fmaxf(mx, rS[i]);
         const float shift = update_row_max(st.max[h], quad_max(mx), p.scale_log2, corr[h]);
+        const float p_shift = FP8 ? shift - FP8_P_EXP2 : shift;  // FP8: P̃ = 2^8 · P
         float sum = 0.0f;
 #pragma unroll
         for (int i = 0; i < S_REGS; ++i)
             if (acc_slot(i) == h) {
-                rS[i] = exp2_mixed(i, score_exponent(rS[i], p.scale_log2, shift));
+                rS[i] = exp2_mixed(i, score_exponent(rS[i], p.scale_log2, p_shift));
                 sum += rS[i];
             }
         st.sum[h] = st.sum[h] * corr[h] + sum;
     }
 }
 
-// P in the A-register layout: k step kk takes S registers 8kk .. 8kk + 7, pairwise.
+// P in the A-register layout: k step kk takes S registers 8kk .. 8kk + 7, pairwise. FP8: k step
+// kk (32 keys) takes S registers 16kk .. 16kk + 15, which hold, for this thread's rows r and
+// r + 8, keys 2c, 2c + 1, 8 + 2c, 9 + 2c, 16 + 2c, … (c = lane % 4; `acc_col`); the A operand's
+// register a0 is row r's bytes at k = 4c .. 4c + 3, a1 row r + 8's, a2 and a3 the same at
+// k = 16 + 4c … So register a0 carries keys (2c, 2c + 1, 8 + 2c, 9 + 2c) at k = 4c .. 4c + 3, and
+// Vᵀ holds key 16h + 8(j / 2) + 2c + j % 2 at column k = 16h + 4c + j (`vt_fp8.cu`, `vt_key`).
 __device__ __forceinline__ void pack_p(const float (&rS)[S_REGS], u32 (&rP)[P_REGS]) {
+    if constexpr (FP8) {
 #pragma unroll
-    for (int j = 0; j < P_REGS; ++j) rP[j] = pack2(rS[2 * j], rS[2 * j + 1]);
+        for (int kk = 0; kk < BLOCK_N / 32; ++kk) {
+            const float* x = rS + 16 * kk;
+            rP[4 * kk + 0] = pack_e4m3x4(x[0], x[1], x[4], x[5]);
+            rP[4 * kk + 1] = pack_e4m3x4(x[2], x[3], x[6], x[7]);
+            rP[4 * kk + 2] = pack_e4m3x4(x[8], x[9], x[12], x[13]);
+            rP[4 * kk + 3] = pack_e4m3x4(x[10], x[11], x[14], x[15]);
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < P_REGS; ++j) rP[j] = pack2(rS[2 * j], rS[2 * j + 1]);
+    }
 }
 
 __device__ __forceinline__ void rescale_o(float (&rO)[O_REGS], const float (&corr)[2]) {
@@ -512,20 +595,23 @@ __device__ __forceinline__ void epilogue_sync(int c) {
 // is free only when all have. The sequence's offsets are read again here rather than kept in
 // registers through the loop. A row the fast path may have got wrong is stored as NaN, and a NaN
 // stored in a valid row raises the flag of the fixup kernel (common/exact.cuh).
-__device__ __forceinline__ void epilogue(const Sm90Params& P, const Smem& sm, int c, const Tile& w, QState qs,
-                                         const RowState& st, const float (&rO)[O_REGS], int row0, int lane,
-                                         u32& folded) {
-    const FwdParams& p = P.p;
+// `p`: the launch's params, or (FP8) the tile's with its descales folded in (`fp8_params`), and
+// `v_descale` O's factor (1 unless FP8).
+__device__ __forceinline__ void epilogue(const Sm90Params& P, const FwdParams& p, float v_descale, const Smem& sm,
+                                         int c, const Tile& w, QState qs, const RowState& st,
+                                         const float (&rO)[O_REGS], int row0, int lane, u32& folded) {
     const Seq s = sequence(p, w.batch, VARLEN);
     float inv[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
         const float sum = quad_sum(st.sum[h]);
         inv[h] = row_out_scale(st.max[h], sum, p.scale_log2);
+        if constexpr (FP8) inv[h] *= v_descale;
         const int i = row0 + 8 * h;
+        // FP8: the sum is of P̃ = 2^8 · P; the LSE is of P (an exact power-of-two scaling).
         if (p.lse != nullptr && lane % 4 == 0 && i < s.q_len)
             p.lse[w.bi * p.lse_batch_stride + w.head * p.lse_head_stride + s.q_start + i] =
-                row_lse(st.max[h], sum, p.lse_scale);
+                row_lse(st.max[h], FP8 ? sum * (1.0f / 256.0f) : sum, p.lse_scale);
     }
     // `folded`: the NaN max of this thread's stored pairs over its tiles so far (the consumer
     // raises the flag once, after its last tile: a store in the tile loop slowed the d64 causal
@@ -584,9 +670,28 @@ __device__ __forceinline__ void epilogue(const Sm90Params& P, const Smem& sm, in
 
 // One tile: the key loop from ring position j (the key blocks this consumer saw before), then
 // the epilogue. Releases Q once its last Q·Kᵀ is done (O_VIA_TMA: once O has left its slot).
+// FP8: the launch's params with the descales of tile `w`'s (sequence, KV head) folded into the
+// score scale (`qd · kd`; with softcap into the scale inside the tanh), and O's factor `vd`.
+__device__ __forceinline__ FwdParams fp8_params(const Sm90Params& P, const Tile& w, float& v_descale) {
+    FwdParams p = P.p;
+    const int heads_kv = p.heads_q / p.group;
+    const int at = w.batch * heads_kv + w.head / p.group;
+    const float qk = P.descales[at] * P.descales[P.descale_plane + at];
+    v_descale = P.descales[2 * P.descale_plane + at];
+    if constexpr (HAS_SOFTCAP) {
+        p.softcap_scale *= qk;
+    } else {
+        p.scale_log2 *= qk;
+        p.lse_scale *= qk;
+    }
+    return p;
+}
+
 __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& sm, int c, const Tile& w, int j,
                                               QState qs, u32& folded) {
-    const FwdParams& p = P.p;
+    float v_descale = 1.0f;
+    const FwdParams pe = FP8 ? fp8_params(P, w, v_descale) : P.p;
+    const FwdParams& p = pe;
     const int tid = threadIdx.x % WG_THREADS;
     const int warp = tid / 32, lane = tid % 32;
     const int row0 = w.m0 + 64 * c + 16 * warp + lane / 4;  // this thread's rows: row0 + 8·slot (in the sequence)
@@ -630,7 +735,7 @@ __device__ __forceinline__ void consumer_tile(const Sm90Params& P, const Smem& s
         }
         if constexpr (!O_VIA_TMA) sm.pipe_q().release(qs, lane);
     }
-    epilogue(P, sm, c, w, qs, st, rO, row0, lane, folded);
+    epilogue(P, pe, v_descale, sm, c, w, qs, st, rO, row0, lane, folded);
 }
 
 // The CTA's next tile with queries from walk position k on (k moves past it), or false.
@@ -722,7 +827,7 @@ __device__ __forceinline__ void consumer_cross_tile(const Sm90Params& P, const S
             }
             wgmma_wait<0>();  // this tile's O is complete; its last V is free
             sm.pipe_v().release(last, lane);
-            epilogue(P, sm, c, w, qs, st, rO, row0, lane, folded);
+            epilogue(P, P.p, 1.0f, sm, c, w, qs, st, rO, row0, lane, folded);
             pack_p(rS, rP);
             if constexpr (!FRESH) zero(rO, O_REGS);
             st = st2;
@@ -733,7 +838,7 @@ __device__ __forceinline__ void consumer_cross_tile(const Sm90Params& P, const S
                 last_pv(sm, KvState::at(j2 - 1), lane, rO, rP, corr, FRESH && n_blocks == 1);
             else if constexpr (FRESH)
                 zero(rO, O_REGS);
-            epilogue(P, sm, c, w, qs, st, rO, row0, lane, folded);
+            epilogue(P, P.p, 1.0f, sm, c, w, qs, st, rO, row0, lane, folded);
             if constexpr (!FRESH) zero(rO, O_REGS);
         }
         j = j2;

@@ -34,16 +34,27 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const TmaMap* map, u32 bar,
         : "memory");
 }
 
+// One TMA box of a 3-D map (coordinates innermost first) into shared memory, completing on `bar`
+// (the e4m3 forward's Vᵀ slabs).
+__device__ __forceinline__ void tma_load_3d(u32 dst, const TmaMap* map, u32 bar, int c0, int c1, int c2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+        "[%2];\n" ::"r"(dst),
+        "l"(reinterpret_cast<u64>(map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2)
+        : "memory");
+}
+
 // One tile of `rows` rows from row `row` of (head, batch-axis index bi) into `dst`, completing on
 // `bar` (the Hopper forward's and backward's Q, K, V, dO): one 5-D box, or (SLABWISE: a tensor
-// narrower than its tile) one 4-D box per 64-column slab of the 128-byte swizzle, slab s at
-// column 64·s and `rows` · 128 bytes after slab s − 1.
-template <bool SLABWISE, int TILE_SLABS>
+// narrower than its tile) one 4-D box per slab of the 128-byte swizzle (SLAB_COLS elements: 64
+// of 16 bits, 128 of e4m3), slab s at column SLAB_COLS·s and `rows` · 128 bytes after slab s − 1.
+template <bool SLABWISE, int TILE_SLABS, int SLAB_COLS = 64>
 __device__ __forceinline__ void tma_load_tile(u32 dst, const TmaMap* map, u32 bar, int rows, int row, int head,
                                               int bi) {
     if constexpr (SLABWISE) {
 #pragma unroll
-        for (int slab = 0; slab < TILE_SLABS; ++slab) tma_load_4d(dst + slab * rows * 128, map, bar, slab * 64, row, head, bi);
+        for (int slab = 0; slab < TILE_SLABS; ++slab)
+            tma_load_4d(dst + slab * rows * 128, map, bar, slab * SLAB_COLS, row, head, bi);
     } else {
         tma_load_5d(dst, map, bar, 0, row, 0, head, bi);
     }
@@ -129,6 +140,18 @@ __device__ __forceinline__ void wgmma_wait() {
     asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+// ---- e4m3 ----
+
+// Four floats as e4m3 bytes (round to nearest even, saturating at ±448), x0 in the low byte: one
+// 32-bit register of a k32 e4m3 wgmma A operand, whose bytes are consecutive k.
+__device__ __forceinline__ u32 pack_e4m3x4(float x0, float x1, float x2, float x3) {
+    unsigned short lo, hi;
+    // The first source lands in the upper byte.
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(lo) : "f"(x1), "f"(x0));
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(hi) : "f"(x3), "f"(x2));
+    return static_cast<u32>(lo) | (static_cast<u32>(hi) << 16);
+}
+
 // ---- plain accesses ----
 
 __device__ __forceinline__ void st_shared_b32(u32 addr, u32 v) {
@@ -143,6 +166,11 @@ __device__ __forceinline__ u32 ld_shared_b32(u32 addr) {
 // Zeroes 16 bytes of shared memory.
 __device__ __forceinline__ void st_shared_zero16(u32 addr) {
     asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+}
+// 16 bytes to a 16-byte aligned global address.
+__device__ __forceinline__ void st_global_v4(void* dst, const u32 (&v)[4]) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(v[0]), "r"(v[1]), "r"(v[2]), "r"(v[3])
+                 : "memory");
 }
 __device__ __forceinline__ void st_global_b32(void* dst, u32 v) {
     asm volatile("st.global.b32 [%0], %1;\n" ::"l"(dst), "r"(v) : "memory");

@@ -75,7 +75,10 @@ __device__ __forceinline__ Tile tile_at(const FwdParams& p, int t) {
 }
 
 // Whether key block n of sequence s holds rows of the next sequence (VARLEN only: see the top).
-__device__ __forceinline__ bool foreign_rows(const Seq& s, int n) { return VARLEN && (n + 1) * BLOCK_N > s.k_len; }
+// FP8 reads V from the Vᵀ buffer, whose sequences are padded with zero columns: none there.
+__device__ __forceinline__ bool foreign_rows(const Seq& s, int n) {
+    return VARLEN && !FP8 && (n + 1) * BLOCK_N > s.k_len;
+}
 
 // ---------------------------------------------------------------------------------------------
 // DYNAMIC (persistent launches): CTA b starts with tile b, and its producer takes every further

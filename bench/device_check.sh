@@ -16,6 +16,10 @@
 #             (one of its tests proves the variant ran), then memcheck and racecheck on the
 #             planned-variant test (the issue's layout, planned and forced splits) per variant
 #             in FA4_CHECK_DECODE_MEMCHECK / FA4_CHECK_DECODE_RACECHECK. About 150–200 s.
+#   decode-fp8  the same for the fp8-cache kernels: tests/cuda_decode_fp8.rs once per variant in
+#             FA4_CHECK_DECODE_FP8_VARIANTS (the all-variants test under `auto` only), then
+#             memcheck and racecheck on its environment-variant test (planned and forced splits)
+#             per variant in FA4_CHECK_DECODE_FP8_MEMCHECK / FA4_CHECK_DECODE_FP8_RACECHECK.
 #   cp        2+ GPUs (nvidia-h200-x2): the NCCL ring's tests (tests/cp_nccl.rs), `fa4 run --cp 2`
 #             against the oracle, and the one-line error for more ranks than GPUs; NVLink
 #             multicast off (NCCL_NVLS_ENABLE=0). About 2 min.
@@ -34,19 +38,24 @@
 #                        (a tool: FA4_SASS_DUMP_DIR, bench/sass_diff.sh) and a microbenchmark
 #   FA4_CHECK_KNOWN      tests whose failure is a documented known limit: reported, not counted
 #   FA4_CHECK_FAMILIES   sanitized families (default `sm80 sm90 decode backward`; also
+#                        `decode-fp8`: `fa4 run --paged --kv-dtype fp8`, the all-heads kernel with
+#                        bulk copies (auto) and the split kernel (plain, causal, fp16 queries);
 #                        `bwd-sm90`: seven Hopper backward problems, five of them walking more
 #                        steps than the ring has stages, two at head dims narrower than the tiles; `sm90-tiles`: the Hopper forward's
 #                        longest-first, TMA-store and cross-tile switches; `sm90-dims`: the
 #                        Hopper forward at head dims off 64/128/256 and d_v < d_qk;
-#                        `sm90-dynamic`: its dynamic schedule, fixed-length and varlen; `none`).
+#                        `sm90-dynamic`: its dynamic schedule, fixed-length and varlen;
+#                        `sm90-fp8`: the e4m3 kernel (and its Vᵀ pass and fixup) at d128, d64
+#                        (slab maps, softcap, fp16 O), d256 and 192/128 with a window; `none`).
 #                        FA4_BWD_SM90_CTAS=N, when set, makes the Hopper backward's persistent
 #                        CTAs walk several tiles each.
 #   FA4_CHECK_CASES      when set, only these sanitized cases of those families (names such as
 #                        `sm90-tiles-uniform-desc`); default every case
 #   FA4_CHECK_TOOLS      sanitizer tools (default memcheck racecheck synccheck)
 #   FA4_CHECK_DECODE_VARIANTS / _MEMCHECK / _RACECHECK   the decode section's variants
+#   FA4_CHECK_DECODE_FP8_VARIANTS / _MEMCHECK / _RACECHECK   the decode-fp8 section's
 set -uo pipefail
-bin=${1:?usage: device_check.sh DIR [tests sanitize decode cp]}
+bin=${1:?usage: device_check.sh DIR [tests sanitize decode decode-fp8 cp]}
 shift
 sections=${*:-tests sanitize}
 out=${OUT:-./device-out}
@@ -184,7 +193,13 @@ sm90-dims|sm90-d40|FA4_KERNEL=sm90|run --backend cuda --dtype fp16 --batch 2 --s
 sm90-dims|sm90-d192|FA4_KERNEL=sm90|run --backend cuda --dtype bf16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 4 --heads-kv 2 --head-dim 192 --causal
 sm90-dims|sm90-d192-v128|FA4_KERNEL=sm90|run --backend cuda --dtype bf16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 4 --heads-kv 2 --head-dim 192 --head-dim-v 128 --causal
 sm90-dims|sm90-d96-v64|FA4_KERNEL=sm90|run --backend cuda --dtype fp16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 2 --heads-kv 2 --head-dim 96 --head-dim-v 64
+sm90-fp8|sm90-fp8-d128|FA4_KERNEL=auto|run --backend cuda --dtype fp8 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 4 --heads-kv 2 --head-dim 128 --causal
+sm90-fp8|sm90-fp8-d64-softcap|FA4_KERNEL=auto|run --backend cuda --dtype fp8 --out-dtype fp16 --batch 2 --seqlen-q 300 --seqlen-k 200 --heads-q 4 --heads-kv 1 --head-dim 64 --softcap 8
+sm90-fp8|sm90-fp8-d256|FA4_KERNEL=auto|run --backend cuda --dtype fp8 --batch 1 --seqlen-q 300 --seqlen-k 400 --heads-q 2 --heads-kv 2 --head-dim 256 --causal
+sm90-fp8|sm90-fp8-d192-v128|FA4_KERNEL=auto|run --backend cuda --dtype fp8 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 4 --heads-kv 2 --head-dim 192 --head-dim-v 128 --window 100,20
 decode|decode|FA4_KERNEL=auto|run --backend cuda --paged --num-splits 3 --dtype fp16 --batch 4 --seqlen-k 700 --heads-q 8 --heads-kv 2 --head-dim 128
+decode-fp8|decode-fp8-heads|FA4_DECODE_VARIANT=auto|run --backend cuda --paged --kv-dtype fp8 --num-splits 3 --dtype bf16 --batch 4 --seqlen-k 700 --heads-q 8 --heads-kv 2 --head-dim 128
+decode-fp8|decode-fp8-split|FA4_DECODE_VARIANT=plain|run --backend cuda --paged --kv-dtype fp8 --num-splits 3 --dtype fp16 --batch 4 --seqlen-q 2 --seqlen-k 700 --heads-q 8 --heads-kv 2 --head-dim 128 --causal
 backward|backward|FA4_KERNEL=auto|run --backend cuda --backward --dtype bf16 --batch 1 --seqlen-q 200 --seqlen-k 200 --heads-q 2 --head-dim 64 --causal
 bwd-sm90|bwd-sm90-d64-gqa|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype bf16 --batch 2 --seqlen-q 150 --seqlen-k 190 --heads-q 4 --heads-kv 2 --head-dim 64 --causal
 bwd-sm90|bwd-sm90-d128-window|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype fp16 --batch 1 --seqlen-q 150 --seqlen-k 190 --heads-q 2 --heads-kv 1 --head-dim 128 --window 40,10 --softcap 8
@@ -223,7 +238,7 @@ san_lane() {
     local fam name envs args plain t0 rc secs tool
     mkdir -p "$out/sanitize"
     for fam in $families; do
-        san_cases | grep -q "^$fam|" || { note san "sanitize $fam" FAIL 0 "unknown family (sm80 sm90 decode backward bwd-sm90 sm90-tiles sm90-dims sm90-dynamic)"; continue; }
+        san_cases | grep -q "^$fam|" || { note san "sanitize $fam" FAIL 0 "unknown family (sm80 sm90 decode decode-fp8 backward bwd-sm90 sm90-tiles sm90-dims sm90-dynamic sm90-fp8)"; continue; }
         while IFS='|' read -r _ name envs args; do
             if [ -n "${FA4_CHECK_CASES:-}" ] && ! [[ " $FA4_CHECK_CASES " == *" $name "* ]]; then continue; fi
             plain=$out/sanitize/$name-plain.txt
@@ -266,6 +281,30 @@ decode_section() {
     for v in ${FA4_CHECK_DECODE_RACECHECK:-heads heads+bulk heads+bulk+best+fuse}; do
         sanitize_run post "decode racecheck $v" racecheck "$out/decode/racecheck-$v.txt" "FA4_DECODE_VARIANT=$v" \
             "$T" --include-ignored --exact the_environments_variant_is_the_one_planned
+    done
+}
+
+# The fp8-cache decode kernels, as decode_section: the test binary per variant, then the
+# sanitizers on the test that runs the environment's variant.
+decode_fp8_section() {
+    local T=$work/cuda_decode_fp8 v t0 rc secs skip_all
+    mkdir -p "$out/decode-fp8"
+    [ -x "$T" ] || { note post "decode-fp8" FAIL 0 "no cuda_decode_fp8 binary in the archive"; return; }
+    for v in ${FA4_CHECK_DECODE_FP8_VARIANTS:-auto plain heads heads+bulk best+fuse heads+bulk+best+fuse}; do
+        skip_all=(--skip fp8_every_variant_matches_the_oracle_in_one_process)
+        [ "$v" = auto ] && skip_all=()
+        t0=$(date +%s)
+        FA4_DECODE_VARIANT=$v timeout -k 5 "$(left 90)" "$T" --include-ignored "${skip_all[@]}" > "$out/decode-fp8/tests-$v.txt" 2>&1
+        rc=$? secs=$(($(date +%s) - t0))
+        note post "decode-fp8 tests $v" "$(status "$rc")" "$secs" "$(grep -E '^test result:' "$out/decode-fp8/tests-$v.txt" | tail -1 | sed 's/; finished in.*//')"
+    done
+    for v in ${FA4_CHECK_DECODE_FP8_MEMCHECK:-plain heads heads+bulk best+fuse heads+bulk+best+fuse}; do
+        sanitize_run post "decode-fp8 memcheck $v" memcheck "$out/decode-fp8/memcheck-$v.txt" "FA4_DECODE_VARIANT=$v" \
+            "$T" --include-ignored --exact fp8_runs_the_environments_variant
+    done
+    for v in ${FA4_CHECK_DECODE_FP8_RACECHECK:-plain heads heads+bulk heads+bulk+best+fuse}; do
+        sanitize_run post "decode-fp8 racecheck $v" racecheck "$out/decode-fp8/racecheck-$v.txt" "FA4_DECODE_VARIANT=$v" \
+            "$T" --include-ignored --exact fp8_runs_the_environments_variant
     done
 }
 
@@ -328,8 +367,9 @@ for s in $sections; do
     case $s in
     tests | sanitize) ;;
     decode) decode_section ;;
+    decode-fp8) decode_fp8_section ;;
     cp) cp_section ;;
-    *) note post "$s" FAIL 0 "unknown section (tests sanitize decode cp)" ;;
+    *) note post "$s" FAIL 0 "unknown section (tests sanitize decode decode-fp8 cp)" ;;
     esac
 done
 

@@ -16,7 +16,8 @@
 //!   PyTorch, the peers' rounds took in host time this process's did not (bench/README.md).
 //! - `decode_bench --precompile [VARIANT,…]`: fills the kernel cache for an H200, no GPU
 //!   needed: every split-kernel variant, and the all-heads variants that the decode grid and
-//!   tests/cuda_decode.rs plan; with a variant list, only the grid's kernels under those.
+//!   tests/cuda_decode.rs plan, and the grid's kernels over an fp8 cache (`fa4 bench --decode
+//!   --backend cuda --kv-dtype fp8`); with a variant list, only the grid's kernels under those.
 //! - `decode_bench --plans VARIANT,…`: the H200 plan (kernel, split count, grid) of each case of
 //!   the grid per variant, no GPU needed.
 
@@ -247,7 +248,8 @@ fn serve(cuda: &CudaBackend, block: &CudaSlice<bf16>) -> Result<(), Box<dyn std:
 
 /// `--precompile`: fills the kernel cache ($FA4_CACHE_DIR) for an H200 without a GPU, so that a
 /// device run spends no time in NVRTC (`bench/device_build.sh` packs it with FA4_PRECOMPILE):
-/// first the kernels the grid's cases run under every variant, then every split-kernel variant
+/// first the kernels the grid's cases run under every variant, over a 16-bit and an fp8 cache
+/// (the fp8 cache's grid is `fa4 bench --decode --kv-dtype fp8`'s), then every split-kernel variant
 /// the planner emits for sm_90a, the combines and the append, and the all-heads variants (with
 /// and without `bulk`) at every head dim, row-tile count, dtype and mask kind, for 8, 4, 2 and 1
 /// KV heads per CTA (what the grid and tests/cuda_decode.rs plan); the split and all-heads
@@ -271,19 +273,16 @@ fn precompile(only: Option<String>) -> Result<(), Box<dyn std::error::Error>> {
         let variant = DecodeVariant::parse(v)?;
         for (page, sq) in GROUPS {
             for (batch, keys) in SHAPES {
-                let plan = plan_variant(
-                    &problem((page, sq, batch, keys))?,
-                    h200.sm_count as usize,
-                    smem,
-                    "sm_90a",
-                    None,
-                    variant,
-                )?;
-                first.push(match plan.heads {
-                    Some(h) => Box::new(h),
-                    None => Box::new(plan.spec),
-                });
-                first.push(Box::new(plan.combine));
+                let p = problem((page, sq, batch, keys))?;
+                for p in [p.clone(), p.with_fp8_cache()] {
+                    let plan =
+                        plan_variant(&p, h200.sm_count as usize, smem, "sm_90a", None, variant)?;
+                    first.push(match plan.heads {
+                        Some(h) => Box::new(h),
+                        None => Box::new(plan.spec),
+                    });
+                    first.push(Box::new(plan.combine));
+                }
             }
         }
     }
@@ -325,6 +324,7 @@ fn precompile(only: Option<String>) -> Result<(), Box<dyn std::error::Error>> {
                                     window,
                                     softcap,
                                     fuse,
+                                    fp8: false,
                                 }));
                             }
                         }

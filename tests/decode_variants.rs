@@ -335,3 +335,76 @@ fn the_heads_kernel_compiles_for_sm80_and_sm90a() {
         .collect();
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
+
+/// An fp8 cache (`PagedProblem::with_fp8_cache`) plans the kernels' `KV_FP8` variants: the same
+/// kernel, grid and split count as the 16-bit cache under every variant, a ring at least as
+/// deep (a stage is half the bytes) within the GPU's shared memory; strides are whole 16-byte
+/// copies of bytes (16 elements, where the 16-bit cache needs 8).
+#[test]
+fn an_fp8_cache_plans_the_same_grid_with_a_deeper_ring() {
+    let smem = H200.max_smem_per_block() as usize;
+    for (batch, keys, page) in [(1, 32768, 16), (8, 8192, 16), (8, 8192, 1), (4, 4096, 256)] {
+        let p = problem_paged(batch, keys, page, None);
+        let p8 = p.clone().with_fp8_cache();
+        assert_eq!(p8.kv_dtype(), DType::Fp8E4M3);
+        assert_eq!(p8.dtype(), DType::Bf16);
+        for v in [
+            "auto",
+            "plain",
+            "best",
+            "heads",
+            "heads+bulk+best",
+            "best+fuse",
+        ] {
+            let (a, b) = (h200(&p, v, None), h200(&p8, v, None));
+            let what = format!("({batch}, {keys}) page {page} {v}");
+            assert_eq!((a.grid, &a.decode), (b.grid, &b.decode), "{what}");
+            assert_eq!(a.variant, b.variant, "{what}");
+            assert!(b.spec.fp8 && !a.spec.fp8, "{what}");
+            assert!(b.spec.stages >= a.spec.stages, "{what}");
+            assert!(b.spec.smem_bytes() <= smem, "{what}");
+            match (a.heads, b.heads) {
+                (Some(h), Some(h8)) => {
+                    assert!(h8.fp8 && h8.heads == h.heads && h8.bulk == h.bulk, "{what}");
+                    assert!(h8.stages >= h.stages && h8.smem_bytes() <= smem, "{what}");
+                }
+                (None, None) => {}
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+    }
+    // The decode grid's d128 tile: 6 stages of 2 × 128 rows × 144 bytes on the H200 (the
+    // 16-bit kernel's 3 of 2 × 128 × 256), 4 on the A100.
+    let p8 = problem(8, 8192, None).with_fp8_cache();
+    assert_eq!(h200(&p8, "plain", None).spec.stages, 6);
+    let a100 = plan_variant(
+        &p8,
+        A100.sm_count as usize,
+        A100.max_smem_per_block() as usize,
+        "sm_80",
+        None,
+        DecodeVariant::PLAIN,
+    )
+    .unwrap();
+    assert_eq!(a100.spec.stages, 4);
+    // Heads 8 elements apart (a padded row of 136 per head): fine for 16-bit copies, not for
+    // 16-byte copies of bytes.
+    let padded = problem(2, 1024, Some(&[16 * 8 * 136, 8 * 136, 136, 1]));
+    assert!(h200(&padded, "plain", None).spec.head_dim == 128);
+    let e = plan_variant(
+        &padded.with_fp8_cache(),
+        132,
+        smem,
+        "sm_90a",
+        None,
+        DecodeVariant::PLAIN,
+    )
+    .unwrap_err();
+    match e {
+        Error::InvalidArgument { name, reason } => {
+            assert_eq!(name, "k_cache");
+            assert!(reason.contains("multiples of 16 elements"), "{reason}");
+        }
+        other => panic!("{other:?}"),
+    }
+}

@@ -151,6 +151,40 @@ fn every_sm90_variant_compiles_without_spills_or_wgmma_serialization() {
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
+#[test]
+fn every_sm90_fp8_variant_compiles_without_spills_or_wgmma_serialization() {
+    if ran_without_compute_cache(
+        "every_sm90_fp8_variant_compiles_without_spills_or_wgmma_serialization",
+    ) {
+        return;
+    }
+    let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    if let Err(e) = nvrtc_version() {
+        if required {
+            panic!("FA4_REQUIRE_NVRTC=1 but {e}");
+        }
+        let _ = writeln!(std::io::stderr(), "nvrtc_compile (sm90 fp8): skipped: {e}");
+        return;
+    }
+    // Every e4m3 tile entry, fixed-length and varlen: bf16 O with every mask and softcap, fp16
+    // O causal, and the narrower head dims (slab maps, Q·Kᵀ ending inside a k32 step) causal.
+    // O's type changes only the epilogue's pack, the widths only the loads.
+    let specs: Vec<_> = fa4::config::sm90::fp8::all_fp8_specs(&H200, "sm_90a")
+        .into_iter()
+        .filter(|s| {
+            let full = s.dim == s.head_dim;
+            (full && s.bf16) || (s.window && !s.softcap && (full || s.bf16))
+        })
+        .collect();
+    assert_eq!(
+        specs.len(),
+        (6 + 5) * 6,
+        "tile entries fixed-length and (up to two consumer warpgroups) varlen × variants"
+    );
+    let failures: Vec<String> = specs.par_iter().filter_map(sm90_ptxas_problems).collect();
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
 /// What is wrong with a Hopper variant's compile: an NVRTC error, spills, a ptxas warning (the
 /// wgmma serialisation C7515/C7520 among them), or fewer registers than the launch bounds give.
 fn sm90_ptxas_problems(spec: &fa4::config::sm90::KernelSpec) -> Option<String> {
@@ -452,6 +486,137 @@ fn every_decode_variant_compiles_for_every_target_with_little_spilling() {
             failures.push(e.to_string());
         }
     }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Spill-store bytes of each function in a ptxas report (`--ptxas-options=-v`).
+fn spill_stores(log: &str) -> Vec<usize> {
+    log.lines()
+        .filter(|l| l.contains(" bytes spill stores"))
+        .filter_map(|l| {
+            l.split(" bytes spill stores")
+                .next()
+                .and_then(|x| x.rsplit(' ').next())
+                .and_then(|n| n.parse::<usize>().ok())
+        })
+        .collect()
+}
+
+/// The decode kernels' fp8-cache variants (`KV_FP8`, `kernels/decode/fp8.cuh`) and the fp8
+/// append compile: every split-kernel variant for sm_90a, the bf16 window ones also with the
+/// fused combine (its merge is the 16-bit kernels', after the loop); for sm_80, which widens
+/// e4m3 with bit operations (no conversion instruction before sm_89), both dtypes at every head
+/// dim and row tile with a window; for sm_100a the bf16 window ones; the all-heads variants of
+/// `heads_fp8_specs` for sm_80 and sm_90a, the sm_90a bulk ones also fused; the append for f32,
+/// fp16 and bf16 rows on all three targets (83 compiles, about 90 s on two cores). Spills
+/// within the 16-bit kernels' limits: none for one MMA tile of d64/d128, at most 128 bytes
+/// otherwise.
+#[test]
+fn every_fp8_cache_decode_variant_compiles_with_little_spilling() {
+    if ran_without_compute_cache("every_fp8_cache_decode_variant_compiles_with_little_spilling") {
+        return;
+    }
+    use fa4::config::decode_gpu::{
+        all_fp8_specs, heads_fp8_specs, AppendFp8Spec, HeadsSpec, SplitKvSpec,
+    };
+    use fa4::cuda::compile::KernelSource;
+    use fa4::DType;
+    let required = std::env::var("FA4_REQUIRE_NVRTC").is_ok_and(|v| v == "1");
+    if let Err(e) = nvrtc_version() {
+        if required {
+            panic!("FA4_REQUIRE_NVRTC=1 but {e}");
+        }
+        let _ = writeln!(
+            std::io::stderr(),
+            "nvrtc_compile (decode fp8): skipped: {e}"
+        );
+        return;
+    }
+    let hopper = all_fp8_specs("sm_90a", H200.max_smem_per_block() as usize);
+    assert_eq!(
+        hopper.len(),
+        5 * 8,
+        "d64/d128 × 2 row tiles, d256 × 1, × dtype × mask × softcap"
+    );
+    assert!(hopper.iter().all(|s| s.fp8 && s.stages > 2), "{hopper:#?}");
+    let fused: Vec<SplitKvSpec> = hopper
+        .iter()
+        .filter(|s| s.bf16 && s.window && !s.softcap)
+        .map(|&s| SplitKvSpec { fuse: true, ..s })
+        .collect();
+    let ampere = all_fp8_specs("sm_80", A100.max_smem_per_block() as usize)
+        .into_iter()
+        .filter(|s| s.window && !s.softcap);
+    let blackwell = all_fp8_specs("sm_100a", B200.max_smem_per_block() as usize)
+        .into_iter()
+        .filter(|s| s.bf16 && s.window && !s.softcap);
+    // Each with its spill limit: none for one MMA tile of d64/d128 (every decode shape up to 16
+    // packed rows) and for the append, 128 bytes otherwise.
+    let limit = |m_tiles: usize, head_dim: usize| {
+        if m_tiles == 1 && head_dim <= 128 {
+            0
+        } else {
+            128
+        }
+    };
+    type Job = (Box<dyn KernelSource + Send + Sync>, usize);
+    let mut specs: Vec<Job> = Vec::new();
+    for s in hopper
+        .into_iter()
+        .chain(fused)
+        .chain(ampere)
+        .chain(blackwell)
+    {
+        specs.push((Box::new(s), limit(s.m_tiles, s.head_dim)));
+    }
+    let mut heads = heads_fp8_specs("sm_80", A100.max_smem_per_block() as usize);
+    heads.extend(heads_fp8_specs(
+        "sm_90a",
+        H200.max_smem_per_block() as usize,
+    ));
+    assert_eq!(heads.len(), 4 + 6, "sm_80: no bulk; sm_90a: all six");
+    let heads_fused: Vec<HeadsSpec> = heads
+        .iter()
+        .filter(|h| h.bulk)
+        .map(|&h| HeadsSpec { fuse: true, ..h })
+        .collect();
+    for h in heads.into_iter().chain(heads_fused) {
+        specs.push((Box::new(h), limit(h.m_tiles, h.head_dim)));
+    }
+    for target in ["sm_80", "sm_90a", "sm_100a"] {
+        for dtype in [DType::F32, DType::F16, DType::Bf16] {
+            specs.push((Box::new(AppendFp8Spec { target, dtype }), 0));
+        }
+    }
+    assert_eq!(specs.len(), 83);
+    let start = Instant::now();
+    let failures: Vec<String> = specs
+        .par_iter()
+        .filter_map(|(spec, lim)| {
+            let text = spec.to_string();
+            match compile_with_log(spec.as_ref(), &["--ptxas-options=-v"]) {
+                Err(e) => Some(e.to_string()),
+                Ok((cubin, log)) => {
+                    let spilled = spill_stores(&log);
+                    let lim = *lim;
+                    if spilled.is_empty() && required {
+                        Some(format!("{text}: no ptxas report in the log"))
+                    } else if spilled.iter().any(|&n| n > lim) {
+                        Some(format!("{text}: spills {spilled:?} bytes (limit {lim})"))
+                    } else if cubin.len() < 1000 {
+                        Some(format!("{text}: cubin of only {} bytes", cubin.len()))
+                    } else {
+                        None
+                    }
+                }
+            }
+        })
+        .collect();
+    eprintln!(
+        "compiled {} fp8-cache decode variants in {:.1} s",
+        specs.len(),
+        start.elapsed().as_secs_f64()
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 

@@ -347,7 +347,8 @@ impl BenchArgs {
             ""
         };
         let decode = if pass == Pass::Decode {
-            "--decode-shapes, --page-size, --seqlen-q, --heads-q, --heads-kv, --head-dim, "
+            "--decode-shapes, --page-size, --seqlen-q, --heads-q, --heads-kv, --head-dim, \
+             --kv-dtype, "
         } else {
             ""
         };

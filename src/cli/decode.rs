@@ -67,7 +67,7 @@ pub struct PagedRunArgs {
     #[arg(long, allow_negative_numbers = true, help_heading = "Paged KV cache")]
     num_splits: Option<usize>,
     /// The cache's element type when it differs from the queries': fp8 (e4m3 bytes with one
-    /// scale per KV head, on the CPU backend; --k-cache/--v-cache files are then uint8).
+    /// scale per KV head; --k-cache/--v-cache files are then uint8).
     #[arg(long, value_name = "DTYPE", help_heading = "Paged KV cache")]
     kv_dtype: Option<DType>,
     /// An fp8 cache's K scales: one value for every KV head, or one per KV head
@@ -510,21 +510,38 @@ fn check_cost(p: &PagedProblem) -> f64 {
     passes * pairs * p.heads_q() as f64 * (c.head_dim() + c.head_dim_v()) as f64
 }
 
-impl<T: Element> Job<T> {
-    /// The backend that runs the job: the given one, except that under `--backend auto` a
-    /// problem the GPU decode kernels refuse (dtype, head dim) goes to the CPU and says why.
-    /// The backend that runs the job: with `--backend auto`, the CPU where the GPU decode
-    /// kernels do not cover the problem. A malformed `FA4_DECODE_VARIANT` is an error on every
-    /// backend (a typo must not silently time or run something else).
-    fn backend_for(&self, backend: &Backend) -> Result<Backend> {
-        DecodeVariant::from_env()?;
-        if let (Backend::Cuda(cuda), true) = (backend, self.auto) {
-            if let Err(e) = cuda.plan_paged(&self.p, self.num_splits) {
-                println!("note     the GPU decode kernels do not run this problem ({e}): the paged run uses the CPU backend");
-                return Ok(Backend::Cpu);
-            }
+/// The backend that runs a paged problem (16-bit or fp8 cache): the given one, except that
+/// under `--backend auto` (`auto`) a problem the GPU decode kernels refuse (dtype, head dim)
+/// goes to the CPU and says why. A malformed `FA4_DECODE_VARIANT` is an error on every backend
+/// (a typo must not silently time or run something else).
+fn backend_for(
+    backend: &Backend,
+    p: &PagedProblem,
+    num_splits: Option<usize>,
+    auto: bool,
+) -> Result<Backend> {
+    DecodeVariant::from_env()?;
+    if let (Backend::Cuda(cuda), true) = (backend, auto) {
+        if let Err(e) = cuda.plan_paged(p, num_splits) {
+            println!("note     the GPU decode kernels do not run this problem ({e}): the paged run uses the CPU backend");
+            return Ok(Backend::Cpu);
         }
-        Ok(backend.clone())
+    }
+    Ok(backend.clone())
+}
+
+/// The `backend` line's text: `cpu (N threads)`, or the GPU's name.
+fn backend_text(backend: &Backend) -> String {
+    match backend {
+        Backend::Cpu => format!("cpu ({} threads)", rayon::current_num_threads()),
+        other => other.name(),
+    }
+}
+
+impl<T: Element> Job<T> {
+    /// The backend that runs the job ([`backend_for`]).
+    fn backend_for(&self, backend: &Backend) -> Result<Backend> {
+        backend_for(backend, &self.p, self.num_splits, self.auto)
     }
 
     fn execute(&self, backend: &Backend) -> Result<Done<T>> {
@@ -556,13 +573,7 @@ impl<T: Element> Job<T> {
         let c = p.cache();
         let bytes = c.kv_bytes(p.dtype().size_bytes() as usize);
         println!("problem  {} (K+V {:.3} MB)", describe(p), bytes / 1e6);
-        println!(
-            "backend  {}",
-            match backend {
-                Backend::Cpu => format!("cpu ({} threads)", rayon::current_num_threads()),
-                other => other.name(),
-            }
-        );
+        println!("backend  {}", backend_text(backend));
         println!(
             "plan     num_splits {}{}, {} tiles of up to {} packed rows (GQA group {})",
             done.plan.num_splits,

@@ -8,6 +8,10 @@
 //! holding all the tile's rows (see the kernel's header); the rows are `16 · m_tiles`, the
 //! fewest MMA tiles that hold the packed rows of the longest query sequence, up to
 //! [`DecodeTiles::gpu`]'s `block_m`.
+//!
+//! A problem over an fp8 e4m3 cache ([`PagedProblem::kv_dtype`]) gets the kernels' `KV_FP8`
+//! variants (`kernels/decode/fp8.cuh`): the same tiles, grids and split counts, a K/V stage of
+//! half the bytes and a ring up to [`MAX_STAGES_FP8`] deep.
 
 use std::fmt;
 
@@ -33,6 +37,11 @@ pub fn warps_for(block_n: usize) -> usize {
 /// shared memory, up to this. Measured on the H200 (d128, 128-key blocks, 1 CTA per SM, 4
 /// warps): 2 stages read 1.6–2.4 TB/s on the grid (pages 16–256), 3 stages 1.7–2.5.
 pub const MAX_STAGES: usize = 4;
+/// Deepest K/V ring of the kernels' fp8-cache variants: a stage holds half the bytes of a
+/// 16-bit one, so the same shared memory buys twice the stages and as many bytes in flight
+/// (d128 on the H200: 6 stages of 36 KiB against the 16-bit kernel's 3 of 64 KiB). A cap, not a
+/// measured optimum: as for the 16-bit kernels, the planner takes the deepest ring that fits.
+pub const MAX_STAGES_FP8: usize = 8;
 /// Warps (one per workspace row) per CTA of the combine kernel.
 pub const COMBINE_WARPS: usize = 4;
 /// Threads per CTA of the append kernel (one CTA per new row).
@@ -62,6 +71,9 @@ pub struct SplitKvSpec {
     /// The fused combine (`fuse`): the last split CTA of a row tile merges the splits, no
     /// combine launch. Only planned with more than one split.
     pub fuse: bool,
+    /// The cache holds fp8 e4m3 bytes with per-KV-head scales (`KV_FP8`); else it has the
+    /// queries' type.
+    pub fp8: bool,
 }
 
 impl SplitKvSpec {
@@ -73,9 +85,15 @@ impl SplitKvSpec {
     pub fn threads(&self) -> usize {
         warps_for(self.block_n) * 32
     }
-    /// Dynamic shared memory: the Q tile and the K/V ring, 16-bit.
+    /// Dynamic shared memory: the Q tile and the K/V ring (at least the merge's f32 O).
     pub fn smem_bytes(&self) -> usize {
-        smem_bytes(self.head_dim, self.m_tiles, self.block_n, self.stages)
+        smem_bytes(
+            self.head_dim,
+            self.m_tiles,
+            self.block_n,
+            self.stages,
+            self.fp8,
+        )
     }
     /// The entry point.
     pub fn entry(&self) -> &'static str {
@@ -95,8 +113,19 @@ impl SplitKvSpec {
             .flag("HAS_SOFTCAP", self.softcap)
             .flag("LAZY_RESCALE", true)
             .define("FUSE", u8::from(self.fuse))
+            .define("KV_FP8", u8::from(self.fp8))
             .define("FA4_SMEM_BYTES", self.smem_bytes())
             .finish()
+    }
+}
+
+/// The queries' type, and the cache's where it is fp8: `bf16`, `bf16 e4m3-cache`.
+fn dtypes(bf16: bool, fp8: bool) -> &'static str {
+    match (bf16, fp8) {
+        (true, false) => "bf16",
+        (false, false) => "fp16",
+        (true, true) => "bf16 e4m3-cache",
+        (false, true) => "fp16 e4m3-cache",
     }
 }
 
@@ -106,7 +135,7 @@ impl fmt::Display for SplitKvSpec {
             f,
             "decode splitkv {} {} d{} {}x{} {} stages{}{}{}",
             self.target,
-            if self.bf16 { "bf16" } else { "fp16" },
+            dtypes(self.bf16, self.fp8),
             self.head_dim,
             self.block_m(),
             self.block_n,
@@ -173,21 +202,73 @@ impl fmt::Display for AppendSpec {
     }
 }
 
-/// Shared memory of a split kernel: the Q tile and the K/V ring, 16-bit.
-fn smem_bytes(head_dim: usize, m_tiles: usize, block_n: usize, stages: usize) -> usize {
-    2 * head_dim * (16 * m_tiles + 2 * stages * block_n)
+/// The append into an fp8 cache (`kernels/decode/append_fp8.cu`): new rows of `dtype` (f32,
+/// fp16 or bf16) quantized to e4m3 with the per-KV-head scales, as [`crate::paged::append_fp8`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct AppendFp8Spec {
+    /// NVRTC target.
+    pub target: &'static str,
+    /// The new rows' element type.
+    pub dtype: DType,
 }
 
-/// The deepest K/V ring (2..=[`MAX_STAGES`]) within `max_smem` bytes per CTA, if any.
+impl AppendFp8Spec {
+    /// The generated prelude: the new rows' element size and, for 16-bit ones, which type.
+    pub fn prelude(&self) -> String {
+        Prelude::new("config::decode_gpu", self)
+            .flag("IS_BF16", self.dtype == DType::Bf16)
+            .int("SRC_BYTES", self.dtype.size_bytes())
+            .finish()
+    }
+}
+
+impl fmt::Display for AppendFp8Spec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "paged append {} {} to e4m3", self.target, self.dtype)
+    }
+}
+
+/// Bytes of one K (or V) row of one head in a split kernel's stage: 16-bit elements, or e4m3
+/// bytes at a pitch of 16 more (`splitkv.cu`, KV_FP8).
+fn kv_row_bytes(head_dim: usize, fp8: bool) -> usize {
+    if fp8 {
+        head_dim + 16
+    } else {
+        2 * head_dim
+    }
+}
+
+/// Shared memory of a split kernel: the 16-bit Q tile and the K/V ring, or the merge's f32 O of
+/// every warp where that is larger (only an fp8 ring of few stages is smaller).
+fn smem_bytes(head_dim: usize, m_tiles: usize, block_n: usize, stages: usize, fp8: bool) -> usize {
+    let ring = 2 * stages * block_n * kv_row_bytes(head_dim, fp8);
+    let merge = warps_for(block_n) * 16 * m_tiles * head_dim * 4;
+    2 * head_dim * 16 * m_tiles + ring.max(merge)
+}
+
+/// The deepest K/V ring (2..=[`MAX_STAGES`]) of the 16-bit split kernel within `max_smem` bytes
+/// per CTA, if any.
 pub fn stages_for(
     head_dim: usize,
     m_tiles: usize,
     block_n: usize,
     max_smem: usize,
 ) -> Option<usize> {
-    (2..=MAX_STAGES)
+    stages_for_cache(head_dim, m_tiles, block_n, false, max_smem)
+}
+
+/// [`stages_for`] for a 16-bit (`fp8` false) or fp8 cache (2..=[`MAX_STAGES_FP8`]).
+pub fn stages_for_cache(
+    head_dim: usize,
+    m_tiles: usize,
+    block_n: usize,
+    fp8: bool,
+    max_smem: usize,
+) -> Option<usize> {
+    let most = if fp8 { MAX_STAGES_FP8 } else { MAX_STAGES };
+    (2..=most)
         .rev()
-        .find(|&s| smem_bytes(head_dim, m_tiles, block_n, s) <= max_smem)
+        .find(|&s| smem_bytes(head_dim, m_tiles, block_n, s, fp8) <= max_smem)
 }
 
 /// A planned GPU decode call.
@@ -387,6 +468,7 @@ fn plan_default(
             ))
         }
     };
+    let fp8 = p.kv_dtype() == DType::Fp8E4M3;
     let c = p.cache();
     let d = c.head_dim();
     if !HEAD_DIMS.contains(&d) {
@@ -404,21 +486,23 @@ fn plan_default(
             ),
         ));
     }
-    // Every row the kernels copy is 16-byte chunks: strides in whole 8-element chunks.
+    // Every row the kernels copy is 16-byte chunks: strides in whole chunks, 8 16-bit elements
+    // or 16 e4m3 bytes.
     let skip = |l: &crate::tensor::Layout| if l.packed { 1 } else { 0 };
-    for (name, l) in [
-        ("q", p.q_layout()),
-        ("out", p.o_layout()),
-        ("k_cache", c.k_layout()),
-        ("v_cache", c.v_layout()),
+    let cache_chunk = if fp8 { 16 } else { 8 };
+    for (name, l, chunk) in [
+        ("q", p.q_layout(), 8),
+        ("out", p.o_layout(), 8),
+        ("k_cache", c.k_layout(), cache_chunk),
+        ("v_cache", c.v_layout(), cache_chunk),
     ] {
         if let Some(s) = l.strides[skip(l)..3]
             .iter()
-            .find(|&&s| !s.is_multiple_of(8))
+            .find(|&&s| !s.is_multiple_of(chunk))
         {
             return Err(Error::invalid(
                 name,
-                format!("the GPU decode kernels need strides in multiples of 8 elements (16 bytes), got {s}"),
+                format!("the GPU decode kernels need strides in multiples of {chunk} elements (16 bytes), got {s}"),
             ));
         }
     }
@@ -440,12 +524,12 @@ fn plan_default(
         .ok()
         .filter(|&y| y <= 65535)
         .ok_or_else(|| too_big("row tiles"))?;
-    let stages = stages_for(d, m_tiles, tiles.block_n, max_smem).ok_or_else(|| {
+    let stages = stages_for_cache(d, m_tiles, tiles.block_n, fp8, max_smem).ok_or_else(|| {
         Error::invalid(
             "device",
             format!(
                 "the GPU decode kernel needs {} bytes of shared memory per CTA, the GPU gives {max_smem}",
-                smem_bytes(d, m_tiles, tiles.block_n, 2)
+                smem_bytes(d, m_tiles, tiles.block_n, 2, fp8)
             ),
         )
     })?;
@@ -459,6 +543,7 @@ fn plan_default(
         window: p.options().get_mask().is_restrictive(),
         softcap: p.softcap().is_some(),
         fuse: false,
+        fp8,
     };
     Ok(GpuDecodePlan {
         grid: (x, y, decode.num_splits as u32),
@@ -474,14 +559,23 @@ fn plan_default(
     })
 }
 
-/// Every split-kernel variant the planner can emit for a target whose CTAs get `max_smem` bytes
-/// of shared memory (for NVRTC tests).
+/// Every 16-bit split-kernel variant the planner can emit for a target whose CTAs get
+/// `max_smem` bytes of shared memory (for NVRTC tests).
 pub fn all_specs(target: &'static str, max_smem: usize) -> Vec<SplitKvSpec> {
+    specs_of(target, max_smem, false)
+}
+
+/// [`all_specs`] for an fp8 cache (`KV_FP8`).
+pub fn all_fp8_specs(target: &'static str, max_smem: usize) -> Vec<SplitKvSpec> {
+    specs_of(target, max_smem, true)
+}
+
+fn specs_of(target: &'static str, max_smem: usize, fp8: bool) -> Vec<SplitKvSpec> {
     let mut out = Vec::new();
     for d in HEAD_DIMS {
         let full = DecodeTiles::gpu(d);
         for m_tiles in 1..=full.block_m / 16 {
-            let Some(stages) = stages_for(d, m_tiles, full.block_n, max_smem) else {
+            let Some(stages) = stages_for_cache(d, m_tiles, full.block_n, fp8, max_smem) else {
                 continue;
             };
             for bf16 in [false, true] {
@@ -497,6 +591,7 @@ pub fn all_specs(target: &'static str, max_smem: usize) -> Vec<SplitKvSpec> {
                             window,
                             softcap,
                             fuse: false,
+                            fp8,
                         });
                     }
                 }
@@ -701,10 +796,12 @@ pub struct HeadsSpec {
     pub softcap: bool,
     /// The fused combine, as [`SplitKvSpec::fuse`].
     pub fuse: bool,
+    /// An fp8 e4m3 cache, as [`SplitKvSpec::fp8`].
+    pub fp8: bool,
 }
 
 /// Shared memory of the all-heads kernel: a Q tile per warp, the K/V ring with a 16-byte pad per
-/// key row, and one mbarrier per stage with bulk copies.
+/// key row (of 16-bit elements, or e4m3 bytes), and one mbarrier per stage with bulk copies.
 fn heads_smem_bytes(
     head_dim: usize,
     m_tiles: usize,
@@ -712,9 +809,11 @@ fn heads_smem_bytes(
     heads: usize,
     stages: usize,
     bulk: bool,
+    fp8: bool,
 ) -> usize {
+    let elem = if fp8 { 1 } else { 2 };
     heads * 16 * m_tiles * head_dim * 2
-        + 2 * stages * block_n * (heads * head_dim * 2 + 16)
+        + 2 * stages * block_n * (heads * head_dim * elem + 16)
         + if bulk { 8 * stages } else { 0 }
 }
 
@@ -736,6 +835,7 @@ impl HeadsSpec {
             self.heads,
             self.stages,
             self.bulk,
+            self.fp8,
         )
     }
     /// The entry point.
@@ -753,6 +853,7 @@ impl HeadsSpec {
             .int("STAGES", self.stages)
             .define("BULK", u8::from(self.bulk))
             .define("FUSE", u8::from(self.fuse))
+            .define("KV_FP8", u8::from(self.fp8))
             .flag("IS_BF16", self.bf16)
             .flag("HAS_WINDOW", self.window)
             .flag("HAS_SOFTCAP", self.softcap)
@@ -768,7 +869,7 @@ impl fmt::Display for HeadsSpec {
             f,
             "decode heads {} {} d{} {}x{} {} heads {} stages{}{}{}{}",
             self.target,
-            if self.bf16 { "bf16" } else { "fp16" },
+            dtypes(self.bf16, self.fp8),
             self.head_dim,
             self.block_m(),
             self.block_n,
@@ -791,7 +892,8 @@ fn sm_version(target: &str) -> usize {
         .unwrap_or(0)
 }
 
-/// The deepest ring (2..=[`MAX_STAGES`]) of the all-heads kernel within `max_smem`, if any.
+/// The deepest ring (2..=[`MAX_STAGES`]) of the 16-bit all-heads kernel within `max_smem`, if
+/// any.
 pub fn heads_stages_for(
     head_dim: usize,
     m_tiles: usize,
@@ -799,9 +901,22 @@ pub fn heads_stages_for(
     bulk: bool,
     max_smem: usize,
 ) -> Option<usize> {
-    (2..=MAX_STAGES)
-        .rev()
-        .find(|&s| heads_smem_bytes(head_dim, m_tiles, HEADS_BLOCK_N, heads, s, bulk) <= max_smem)
+    heads_stages_for_cache(head_dim, m_tiles, heads, bulk, false, max_smem)
+}
+
+/// [`heads_stages_for`] for a 16-bit (`fp8` false) or fp8 cache (2..=[`MAX_STAGES_FP8`]).
+pub fn heads_stages_for_cache(
+    head_dim: usize,
+    m_tiles: usize,
+    heads: usize,
+    bulk: bool,
+    fp8: bool,
+    max_smem: usize,
+) -> Option<usize> {
+    let most = if fp8 { MAX_STAGES_FP8 } else { MAX_STAGES };
+    (2..=most).rev().find(|&s| {
+        heads_smem_bytes(head_dim, m_tiles, HEADS_BLOCK_N, heads, s, bulk, fp8) <= max_smem
+    })
 }
 
 /// The all-heads kernel of a planned problem: the most KV heads per CTA (a divisor of heads_kv,
@@ -829,25 +944,26 @@ fn plan_heads(
     let c = p.cache();
     let heads_kv = c.heads_kv();
     let d = spec.head_dim;
+    let fp8 = spec.fp8;
     let heads = (1..=max_heads.min(heads_kv))
         .rev()
         .find(|&h| {
             heads_kv.is_multiple_of(h)
-                && heads_stages_for(d, spec.m_tiles, h, bulk, max_smem).is_some()
+                && heads_stages_for_cache(d, spec.m_tiles, h, bulk, fp8, max_smem).is_some()
         })
         .ok_or_else(|| {
             Error::invalid(
                 VARIANT_ENV,
                 format!(
                     "the all-heads decode kernel needs {} bytes of shared memory per CTA, the GPU gives {max_smem}",
-                    heads_smem_bytes(d, spec.m_tiles, HEADS_BLOCK_N, 1, 2, bulk)
+                    heads_smem_bytes(d, spec.m_tiles, HEADS_BLOCK_N, 1, 2, bulk, fp8)
                 ),
             )
         })?;
     // Bulk copies move a key's heads as one span: only where they are contiguous.
     let contiguous = |l: &crate::tensor::Layout| l.strides[2] == l.dims[3];
     let bulk = bulk && contiguous(c.k_layout()) && contiguous(c.v_layout());
-    let stages = heads_stages_for(d, spec.m_tiles, heads, bulk, max_smem)
+    let stages = heads_stages_for_cache(d, spec.m_tiles, heads, bulk, fp8, max_smem)
         .expect("checked when choosing heads");
     let shape = p.decode_shape();
     let tiles = DecodeTiles {
@@ -887,6 +1003,7 @@ fn plan_heads(
             window: spec.window,
             softcap: spec.softcap,
             fuse: false,
+            fp8,
         },
     ))
 }
@@ -908,6 +1025,15 @@ fn best_efficiency(candidates: &[(usize, f64)], max_splits: usize) -> Option<usi
 /// and shared-memory footprints). Each at the most KV heads per CTA (up to 8) that fit
 /// `max_smem`.
 pub fn heads_specs(target: &'static str, max_smem: usize) -> Vec<HeadsSpec> {
+    heads_specs_of(target, max_smem, false)
+}
+
+/// [`heads_specs`] over an fp8 cache (`KV_FP8`).
+pub fn heads_fp8_specs(target: &'static str, max_smem: usize) -> Vec<HeadsSpec> {
+    heads_specs_of(target, max_smem, true)
+}
+
+fn heads_specs_of(target: &'static str, max_smem: usize, fp8: bool) -> Vec<HeadsSpec> {
     let hopper = sm_version(target) >= 90;
     let mut out = Vec::new();
     let cases = [
@@ -920,10 +1046,9 @@ pub fn heads_specs(target: &'static str, max_smem: usize) -> Vec<HeadsSpec> {
     ];
     for (head_dim, m_tiles, masked, bulk) in cases {
         let bulk = bulk && hopper;
-        let Some((heads, stages)) = (1..=MAX_HEADS_PER_CTA)
-            .rev()
-            .find_map(|h| heads_stages_for(head_dim, m_tiles, h, bulk, max_smem).map(|s| (h, s)))
-        else {
+        let Some((heads, stages)) = (1..=MAX_HEADS_PER_CTA).rev().find_map(|h| {
+            heads_stages_for_cache(head_dim, m_tiles, h, bulk, fp8, max_smem).map(|s| (h, s))
+        }) else {
             continue;
         };
         let spec = HeadsSpec {
@@ -938,6 +1063,7 @@ pub fn heads_specs(target: &'static str, max_smem: usize) -> Vec<HeadsSpec> {
             window: masked,
             softcap: masked,
             fuse: false,
+            fp8,
         };
         if !out.contains(&spec) {
             out.push(spec);

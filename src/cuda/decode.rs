@@ -6,19 +6,27 @@
 //! table once ([`CudaBackend::paged_tables`], which also holds the split workspace) and call
 //! [`CudaBackend::forward_paged_device`] per step, and [`CudaBackend::append_paged`] to write
 //! new K/V rows into their pages.
+//!
+//! An fp8 e4m3 cache with per-KV-head scales ([`crate::paged::KvScales`]) has the same entries
+//! with `_fp8`: [`CudaBackend::forward_paged_fp8_host`] (what
+//! [`crate::Backend::forward_paged_fp8`] uses on a GPU), [`CudaBackend::forward_paged_fp8_device`]
+//! and [`CudaBackend::append_paged_fp8`], the scales on the device as [`DeviceKvScales`].
 
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, DeviceRepr};
 
 use super::compile::{KernelSource, COMMON_SRCS, PARAMS_SRC, SM80_PTX_SRC, SM80_TILE_OPS_SRC};
-use super::family::decode::{Append, Combine};
+use super::family::decode::{Append, AppendFp8, Combine};
 use super::params::FwdParams;
 use super::CudaBackend;
 use crate::config::decode::DecodePlan;
 use crate::config::decode_gpu::{
-    self, AppendSpec, CombineSpec, DecodeVariant, GpuDecodePlan, HeadsSpec, SplitKvSpec,
+    self, AppendFp8Spec, AppendSpec, CombineSpec, DecodeVariant, GpuDecodePlan, HeadsSpec,
+    SplitKvSpec,
 };
+use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::paged::{append_targets, PagedCache, PagedProblem};
+use crate::fp8::F8E4M3;
+use crate::paged::{append_targets, KvScales, PagedCache, PagedProblem};
 use crate::tensor::{Element, Layout};
 
 /// The decode params header.
@@ -35,6 +43,10 @@ pub const MERGE_SRC: &str = include_str!("../kernels/decode/merge.cuh");
 pub const COMBINE_SRC: &str = include_str!("../kernels/decode/combine.cu");
 /// The append kernel.
 pub const APPEND_SRC: &str = include_str!("../kernels/decode/append.cu");
+/// The split kernels' fp8-cache layer (`KV_FP8`).
+pub const FP8_SRC: &str = include_str!("../kernels/decode/fp8.cuh");
+/// The append into an fp8 cache.
+pub const APPEND_FP8_SRC: &str = include_str!("../kernels/decode/append_fp8.cu");
 
 /// Launch parameters of the split and combine kernels (`DecodeParams` in
 /// `kernels/decode/params.cuh`).
@@ -52,14 +64,17 @@ pub(crate) struct DecodeParams {
     pub num_splits: i32,
     pub pad1: i32,
     pub counters: u64,
+    pub k_scale: u64,
+    pub v_scale: u64,
 }
 
 /// The header's `FA4_DECODE_PARAMS_SIZE`.
-pub const DECODE_PARAMS_SIZE: usize = 288;
+pub const DECODE_PARAMS_SIZE: usize = 304;
 const _: () = assert!(std::mem::size_of::<DecodeParams>() == DECODE_PARAMS_SIZE);
 const _: () = assert!(std::mem::offset_of!(DecodeParams, page_table) == 224);
 const _: () = assert!(std::mem::offset_of!(DecodeParams, page_size) == 264);
 const _: () = assert!(std::mem::offset_of!(DecodeParams, counters) == 280);
+const _: () = assert!(std::mem::offset_of!(DecodeParams, v_scale) == 296);
 // SAFETY: #[repr(C)] plain integers and floats, laid out like the header (size asserted on both
 // sides).
 unsafe impl DeviceRepr for DecodeParams {}
@@ -88,6 +103,33 @@ const _: () = assert!(std::mem::size_of::<AppendParams>() == APPEND_PARAMS_SIZE)
 // SAFETY: as DecodeParams.
 unsafe impl DeviceRepr for AppendParams {}
 
+/// Launch parameters of the fp8 append kernel (`AppendFp8Params` in
+/// `kernels/decode/append_fp8.cu`).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct AppendFp8Params {
+    pub k_new: u64,
+    pub v_new: u64,
+    pub k_cache: u64,
+    pub v_cache: u64,
+    pub k_dst: u64,
+    pub v_dst: u64,
+    pub k_scale: u64,
+    pub v_scale: u64,
+    pub k_head_stride: i64,
+    pub v_head_stride: i64,
+    pub rows: i32,
+    pub heads_kv: i32,
+    pub head_dim: i32,
+    pub head_dim_v: i32,
+}
+
+/// The kernel's `FA4_APPEND_FP8_PARAMS_SIZE`.
+pub const APPEND_FP8_PARAMS_SIZE: usize = 96;
+const _: () = assert!(std::mem::size_of::<AppendFp8Params>() == APPEND_FP8_PARAMS_SIZE);
+// SAFETY: as DecodeParams.
+unsafe impl DeviceRepr for AppendFp8Params {}
+
 impl KernelSource for SplitKvSpec {
     fn target(&self) -> &'static str {
         self.target
@@ -102,6 +144,9 @@ impl KernelSource for SplitKvSpec {
             DECODE_PTX_SRC.into(),
             DECODE_PARAMS_SRC.into(),
         ];
+        if self.fp8 {
+            v.push(FP8_SRC.into());
+        }
         if self.fuse {
             v.push(MERGE_SRC.into());
         }
@@ -130,6 +175,9 @@ impl KernelSource for HeadsSpec {
             DECODE_PTX_SRC.into(),
             DECODE_PARAMS_SRC.into(),
         ];
+        if self.fp8 {
+            v.push(FP8_SRC.into());
+        }
         if self.bulk {
             v.push(super::compile::MBARRIER_SRC.into());
         }
@@ -200,6 +248,54 @@ impl KernelSource for AppendSpec {
     }
     fn smem_bytes(&self) -> usize {
         0
+    }
+}
+
+impl KernelSource for AppendFp8Spec {
+    fn target(&self) -> &'static str {
+        self.target
+    }
+    fn prelude(&self) -> String {
+        AppendFp8Spec::prelude(self)
+    }
+    fn family_sources(&self) -> Vec<std::borrow::Cow<'static, str>> {
+        vec![APPEND_FP8_SRC.into()]
+    }
+    fn source(&self) -> String {
+        [self.prelude().as_str(), COMMON_SRCS[0], APPEND_FP8_SRC].join("\n")
+    }
+    fn entry(&self) -> &'static str {
+        "fa4_paged_append_fp8"
+    }
+    fn smem_bytes(&self) -> usize {
+        0
+    }
+}
+
+/// An fp8 cache's per-KV-head scales on the device ([`KvScales`]' device form): `k` and `v`
+/// hold `heads_kv` f32 each, finite and > 0. The kernels read them as given: the host entries
+/// ([`CudaBackend::forward_paged_fp8_host`]) validate their host copies; a caller of the device
+/// entries promises it (a wrong value is a wrong answer, not a wrong memory access).
+#[derive(Debug, Clone, Copy)]
+pub struct DeviceKvScales<'a, S> {
+    /// `k_scale`, `[heads_kv]`.
+    pub k: &'a S,
+    /// `v_scale`, `[heads_kv]`.
+    pub v: &'a S,
+}
+
+impl<S: DevicePtr<f32>> DeviceKvScales<'_, S> {
+    /// Checks both lengths against `heads_kv`; errors name `k_scale` or `v_scale`.
+    fn check(&self, heads_kv: usize) -> Result<()> {
+        for (name, len) in [("k_scale", self.k.len()), ("v_scale", self.v.len())] {
+            if len != heads_kv {
+                return Err(Error::invalid(
+                    name,
+                    format!("expected heads_kv = {heads_kv} values, got {len}"),
+                ));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -370,6 +466,109 @@ impl CudaBackend {
             out.len(),
             lse.as_deref().map(|l| l.len()),
         )?;
+        if p.kv_dtype() != T::DTYPE {
+            return Err(Error::invalid(
+                "k_cache",
+                format!(
+                    "the problem's cache is {}, these buffers {}: an fp8 cache runs through \
+                     forward_paged_fp8_device",
+                    p.kv_dtype(),
+                    T::DTYPE
+                ),
+            ));
+        }
+        let stream = self.stream();
+        let (q_ptr, _q_sync) = q.device_ptr(stream);
+        let (k_ptr, _k_sync) = k_cache.device_ptr(stream);
+        let (v_ptr, _v_sync) = v_cache.device_ptr(stream);
+        let (o_ptr, _o_sync) = out.device_ptr_mut(stream);
+        let (lse_ptr, _lse_sync) = match lse {
+            Some(l) => {
+                let (ptr, sync) = l.device_ptr_mut(stream);
+                (ptr, Some(sync))
+            }
+            None => (0, None),
+        };
+        self.launch_paged(
+            p,
+            tables,
+            [q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr],
+            (0, 0),
+            num_splits,
+        )
+    }
+
+    /// [`CudaBackend::forward_paged_views`] over an fp8 e4m3 cache: `p` made with
+    /// [`PagedProblem::with_fp8_cache`] (else an error naming `k_cache`), `k_cache` and
+    /// `v_cache` its e4m3 bytes in the cache's layouts, `scales` its per-KV-head scales
+    /// (`heads_kv` each, finite and > 0: see [`DeviceKvScales`]); `q`, `out` and `lse` as the
+    /// 16-bit entry. Asynchronous on the stream.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_paged_fp8_device<T: Element, S: DevicePtr<f32>>(
+        &self,
+        p: &PagedProblem,
+        tables: &mut PagedTables,
+        q: &impl DevicePtr<T>,
+        k_cache: &impl DevicePtr<F8E4M3>,
+        v_cache: &impl DevicePtr<F8E4M3>,
+        scales: &DeviceKvScales<'_, S>,
+        out: &mut impl DevicePtrMut<T>,
+        lse: Option<&mut impl DevicePtrMut<f32>>,
+        num_splits: Option<usize>,
+    ) -> Result<DecodePlan> {
+        if p.kv_dtype() != DType::Fp8E4M3 {
+            return Err(Error::invalid(
+                "k_cache",
+                format!(
+                    "the problem's cache is {}: an fp8 cache's problem is made with \
+                     PagedProblem::with_fp8_cache",
+                    p.kv_dtype()
+                ),
+            ));
+        }
+        p.check_buffers(
+            T::DTYPE,
+            q.len(),
+            k_cache.len(),
+            v_cache.len(),
+            out.len(),
+            lse.as_deref().map(|l| l.len()),
+        )?;
+        scales.check(p.cache().heads_kv())?;
+        let stream = self.stream();
+        let (q_ptr, _q_sync) = q.device_ptr(stream);
+        let (k_ptr, _k_sync) = k_cache.device_ptr(stream);
+        let (v_ptr, _v_sync) = v_cache.device_ptr(stream);
+        let (ks_ptr, _ks_sync) = scales.k.device_ptr(stream);
+        let (vs_ptr, _vs_sync) = scales.v.device_ptr(stream);
+        let (o_ptr, _o_sync) = out.device_ptr_mut(stream);
+        let (lse_ptr, _lse_sync) = match lse {
+            Some(l) => {
+                let (ptr, sync) = l.device_ptr_mut(stream);
+                (ptr, Some(sync))
+            }
+            None => (0, None),
+        };
+        self.launch_paged(
+            p,
+            tables,
+            [q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr],
+            (ks_ptr, vs_ptr),
+            num_splits,
+        )
+    }
+
+    /// The launches of a paged call whose buffers were checked against `p`: device addresses
+    /// `[q, k_cache, v_cache, out, lse]` (lse 0 when not wanted) and an fp8 cache's scales
+    /// `(k_scale, v_scale)` (0 for a 16-bit cache), held by the caller's sync guards.
+    fn launch_paged(
+        &self,
+        p: &PagedProblem,
+        tables: &mut PagedTables,
+        [q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr]: [u64; 5],
+        (k_scale, v_scale): (u64, u64),
+        num_splits: Option<usize>,
+    ) -> Result<DecodePlan> {
         if !tables.matches(p) {
             return Err(Error::invalid(
                 "page_table",
@@ -403,18 +602,6 @@ impl CudaBackend {
                 tables.counters = Some(self.upload_i32(&vec![0; want_c])?);
             }
         }
-        let stream = self.stream();
-        let (q_ptr, _q_sync) = q.device_ptr(stream);
-        let (k_ptr, _k_sync) = k_cache.device_ptr(stream);
-        let (v_ptr, _v_sync) = v_cache.device_ptr(stream);
-        let (o_ptr, _o_sync) = out.device_ptr_mut(stream);
-        let (lse_ptr, _lse_sync) = match lse {
-            Some(l) => {
-                let (ptr, sync) = l.device_ptr_mut(stream);
-                (ptr, Some(sync))
-            }
-            None => (0, None),
-        };
         for (name, ptr) in [
             ("q", q_ptr),
             ("k_cache", k_ptr),
@@ -428,6 +615,7 @@ impl CudaBackend {
                 ));
             }
         }
+        let stream = self.stream();
         let (table_ptr, _t_sync) = tables.table.device_ptr(stream);
         let (seqlens_ptr, _s_sync) = tables.seqlens.device_ptr(stream);
         let (cu_ptr, _cu_sync) = match &tables.d_cu_q {
@@ -473,6 +661,8 @@ impl CudaBackend {
             num_splits: splits as i32,
             pad1: 0,
             counters: counters_ptr,
+            k_scale,
+            v_scale,
         };
         self.launch(&plan, &params)?;
         if splits > 1 && !fused {
@@ -531,6 +721,81 @@ impl CudaBackend {
             .map_err(|e| Error::cuda("download out", e))?;
         if let (Some(l), Some(d)) = (lse, dlse) {
             self.stream()
+                .memcpy_dtoh(&d, l)
+                .map_err(|e| Error::cuda("download lse", e))?;
+        }
+        self.synchronize()?;
+        Ok(plan)
+    }
+
+    /// [`CudaBackend::forward_paged_host`] over an fp8 e4m3 cache: `p` made with
+    /// [`PagedProblem::with_fp8_cache`], `k_cache` and `v_cache` its bytes, `scales` validated
+    /// here (errors name `k_scale` or `v_scale`). Copies in, launches, copies out, waits.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_paged_fp8_host<T: Element>(
+        &self,
+        p: &PagedProblem,
+        q: &[T],
+        k_cache: &[F8E4M3],
+        v_cache: &[F8E4M3],
+        scales: &KvScales,
+        out: &mut [T],
+        lse: Option<&mut [f32]>,
+        num_splits: Option<usize>,
+    ) -> Result<DecodePlan> {
+        p.check_buffers(
+            T::DTYPE,
+            q.len(),
+            k_cache.len(),
+            v_cache.len(),
+            out.len(),
+            lse.as_deref().map(<[f32]>::len),
+        )?;
+        scales.validate(p.cache().heads_kv())?;
+        if p.kv_dtype() != DType::Fp8E4M3 {
+            return Err(Error::invalid(
+                "k_cache",
+                "an fp8 cache's problem is made with PagedProblem::with_fp8_cache",
+            ));
+        }
+        // Plan first, so an unsupported problem costs no copies.
+        self.plan_paged(p, num_splits)?;
+        let extent = |l: &Layout| l.extent().unwrap_or(0).max(1);
+        let c = p.cache();
+        let stream = self.stream();
+        let up8 = |name: &str, x: &[F8E4M3], l: &Layout| {
+            stream
+                .clone_htod(&x[..extent(l).min(x.len())])
+                .map_err(|e| Error::cuda(format!("upload {name}"), e))
+        };
+        let dq = self.upload(&q[..extent(p.q_layout()).min(q.len())])?;
+        let dk = up8("k_cache", k_cache, c.k_layout())?;
+        let dv = up8("v_cache", v_cache, c.v_layout())?;
+        let (dks, dvs) = (self.upload(scales.k)?, self.upload(scales.v)?);
+        let on = extent(p.o_layout()).min(out.len());
+        // The output is uploaded too: elements between strided rows must survive.
+        let mut dout = self.upload(&out[..on])?;
+        let mut dlse = match &lse {
+            Some(l) if !l.is_empty() => Some(self.upload::<f32>(l)?),
+            _ => None,
+        };
+        let mut tables = self.paged_tables(p)?;
+        let plan = self.forward_paged_fp8_device(
+            p,
+            &mut tables,
+            &dq,
+            &dk,
+            &dv,
+            &DeviceKvScales { k: &dks, v: &dvs },
+            &mut dout,
+            dlse.as_mut(),
+            num_splits,
+        )?;
+        stream
+            .memcpy_dtoh(&dout, &mut out[..on])
+            .map_err(|e| Error::cuda("download out", e))?;
+        if let (Some(l), Some(d)) = (lse, dlse) {
+            stream
                 .memcpy_dtoh(&d, l)
                 .map_err(|e| Error::cuda("download lse", e))?;
         }
@@ -626,6 +891,93 @@ impl CudaBackend {
         self.launch(&Append::new(self.info().target, rows)?, &params)?;
         Ok(t.seqlens_k)
     }
+
+    /// [`crate::paged::append_fp8`] on the GPU: new rows of `T` (`k_new` `[total_new, heads_kv,
+    /// head_dim]`, `v_new` `[total_new, heads_kv, head_dim_v]`, contiguous) quantized with the
+    /// device `scales` into an e4m3 cache, the same bytes the CPU writes. Validation is
+    /// [`CudaBackend::append_paged`]'s (on the host, before anything is written), plus the
+    /// scales' lengths (errors name `k_scale`, `v_scale`). Returns the new `seqlens_k`.
+    /// Asynchronous on the stream.
+    #[allow(clippy::too_many_arguments)]
+    pub fn append_paged_fp8<T: Element, S: DevicePtr<f32>>(
+        &self,
+        cache: &PagedCache,
+        k_cache: &mut impl DevicePtrMut<F8E4M3>,
+        v_cache: &mut impl DevicePtrMut<F8E4M3>,
+        k_new: &impl DevicePtr<T>,
+        v_new: &impl DevicePtr<T>,
+        cu_new: &[i32],
+        scales: &DeviceKvScales<'_, S>,
+    ) -> Result<Vec<i32>> {
+        let t = append_targets(
+            cache,
+            k_cache.len(),
+            v_cache.len(),
+            k_new.len(),
+            v_new.len(),
+            cu_new,
+        )?;
+        scales.check(cache.heads_kv())?;
+        let rows = t.slots.len();
+        if rows == 0 || cache.heads_kv() == 0 {
+            return Ok(t.seqlens_k);
+        }
+        let (kl, vl) = (cache.k_layout(), cache.v_layout());
+        let k_dst: Vec<i64> = t
+            .slots
+            .iter()
+            .map(|&(page, slot)| kl.offset(page, slot, 0) as i64)
+            .collect();
+        let v_dst: Vec<i64> = t
+            .slots
+            .iter()
+            .map(|&(page, slot)| vl.offset(page, slot, 0) as i64)
+            .collect();
+        let stream = self.stream();
+        let dk_dst = stream
+            .clone_htod(&k_dst)
+            .map_err(|e| Error::cuda("upload", e))?;
+        let dv_dst = stream
+            .clone_htod(&v_dst)
+            .map_err(|e| Error::cuda("upload", e))?;
+        let too_big = |name: &str| Error::invalid(name, "exceeds the append kernel's int32 range");
+        // The kernel's loop counts heads_kv · dim of a row in int32.
+        let dim = |d: usize, name: &str| {
+            i32::try_from(d)
+                .ok()
+                .filter(|_| d.saturating_mul(cache.heads_kv()) <= i32::MAX as usize)
+                .ok_or_else(|| too_big(name))
+        };
+        let (kn, _kn_sync) = k_new.device_ptr(stream);
+        let (vn, _vn_sync) = v_new.device_ptr(stream);
+        let (kc, _kc_sync) = k_cache.device_ptr_mut(stream);
+        let (vc, _vc_sync) = v_cache.device_ptr_mut(stream);
+        let (kd, _kd_sync) = dk_dst.device_ptr(stream);
+        let (vd, _vd_sync) = dv_dst.device_ptr(stream);
+        let (ks, _ks_sync) = scales.k.device_ptr(stream);
+        let (vs, _vs_sync) = scales.v.device_ptr(stream);
+        let params = AppendFp8Params {
+            k_new: kn,
+            v_new: vn,
+            k_cache: kc,
+            v_cache: vc,
+            k_dst: kd,
+            v_dst: vd,
+            k_scale: ks,
+            v_scale: vs,
+            k_head_stride: kl.strides[2] as i64,
+            v_head_stride: vl.strides[2] as i64,
+            rows: i32::try_from(rows).map_err(|_| too_big("cu_new"))?,
+            heads_kv: cache.heads_kv() as i32,
+            head_dim: dim(cache.head_dim(), "k_new")?,
+            head_dim_v: dim(cache.head_dim_v(), "v_new")?,
+        };
+        self.launch(
+            &AppendFp8::new(self.info().target, T::DTYPE, rows)?,
+            &params,
+        )?;
+        Ok(t.seqlens_k)
+    }
 }
 
 #[cfg(test)]
@@ -639,6 +991,10 @@ mod tests {
         assert!(super::APPEND_SRC.contains(&format!(
             "#define FA4_APPEND_PARAMS_SIZE {}",
             super::APPEND_PARAMS_SIZE
+        )));
+        assert!(super::APPEND_FP8_SRC.contains(&format!(
+            "#define FA4_APPEND_FP8_PARAMS_SIZE {}",
+            super::APPEND_FP8_PARAMS_SIZE
         )));
     }
 }

@@ -4,14 +4,16 @@
 //!
 //! The CPU backend dequantizes the pages the sequences use (and only those) into f32 and runs
 //! its paged path on them, the queries widened to f32 and O rounded once into the queries' type.
-//! [`append_fp8`] quantizes new rows with the given scales. The GPU decode kernels read 16-bit
-//! caches only, for now: the CUDA backend refuses an fp8 cache with an error naming `k_cache`.
+//! The CUDA backend runs the GPU decode kernels' fp8 variants, which read the bytes and widen
+//! them in registers (`kernels/decode/fp8.cuh`; bf16 or fp16 queries, as the 16-bit cache), the
+//! scales applied to the scores and to O. [`append_fp8`] quantizes new rows with the given
+//! scales (on the GPU: `CudaBackend::append_paged_fp8`, the same bytes).
 
 use super::{append_targets, PagedCache, PagedKv, PagedOptions, PagedProblem};
 use crate::backend::Backend;
 use crate::config::decode::DecodePlan;
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::fp8::{check_descale, F8E4M3};
 use crate::tensor::{Element, Tensor, TensorMut};
 
@@ -35,7 +37,8 @@ impl KvScales<'_> {
 impl Backend {
     /// Paged attention over an fp8 e4m3 cache: `q`, `out` and `lse` as
     /// [`Backend::forward_paged`], `kv` holding e4m3 pages, `scales` one per KV head. The CPU
-    /// backend computes it; the CUDA backend refuses it (an error naming `k_cache`).
+    /// backend computes it for f32, fp16 and bf16 queries; the CUDA backend for fp16 and bf16
+    /// ones, where its decode kernels cover the problem (else an error naming the argument).
     #[allow(clippy::too_many_arguments)]
     pub fn forward_paged_fp8<T: Element>(
         &self,
@@ -55,7 +58,8 @@ impl Backend {
             kv.cache(),
             cu_seqlens_q,
             &opts.attention,
-        )?;
+        )?
+        .with_fp8_cache();
         p.cache()
             .k_layout()
             .check_fits("k_cache", kv.k_data().len())?;
@@ -63,12 +67,17 @@ impl Backend {
             .v_layout()
             .check_fits("v_cache", kv.v_data().len())?;
         scales.validate(p.cache().heads_kv())?;
-        if let Backend::Cuda(_) = self {
-            return Err(Error::invalid(
-                "k_cache",
-                "an fp8 cache runs on the CPU backend; the GPU decode kernels read bf16 and fp16 \
-                 caches only, for now",
-            ));
+        if let Backend::Cuda(cuda) = self {
+            return cuda.forward_paged_fp8_host(
+                &p,
+                q.data(),
+                kv.k_data(),
+                kv.v_data(),
+                scales,
+                o,
+                lse,
+                opts.num_splits,
+            );
         }
         forward_cpu(self, &p, q.data(), kv, scales, o, lse, opts.num_splits)
     }

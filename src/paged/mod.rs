@@ -62,10 +62,10 @@
 //!
 //! What runs where: the CPU backend ([`Backend::Cpu`]) runs everything here (paged gather, GQA
 //! packing, split-KV merged by [`crate::combine`]); [`Backend::Cuda`] runs the GPU decode
-//! kernels (fp16/bf16, head dims 64/128/256; see [`crate::cuda::decode`] and
-//! [`crate::config::decode_gpu`]) and refuses other problems with an error naming the argument
-//! (no silent fallback to the CPU: a caller that asked for the GPU should know it did not get
-//! it).
+//! kernels (fp16/bf16 queries, head dims 64/128/256, a cache of the queries' type or fp8 e4m3;
+//! see [`crate::cuda::decode`] and [`crate::config::decode_gpu`]) and refuses other problems
+//! with an error naming the argument (no silent fallback to the CPU: a caller that asked for
+//! the GPU should know it did not get it).
 
 mod cpu;
 mod fp8;
@@ -359,6 +359,7 @@ impl<'a, T: crate::tensor::Storage> PagedKv<'a, T> {
 #[derive(Debug, Clone, PartialEq)]
 pub struct PagedProblem {
     dtype: DType,
+    kv_dtype: DType,
     cache: PagedCache,
     heads_q: usize,
     q: Layout,
@@ -540,6 +541,7 @@ impl PagedProblem {
         };
         Ok(PagedProblem {
             dtype,
+            kv_dtype: dtype,
             cache: cache.clone(),
             heads_q: hq,
             q: *q,
@@ -555,9 +557,23 @@ impl PagedProblem {
         })
     }
 
-    /// Storage dtype.
+    /// Storage dtype of the queries and O (and of the cache, unless [`Self::kv_dtype`] says
+    /// fp8).
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+    /// The same problem over an fp8 e4m3 cache (bytes in the cache's layouts, with per-KV-head
+    /// scales: [`KvScales`]); the queries and O keep [`Self::dtype`]. What
+    /// [`Backend::forward_paged_fp8`] runs, and the GPU's fp8 entries
+    /// (`CudaBackend::forward_paged_fp8_device`) take.
+    pub fn with_fp8_cache(mut self) -> PagedProblem {
+        self.kv_dtype = DType::Fp8E4M3;
+        self
+    }
+    /// The cache's element type: [`Self::dtype`], or fp8 e4m3 for a problem made
+    /// [`Self::with_fp8_cache`].
+    pub fn kv_dtype(&self) -> DType {
+        self.kv_dtype
     }
     /// The cache.
     pub fn cache(&self) -> &PagedCache {
@@ -758,6 +774,15 @@ impl Backend {
             out.len(),
             lse.as_deref().map(<[f32]>::len),
         )?;
+        if p.kv_dtype() != T::DTYPE {
+            return Err(Error::invalid(
+                "k_cache",
+                format!(
+                    "the problem's cache is {}: Backend::forward_paged_fp8 runs an fp8 cache",
+                    p.kv_dtype()
+                ),
+            ));
+        }
         let threads = match self {
             Backend::Cpu => rayon::current_num_threads(),
             Backend::CpuWith(c) => c.threads.unwrap_or_else(rayon::current_num_threads),

@@ -1,12 +1,15 @@
 //! The decode kernels as launchable plans (`kernels/decode/`, planned by
 //! [`crate::config::decode_gpu`]): the split-KV kernel of a [`GpuDecodePlan`], the combine of
-//! its splits ([`Combine`]) and the paged append ([`Append`]). They take a paged problem, not a
+//! its splits ([`Combine`]) and the paged appends ([`Append`], [`AppendFp8`]). They take a paged problem, not a
 //! [`crate::problem::Problem`], so they are [`Launchable`] without being a
 //! [`super::ForwardFamily`]; `cuda/decode.rs` builds their params and launches them through
 //! the one launch site.
 
 use super::{Launch, Launchable};
-use crate::config::decode_gpu::{AppendSpec, GpuDecodePlan, APPEND_THREADS, COMBINE_WARPS};
+use crate::config::decode_gpu::{
+    AppendFp8Spec, AppendSpec, GpuDecodePlan, APPEND_THREADS, COMBINE_WARPS,
+};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 // SAFETY: `config::decode_gpu::plan` sized the grid as (sequence · KV head, row tile, split)
@@ -23,6 +26,11 @@ use crate::error::{Error, Result};
 // copies (one span of heads · head_dim elements per key) are planned only where the cache's
 // head stride is head_dim, so the span is exactly those heads. Table entries are read for keys
 // below the length only, as above.
+//
+// With an fp8 cache (the specs' `fp8`, planned only for a problem made `with_fp8_cache`, whose
+// buffers `forward_paged_fp8_device` checked in elements, one byte each) the kernels read the
+// same rows as bytes (strides planned in whole 16-byte copies), and `k_scale`/`v_scale` entry
+// kv_head < heads_kv of the two `heads_kv`-long scale buffers it checked.
 //
 // With the fused combine (`fuse`, planned only with more than one split) each CTA also adds one
 // to counter blockIdx.x · grid.y + blockIdx.y of `counters`, which `forward_paged_device`
@@ -88,6 +96,35 @@ impl Append {
 // counts, and each CTA copies heads_kv rows of dim elements at the layout's head stride, all
 // inside the extent. One CTA per row; no shared memory.
 unsafe impl Launchable for Append {
+    fn launch(&self) -> Launch<'_> {
+        Launch::new(&self.spec, (self.rows, 1, 1), APPEND_THREADS)
+    }
+}
+
+/// The append into an fp8 cache: one CTA per new row.
+pub(crate) struct AppendFp8 {
+    spec: AppendFp8Spec,
+    rows: u32,
+}
+
+impl AppendFp8 {
+    /// The append of `rows` new rows of `dtype` on `target`.
+    pub(crate) fn new(target: &'static str, dtype: DType, rows: usize) -> Result<AppendFp8> {
+        let rows = u32::try_from(rows)
+            .map_err(|_| Error::invalid("cu_new", "exceeds the append kernel's int32 range"))?;
+        Ok(AppendFp8 {
+            spec: AppendFp8Spec { target, dtype },
+            rows,
+        })
+    }
+}
+
+// SAFETY: as Append: `append_paged_fp8` checked both caches (bytes) and the new rows (`dtype`
+// elements, `[rows, heads_kv, dim]`) through `paged::append_targets`, and both scale buffers
+// against heads_kv; each CTA reads heads_kv · dim new elements of its row, the scales of heads
+// < heads_kv, and writes heads_kv rows of dim bytes at the layout's head stride from the
+// uploaded slot offsets, inside the caches' extents. No shared memory.
+unsafe impl Launchable for AppendFp8 {
     fn launch(&self) -> Launch<'_> {
         Launch::new(&self.spec, (self.rows, 1, 1), APPEND_THREADS)
     }

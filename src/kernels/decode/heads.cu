@@ -6,10 +6,10 @@
 //
 // Self-contained (no CUDA headers). The planner (`config::decode_gpu::HeadsSpec`) prepends a
 // prelude defining HEAD_DIM, BLOCK_M, BLOCK_N, NUM_WARPS (= KV heads per CTA), M_TILES, STAGES,
-// BULK, FUSE, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, LAZY_RESCALE and FA4_SMEM_BYTES; then come the
-// shared layer (`../common/{base,params,mask,softmax}.cuh`), `../sm80/{ptx,tile_ops}.cuh`,
-// `ptx.cuh`, `params.cuh`, `../common/mbarrier.cuh` (BULK only), `merge.cuh` (FUSE only), this
-// file.
+// BULK, FUSE, KV_FP8, IS_BF16, HAS_WINDOW, HAS_SOFTCAP, LAZY_RESCALE and FA4_SMEM_BYTES; then
+// come the shared layer (`../common/{base,params,mask,softmax}.cuh`), `../sm80/{ptx,tile_ops}.cuh`,
+// `ptx.cuh`, `params.cuh`, `fp8.cuh` (KV_FP8 only), `../common/mbarrier.cuh` (BULK only),
+// `merge.cuh` (FUSE only), this file.
 //
 // Why: the default kernel gives each CTA one KV head, so of every cache row
 // ([pages, page_size, heads_kv, d]: heads_kv · d contiguous elements per key) it reads one
@@ -35,20 +35,37 @@
 // arrive (the tail block only), ordered before later bulk writes by a proxy fence.
 //
 // Non-finite V, masks, softcap, splits, the fused combine (FUSE) and the outputs: as
-// `splitkv.cu` (the same formulas per warp). A masked block whose V rows (of this warp's head) hold a non-finite value runs its
-// P·V as scalar FMAs that skip P = 0, with P staged in the warp's own K rows of the stage.
+// `splitkv.cu` (the same formulas per warp). A masked block whose V rows (of this warp's head)
+// hold a non-finite value runs its P·V as scalar FMAs that skip P = 0, with P staged in the
+// warp's own K rows of the stage.
+//
+// KV_FP8: the cache holds e4m3 bytes (`fp8.cuh`). A key's row of the CTA's heads is
+// HEADS · HEAD_DIM bytes, the pitch that plus 16 (an odd multiple of 16 bytes, which spreads
+// the fragments' 16-byte loads over the banks as the 16-bit pad does for ldmatrix); S and P·V
+// are `fp8.cuh`'s steps, k_scale and v_scale of the warp's head fold into the softmax's scale
+// and the epilogue's 1/sum, and each lane writes its O columns (permuted: o_col) as runs of
+// 2·VW consecutive dims.
 
 constexpr int HEADS = NUM_WARPS;                   // KV heads per CTA, one per warp
 constexpr int NUM_THREADS = NUM_WARPS * 32;
 constexpr int ROW_SLOTS = 2 * M_TILES;             // rows a thread owns: g + 8·slot
-constexpr int CHUNK_ELEMS = 8;                     // one 16-byte copy / ldmatrix row
-constexpr int CHUNKS = HEAD_DIM / CHUNK_ELEMS;     // 16-byte chunks per head row
+constexpr int CHUNK_ELEMS = 8;                     // one 16-byte copy / ldmatrix row, 16-bit
+constexpr int CHUNKS = HEAD_DIM / CHUNK_ELEMS;     // 16-byte chunks per 16-bit head row (Q)
+#if KV_FP8
+typedef unsigned char kv_t;                        // a cache element: an e4m3 byte
+#else
+typedef u16 kv_t;                                  // a cache element: fp16 or bf16
+#endif
+constexpr int KV_CHUNK_ELEMS = 16 / sizeof(kv_t);  // cache elements per 16-byte copy
+constexpr int KV_CHUNKS = HEAD_DIM / KV_CHUNK_ELEMS;  // 16-byte chunks per K/V head row
+#if !KV_FP8
 constexpr int KSTEPS_D = HEAD_DIM / 16;            // k16 steps over the head dim (Q·Kᵀ)
+#endif
 constexpr int NTILES_W = BLOCK_N / 8;              // n8 tiles of a warp's S
 constexpr int NTILES_D = HEAD_DIM / 8;             // n8 tiles of O
-constexpr int HEAD_BYTES = HEAD_DIM * 2;           // one head of one key, 16-bit
+constexpr int HEAD_BYTES = HEAD_DIM * sizeof(kv_t);  // one head of one key
 constexpr int ROW_BYTES = HEADS * HEAD_BYTES;      // one key's row of the CTA's heads
-constexpr int ROW_CHUNKS = HEADS * CHUNKS;         // 16-byte chunks of such a row
+constexpr int ROW_CHUNKS = HEADS * KV_CHUNKS;      // 16-byte chunks of such a row
 constexpr int ROW_PITCH = ROW_BYTES + 16;          // its pitch in shared memory (see the header)
 constexpr int KV_ROW_STEP = NUM_THREADS / ROW_CHUNKS;  // K/V rows one pass of the CTA covers
 constexpr u32 SIGN_BITS = 0x80008000u;             // the sign bits of a packed 16-bit pair
@@ -57,12 +74,17 @@ constexpr float LN2 = 0.6931471805599453f;
 static_assert(BLOCK_M == 16 * M_TILES, "a tile is M_TILES MMA tiles of 16 rows");
 static_assert(BLOCK_N % 16 == 0, "a block is whole k16 steps of P·V");
 static_assert(HEAD_DIM % 64 == 0, "the Q swizzle permutes 8 chunks; rows are whole 128-byte groups");
+#if KV_FP8
+static_assert(ROW_BYTES % 64 == 0, "the 16-byte pad makes the pitch an odd multiple of 16 bytes");
+static_assert(BLOCK_M * BLOCK_N * 2 <= BLOCK_N * HEAD_BYTES, "P (BLOCK_M, BLOCK_N) f16 fits in the warp's K rows");
+#else
 static_assert(ROW_BYTES % 128 == 0, "the 16-byte pad rotates 8 keys over the 8 bank groups");
+static_assert(BLOCK_M * BLOCK_N * 4 <= BLOCK_N * HEAD_BYTES, "P (BLOCK_M, BLOCK_N) f32 fits in the warp's K rows");
+#endif
 static_assert(CHUNKS <= 32 && NUM_THREADS % ROW_CHUNKS == 0 && BLOCK_N % KV_ROW_STEP == 0,
               "K/V copies split evenly over the threads, one fixed chunk per thread");
 static_assert(STAGES >= 2, "the K/V ring needs at least double buffering");
 static_assert(!BULK || 2 * BLOCK_N <= 32 * 4, "warp 0 issues the bulk copies, a few rows per lane");
-static_assert(BLOCK_M * BLOCK_N * 4 <= BLOCK_N * HEAD_BYTES, "P (BLOCK_M, BLOCK_N) f32 fits in the warp's K rows");
 
 constexpr int Q_TILE_BYTES = BLOCK_M * HEAD_DIM * 2;   // per warp: (BLOCK_M, HEAD_DIM) 16-bit
 constexpr int KV_TILE_BYTES = BLOCK_N * ROW_PITCH;     // (BLOCK_N, ROW_PITCH) bytes
@@ -120,8 +142,8 @@ __device__ __forceinline__ void load_kv_block(const DecodeParams& d, const int* 
         const int r = is_v ? i - valid : i;
         long long k_off, v_off;
         row_offsets(d, table, n * BLOCK_N + r, k_off, v_off);
-        const u16* src = is_v ? static_cast<const u16*>(p.v) + v_off + head0 * p.v_head_stride
-                              : static_cast<const u16*>(p.k) + k_off + head0 * p.k_head_stride;
+        const kv_t* src = is_v ? static_cast<const kv_t*>(p.v) + v_off + head0 * p.v_head_stride
+                               : static_cast<const kv_t*>(p.k) + k_off + head0 * p.k_head_stride;
         bulk_copy_g2s((is_v ? sV : sK) + static_cast<u32>(r * ROW_PITCH), src, static_cast<u32>(ROW_BYTES), bar);
     }
 }
@@ -132,9 +154,9 @@ __device__ __forceinline__ void load_kv_block(const DecodeParams& d, const int* 
 __device__ __forceinline__ void load_kv_block(const DecodeParams& d, const int* table, int k_len, int head0, int n,
                                               u32 sK, u32 sV, int tid) {
     const FwdParams& p = d.p;
-    const int cc = tid % ROW_CHUNKS, h = cc / CHUNKS, c = cc % CHUNKS;
-    const u16* gK = static_cast<const u16*>(p.k) + (head0 + h) * p.k_head_stride + c * CHUNK_ELEMS;
-    const u16* gV = static_cast<const u16*>(p.v) + (head0 + h) * p.v_head_stride + c * CHUNK_ELEMS;
+    const int cc = tid % ROW_CHUNKS, h = cc / KV_CHUNKS, c = cc % KV_CHUNKS;
+    const kv_t* gK = static_cast<const kv_t*>(p.k) + (head0 + h) * p.k_head_stride + c * KV_CHUNK_ELEMS;
+    const kv_t* gV = static_cast<const kv_t*>(p.v) + (head0 + h) * p.v_head_stride + c * KV_CHUNK_ELEMS;
 #pragma unroll
     for (int i = 0; i < BLOCK_N / KV_ROW_STEP; ++i) {
         const int r = tid / ROW_CHUNKS + i * KV_ROW_STEP;
@@ -148,6 +170,7 @@ __device__ __forceinline__ void load_kv_block(const DecodeParams& d, const int* 
 }
 #endif
 
+#if !KV_FP8
 // Whether any value of this warp's head in the V stage is an infinity or NaN (warp-uniform).
 __device__ __forceinline__ bool warp_v_nonfinite(u32 sVs, int warp, int lane) {
     bool bad = false;
@@ -160,12 +183,15 @@ __device__ __forceinline__ bool warp_v_nonfinite(u32 sVs, int warp, int lane) {
     }
     return __any_sync(0xffffffffu, bad);
 }
+#endif
 
-// Byte `e` of P (BLOCK_M, BLOCK_N) f32 row-major, laid into this warp's head's K rows of the
-// stage: HEAD_BYTES per key row, at the row pitch.
+// Byte `e` of P (BLOCK_M, BLOCK_N) row-major (f32, or f16 with KV_FP8), laid into this warp's
+// head's K rows of the stage: HEAD_BYTES per key row, at the row pitch.
 __device__ __forceinline__ u32 p_at(u32 sKs, int warp, int e) {
     return sKs + static_cast<u32>((e / HEAD_BYTES) * ROW_PITCH + warp * HEAD_BYTES + e % HEAD_BYTES);
 }
+
+#if !KV_FP8
 
 // O += P·V over the block's keys as scalar FMAs that skip P = 0 (see `splitkv.cu`'s
 // pv_skip_zero): P goes into this warp's own K rows, which it has read for S and no other warp
@@ -206,6 +232,7 @@ __device__ __forceinline__ void pv_skip_zero(float (&rO)[M_TILES][NTILES_D][4], 
     fence_proxy_async();  // P's generic stores before the stage's next bulk fill
 #endif
 }
+#endif
 
 // This warp's KV head's packed rows into its Q tile (rows past `valid` zero), negated for a
 // negative scale.
@@ -220,9 +247,13 @@ __device__ __forceinline__ void load_q_tile(const DecodeParams& d, const Seq& s,
         if (r < valid) {
             const int pr = m0 + r;
             const int qi = s.q_start + pr / p.group, head = kv_head * p.group + pr % p.group;
-            const u16* src = static_cast<const u16*>(p.q) + (packed ? 0 : b * p.q_batch_stride) +
-                             qi * p.q_row_stride + head * p.q_head_stride + c * CHUNK_ELEMS;
-            ld_global_v4(x, src);
+            const u16* row = static_cast<const u16*>(p.q) + (packed ? 0 : b * p.q_batch_stride) +
+                             qi * p.q_row_stride + head * p.q_head_stride;
+#if KV_FP8
+            ld_q_chunk_fp8(x, row, c);  // the dims in the order fp8.cuh's Q·Kᵀ takes them
+#else
+            ld_global_v4(x, row + c * CHUNK_ELEMS);
+#endif
 #pragma unroll
             for (int e = 0; e < 4; ++e) x[e] ^= flip;
         }
@@ -258,6 +289,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
     const u32 sQ = smem_u32(smem) + warp * Q_TILE_BYTES;  // (BLOCK_M, HEAD_DIM), this warp's head
     const u32 sK = smem_u32(smem) + HEADS * Q_TILE_BYTES;  // STAGES × (BLOCK_N, ROW_PITCH)
     const u32 sV = sK + STAGES * KV_TILE_BYTES;
+#if KV_FP8
+    // The cache's scales of this warp's head: k_scale multiplies every score
+    // (scores_scale_log2 and scores_softcap_scale fold it in), v_scale the normalised O.
+    const float k_scale = d.k_scale[kv_head], v_scale = d.v_scale[kv_head];
+#else
+    constexpr float k_scale = 1.0f;  // a 16-bit cache has no scales
+#endif
 #if BULK
     // full[st]: producer lane 0 of warp 0 (one arrival with the block's bytes) and the bulk
     // copies' complete_tx; consumers all threads; phase i of stage st is block st + STAGES·i.
@@ -300,7 +338,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
 
     // Lane roles in the ldmatrix patterns, as `splitkv.cu`.
     const int a_row = (lane % 8) + ((lane / 8) % 2) * 8, a_chunk = lane / 16;
+#if !KV_FP8
     const int k_row = (lane % 8) + (lane / 16) * 8, k_chunk = (lane / 8) % 2;
+#endif
 
     for (int n = n_begin; n < n_end; ++n) {
         const int it = n - n_begin;
@@ -331,6 +371,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
         for (int mt = 0; mt < M_TILES; ++mt)
 #pragma unroll
             for (int i = 0; i < NTILES_W; ++i) rS[mt][i][0] = rS[mt][i][1] = rS[mt][i][2] = rS[mt][i][3] = 0.0f;
+#if KV_FP8
+        // This warp's head's K and V rows of the stage.
+        const auto k_row = [&](int key) { return sKs + static_cast<u32>(key * ROW_PITCH + warp * HEAD_BYTES); };
+        const auto v_row = [&](int key) { return sVs + static_cast<u32>(key * ROW_PITCH + warp * HEAD_BYTES); };
+        qk_fp8(rS, [&](int mt, int kk) { return sQ + q_swizzle(16 * mt + a_row, 2 * kk + a_chunk); }, k_row, g, t);
+#else
 #pragma unroll
         for (int kk = 0; kk < KSTEPS_D; ++kk) {
             u32 qa[M_TILES][4];
@@ -347,6 +393,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
                 }
             }
         }
+#endif
 
         if constexpr (HAS_SOFTCAP) {
 #pragma unroll
@@ -354,7 +401,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
 #pragma unroll
                 for (int i = 0; i < NTILES_W; ++i)
 #pragma unroll
-                    for (int e = 0; e < 4; ++e) rS[mt][i][e] = p.softcap * tanh_accurate(rS[mt][i][e] * p.softcap_scale);
+                    for (int e = 0; e < 4; ++e)
+                        rS[mt][i][e] = p.softcap * tanh_accurate(rS[mt][i][e] * scores_softcap_scale(p, k_scale));
         }
 
         // Mask: only blocks that cross some row's key bounds (or the end of the keys).
@@ -369,7 +417,11 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
                 for (int i = 0; i < NTILES_W; ++i)
 #pragma unroll
                     for (int e = 2 * (r % 2); e < 2 * (r % 2) + 2; ++e) {
+#if KV_FP8
+                        const int j = key0 + s_key(i, t, e & 1);
+#else
                         const int j = key0 + i * 8 + 2 * t + (e & 1);
+#endif
                         if (j < lo || j >= hi) rS[r / 2][i][e] = NEG_INF;
                     }
             }
@@ -384,13 +436,13 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
 #pragma unroll
             for (int i = 0; i < NTILES_W; ++i) mx = fmaxf(mx, fmaxf(rS[mt][i][2 * h], rS[mt][i][2 * h + 1]));
             mx = quad_max(mx);
-            const float shift = update_row_max(row_max[r], mx, p.scale_log2, corr[r]);
+            const float shift = update_row_max(row_max[r], mx, scores_scale_log2(p, k_scale), corr[r]);
             float sum = 0.0f;
 #pragma unroll
             for (int i = 0; i < NTILES_W; ++i)
 #pragma unroll
                 for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                    rS[mt][i][e] = exp2_approx(score_exponent(rS[mt][i][e], p.scale_log2, shift));
+                    rS[mt][i][e] = exp2_approx(score_exponent(rS[mt][i][e], scores_scale_log2(p, k_scale), shift));
                     sum += rS[mt][i][e];
                 }
             row_sum[r] = row_sum[r] * corr[r] + sum;
@@ -402,6 +454,18 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
         if (!LAZY_RESCALE || __any_sync(0xffffffffu, moved)) rescale_o(rO, corr);
 
         // O += P·V over the block's keys.
+#if KV_FP8
+        if (masked && warp_v_nan_fp8<BLOCK_N>(v_row, lane)) {
+            pv_skip_zero_fp8<M_TILES, NTILES_W, NTILES_D, BLOCK_N>(
+                rO, rS, [&](int e) { return p_at(sKs, warp, e); }, v_row, g, t);
+#if BULK
+            fence_proxy_async();  // P's generic stores before the stage's next bulk fill
+#endif
+        } else {
+#pragma unroll
+            for (int ks = 0; ks < BLOCK_N / 16; ++ks) pv_fp8(rO, rS, ks, v_row, g, t);
+        }
+#else
         if (masked && warp_v_nonfinite(sVs, warp, lane)) {
             pv_skip_zero(rO, rS, sKs, sVs, warp, g, t);
         } else {
@@ -412,6 +476,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
                 pv_k16(rO, pa, [&](int dp) { return sVs + kv_at(16 * ks + a_row, warp, 2 * dp + a_chunk); });
             }
         }
+#endif
     }
 #if !BULK
     cp_async_wait<0>();  // no copy is left in flight at exit (the tail groups are empty)
@@ -430,12 +495,44 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
         const int row = 16 * mt + g + 8 * h;
         if (row >= valid_m) continue;
         const float l = row_l[r];
-        const float shift = fabsf(row_max[r]) == -NEG_INF ? 0.0f : row_max[r] * p.scale_log2;
+        const float shift = fabsf(row_max[r]) == -NEG_INF ? 0.0f : row_max[r] * scores_scale_log2(p, k_scale);
+#if KV_FP8
+        const float inv = row_inv_sum(l) * v_scale;
+#else
         const float inv = row_inv_sum(l);
+#endif
         float lse = l == 0.0f ? NEG_INF : shift * LN2 + __logf(l);
         if (l != l) lse = l;  // NaN propagates
         const int pr = m0 + row;
         const OutRow o = out_row(p, s, b, pr / p.group, kv_head * p.group + pr % p.group);
+#if KV_FP8
+        // Per group a, this lane's values are dims 8VW·a + 2VW·t .. + 2VW − 1 (o_col): value x
+        // of the run is column 2t + x / VW of n8 tile VW·a + x % VW.
+        const auto run = [&](int a, int x) { return rO[mt][VW * a + x % VW][2 * h + x / VW] * inv; };
+        if (direct) {
+#pragma unroll
+            for (int a = 0; a < V_GROUPS; ++a) {
+                u16* dst = static_cast<u16*>(p.o) + o.o_off + 8 * VW * a + 2 * VW * t;
+#pragma unroll
+                for (int k = 0; k < 2 * VW / 8; ++k) {
+                    u32 x[4];
+#pragma unroll
+                    for (int e = 0; e < 4; ++e) x[e] = pack2(run(a, 8 * k + 2 * e), run(a, 8 * k + 2 * e + 1));
+                    st_global_v4(dst + 8 * k, x);
+                }
+            }
+            if (t == 0 && p.lse != nullptr) p.lse[o.lse_off] = lse;
+        } else {
+#pragma unroll
+            for (int a = 0; a < V_GROUPS; ++a) {
+                float* dst = d.o_part + (split * d.part_rows + o.part_row) * HEAD_DIM + 8 * VW * a + 2 * VW * t;
+#pragma unroll
+                for (int k = 0; k < 2 * VW / 4; ++k)
+                    st_global_f32x4(dst + 4 * k, run(a, 4 * k), run(a, 4 * k + 1), run(a, 4 * k + 2), run(a, 4 * k + 3));
+            }
+            if (t == 0) d.lse_part[split * d.part_rows + o.part_row] = lse;
+        }
+#else
         if (direct) {
             u16* dst = static_cast<u16*>(p.o) + o.o_off + 2 * t;
 #pragma unroll
@@ -449,6 +546,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
                 st_global_f32x2(dst + 8 * j, rO[mt][j][2 * h] * inv, rO[mt][j][2 * h + 1] * inv);
             if (t == 0) d.lse_part[split * d.part_rows + o.part_row] = lse;
         }
+#endif
     }
 #if FUSE
     // The fused combine (merge.cuh): the tile's last split CTA merges its rows, each warp its

@@ -1,12 +1,14 @@
 // Launch parameters of the decode kernels (split-KV attention over a paged cache, and the combine
 // of its splits): the forward's FwdParams for Q, O, LSE, the mask and the scale, plus the page
-// table and the split workspace (and the fused combine's arrival counters). Mirrored by `cuda::params::DecodeParams` (Rust, #[repr(C)]);
-// both sides assert the size; also the paged sequence bounds and output rows the split kernels
-// share. Needs `../common/params.cuh`.
+// table and the split workspace (and the fused combine's arrival counters, and an fp8 cache's
+// scales). Mirrored by `cuda::decode::DecodeParams` (Rust, #[repr(C)]); both sides assert the
+// size; also the paged sequence bounds and output rows the split kernels share. Needs
+// `../common/params.cuh`.
 //
-// Reuse of the forward's fields: k/v are the caches; k_batch_stride/v_batch_stride are the page
-// strides, k_row_stride/v_row_stride the slot strides (elements). seqlen_q is the fixed batch's
-// query rows (ignored with cu_seqlens_q); seqlen_k and cu_seqlens_k are unused (seqlens_k).
+// Reuse of the forward's fields: k/v are the caches (16-bit elements, or e4m3 bytes with
+// KV_FP8); k_batch_stride/v_batch_stride are the page strides, k_row_stride/v_row_stride the
+// slot strides (elements). seqlen_q is the fixed batch's query rows (ignored with
+// cu_seqlens_q); seqlen_k and cu_seqlens_k are unused (seqlens_k).
 
 struct DecodeParams {
     FwdParams p;
@@ -20,9 +22,11 @@ struct DecodeParams {
     int num_splits;             // 1: the split kernel writes O and LSE directly
     int pad1;
     unsigned int* counters;     // FUSE: [grid.x · grid.y] arrivals per row tile, 0 between launches
+    const float* k_scale;       // KV_FP8: [heads_kv] what a K byte's unit stands for (null otherwise)
+    const float* v_scale;       // KV_FP8: [heads_kv], likewise for V
 };
 
-#define FA4_DECODE_PARAMS_SIZE 288
+#define FA4_DECODE_PARAMS_SIZE 304
 static_assert(sizeof(DecodeParams) == FA4_DECODE_PARAMS_SIZE, "DecodeParams layout must match the Rust mirror");
 
 // Where packed query row `i` (of sequence b's own rows) of head `head` lands: the batch index and
@@ -56,6 +60,26 @@ __device__ __forceinline__ Seq paged_sequence(const DecodeParams& d, int b) {
     s.k_start = 0;
     s.k_len = d.seqlens_k[b];
     return s;
+}
+
+// The scores' scale in log2 units (the softmax's) and the softcap's pre-tanh factor of a KV
+// head's rows: the params', times an fp8 cache's k_scale of the head with KV_FP8 (with softcap
+// the scale goes before the tanh). The kernels call these where they use them: a local copy of
+// the param field changed the 16-bit split kernel's code (ptxas held it in a register instead
+// of reading it as a constant operand; NVRTC 13.0, sm_90a).
+__device__ __forceinline__ float scores_scale_log2(const FwdParams& p, float k_scale) {
+#if KV_FP8
+    return HAS_SOFTCAP ? p.scale_log2 : p.scale_log2 * k_scale;
+#else
+    return p.scale_log2;
+#endif
+}
+__device__ __forceinline__ float scores_softcap_scale(const FwdParams& p, float k_scale) {
+#if KV_FP8
+    return p.softcap_scale * k_scale;
+#else
+    return p.softcap_scale;
+#endif
 }
 
 // Page-table index and slot of key `key` (>= 0) for pages of `page_size` (>= 1) keys: a shift and

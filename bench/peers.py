@@ -20,6 +20,15 @@ Passes:
              --head-dims: d 32/40/80/96/112/160/192 at batch 4 × 4096 (bwd_headdims);
              --varlen: the fwd pass's ragged batch and fixed-length rows (bwd_varlen; fa4 and
                fa4cute).
+    fp8      the grid's shapes with fp8 (e4m3) inputs (table fwd_fp8): Q, K, V quantized from
+             standard normal draws per (batch, KV head) as docs/attention.md says, descales
+             float32 (batch, heads_kv). fa4 (flash_attn_func with float8_e4m3fn inputs and
+             q/k/v_descale; O bf16), FlashAttention-3's fp8 forward (fa3; the same call and
+             descales; O bf16), cuDNN's fp8 SDPA through cudnn-frontend's graph API (cudnn_fp8;
+             on Hopper O must be fp8 too, and its descales are one per tensor: the largest of the
+             per-head ones; the graph is built once per shape, outside the timed region, and run
+             with a workspace), and fa4's bf16 forward on the dequantized inputs (fa4_bf16, fa4's
+             own column, never the best peer: the line prints fa4 fp8 / fa4 bf16). FLOPs as fwd.
     decode   bf16, 32 query / 8 KV heads, d128, one query row, (batch, keys) = (1, 32k),
              (8, 8k), (8, 32k), (32, 4k), (4, 128k), pages of --pages (16, 64, 256, 1): fa4
              through flash_attn_with_kvcache with a block table over a random page permutation,
@@ -58,12 +67,14 @@ Method, the same for every library:
   the forward. Decode: bytes read, K and V of every cached key plus Q and O, in TB/s;
 - before timing, fa4's output on each shape is compared with a float32 SDPA (math backend)
   reference on a slice (batch 0, up to 4 heads, 256 query rows; the backward also dQ, dK, dV
-  of head 0): one line, `max|Δ|` against `max|ref|`, a sanity check, not a test.
+  of head 0; fp8: the dequantized inputs, and FlashAttention-3's and cuDNN's outputs too): one
+  line, `max|Δ|` against `max|ref|`, a sanity check, not a test.
 
 A library that raises on a shape gets null and a one-line note; the run goes on.
 
     python3 bench/peers.py fwd [--extras | --head-dims --gqa --varlen] [--no-grid]
     python3 bench/peers.py bwd [--head-dims] [--varlen] [--no-grid]
+    python3 bench/peers.py fp8
     python3 bench/peers.py decode [--pages 16,64,256,1]
       common: [--only fa4,cudnn,...] [--quick] [--rounds 9] [--calls 10] [--warmup 3]
               [--seed 0] [--json DIR] [--budget SECONDS] [--no-head-start]
@@ -73,13 +84,16 @@ A library that raises on a shape gets null and a one-line note; the run goes on.
               cudaProfilerStart/Stop, each followed by a marker kernel, for Nsight Compute)
 
 --json DIR writes one file per table, DIR/<id>.json (fwd_grid, fwd_headdims, fwd_gqa,
-fwd_varlen, bwd_grid, bwd_headdims, bwd_varlen, decode_p16, decode_p64, decode_p256, decode_p1), in the schema
+fwd_varlen, fwd_fp8, bwd_grid, bwd_headdims, bwd_varlen, decode_p16, decode_p64, decode_p256,
+decode_p1), in the schema
 bench/plot_perf.py reads (docs/data/<id>.json): id, title, date, gpu, driver, versions, method,
 unit, higher_is_better, libs, lib_names, rows of {case, values, spread, rounds (ms per call)}.
 
 Expected on an H200 (9 rounds of 10 calls; estimated from the per-call times in docs/perf.md,
 input generation and warm-ups): fwd grid about 1 min, with --extras about 2 more; bwd about
-2 min; decode with the four page sizes about 1.5 min; plus FlashAttention-4 CuTe's JIT compiles
+2 min; decode with the four page sizes about 1.5 min; fp8 about 2 min (18 shapes, four
+columns, plus fa4's NVRTC compiles of the e4m3 kernels on first use, cached on disk, and
+cuDNN's graph builds); plus FlashAttention-4 CuTe's JIT compiles
 on first use (seconds per kernel; its disk cache is turned on,
 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR, default /tmp/fa4cute-cache, so a later pass on the same
 machine reuses them). --quick: the d128 shapes, fewer extras, 5 rounds; well under a minute
@@ -123,14 +137,18 @@ MAX_COPIES = 64
 CHECK_ROWS, CHECK_HEADS = 256, 4
 MARK_CYCLES = 1000  # the marker kernel between profiled calls (torch.cuda._sleep: spin_kernel)
 HEAD_START_US = 50.0  # head-start sleep on top of the queued calls' host time
-PEERS = ("cudnn", "fa2", "fa3", "fa4cute")
+PEERS = ("cudnn", "fa2", "fa3", "fa4cute", "cudnn_fp8")
+OWN_COLUMNS = ("fa4_bf16",)  # fa4's own columns beside its main one, never the best peer
 DIAGNOSTICS = ("cudnn_expanded",)  # columns that are never the best peer
-LIB_ORDER = ("fa4",) + PEERS + DIAGNOSTICS
+LIB_ORDER = ("fa4",) + PEERS + OWN_COLUMNS + DIAGNOSTICS
 PASS_LIBS = {
     "fwd": ("fa4", "cudnn", "fa2", "fa3", "fa4cute"),
     "bwd": ("fa4", "cudnn", "fa2", "fa4cute"),
+    "fp8": ("fa4", "fa3", "cudnn_fp8", "fa4_bf16"),
     "decode": ("fa4", "cudnn", "fa2", "fa3", "fa4cute", "cudnn_expanded"),
 }
+E4M3_MAX = 448.0  # the largest finite e4m3 value
+OWN_TARGET = 1.8  # fa4's fp8 forward over its bf16 one: the speed-up the fp8 kernel aims at
 VARLEN_LIBS = ("fa4", "fa3", "fa4cute")  # SDPA has no ragged form
 
 
@@ -171,6 +189,12 @@ class Case:
         tq = sum(q for q, _ in self.seqs)
         tk = sum(k for _, k in self.seqs)
         return 2 * (tq * self.heads_q * (self.d + self.dv) + tk * self.heads_kv * (self.d + self.dv))
+
+    def fp8_set_bytes(self):
+        """Bytes of one fp8 input set (Q, K, V, one byte an element) and a 16-bit output."""
+        tq = sum(q for q, _ in self.seqs)
+        tk = sum(k for _, k in self.seqs)
+        return tq * self.heads_q * (self.d + 2 * self.dv) + tk * self.heads_kv * (self.d + self.dv)
 
 
 class DecodeCase:
@@ -371,10 +395,12 @@ def run_rounds(names, rounds, one_round, note=print):
 
 
 class Table:
-    """One output table: the libraries' columns and one row per case."""
+    """One output table: the libraries' columns and one row per case. `own` names a column of
+    fa4's own (fa4_bf16) whose time each row divides by fa4's: fa4's speed-up over itself."""
 
-    def __init__(self, tid, title, unit, libs):
+    def __init__(self, tid, title, unit, libs, own=None):
         self.id, self.title, self.unit, self.libs = tid, title, unit, list(libs)
+        self.own = own
         self.rows = []
 
     def add(self, label, results, metric):
@@ -406,13 +432,16 @@ class Table:
             if "fa4" in st:
                 summary["ratio"] = st[best]["median"] / st["fa4"]["median"]
                 summary["verdict"], summary["spread"] = verdict(st["fa4"], st[best])
+        if self.own in st and "fa4" in st:
+            summary["own"] = st[self.own]["median"] / st["fa4"]["median"]
         row["_summary"] = summary
         self.rows.append(row)
         return row
 
     def header(self):
+        own = f" {'fa4/' + self.own:>13}" if self.own else ""
         return (f"{'case':<22}" + "".join(f"{lib:>16}" for lib in self.libs)
-                + f"  {'best':>8} {'fa4/best':>8} verdict  host µs/call")
+                + f"  {'best':>9} {'fa4/best':>8} verdict{own}  host µs/call")
 
     def line(self, row):
         s = row["_summary"]
@@ -428,7 +457,11 @@ class Table:
         best = s.get("best", "-")
         ratio = f"{s['ratio']:.3f}" if "ratio" in s else "-"
         hosts = " ".join(f"{lib} {s['host_us'][lib]:.0f}" for lib in self.libs if lib in s["host_us"])
-        return (f"{row['case']:<22}" + "".join(cells) + f"  {best:>8} {ratio:>8} {s.get('verdict', '-'):<7}  {hosts}")
+        own = ""
+        if self.own:
+            own = f" {s['own']:>12.2f}x" if "own" in s else f" {'-':>13}"
+        return (f"{row['case']:<22}" + "".join(cells)
+                + f"  {best:>9} {ratio:>8} {s.get('verdict', '-'):<7}{own}  {hosts}")
 
     def json(self, meta):
         """The table in plot_perf.py's schema; `meta`: date, gpu, driver, versions, method,
@@ -459,6 +492,13 @@ def write_tables(tables, directory, meta):
 def method_line(a):
     sleep = ("after a GPU sleep that lets the host queue them (GPU time; host time per call "
              "printed apart)" if a.head_start else "(host path included: no head start)")
+    if a.pass_ == "fp8":
+        return (f"bench/peers.py fp8: one process, one stream; e4m3 inputs quantized per (batch, KV head) from "
+                f"standard normal draws; fa4 and FlashAttention-3 with those descales and bf16 O, cuDNN through "
+                f"cudnn-frontend's graph API (built once per shape) with per-tensor descales and fp8 O, fa4 bf16 on "
+                f"the dequantized values; {a.warmup} warm-up calls; a round = one CUDA event pair around "
+                f"{a.calls} back-to-back calls {sleep}; {a.rounds} rounds, round r starting at library r; "
+                f"median round; spread = IQR/median; inputs rotated over more than {ROTATE_L2}x L2")
     return (f"bench/peers.py: one process, one stream, cuDNN and FlashAttention-2 through PyTorch SDPA; "
             f"{a.warmup} warm-up calls; a round = one CUDA event pair around "
             f"{a.calls} back-to-back calls {sleep}; {a.rounds} rounds, round r starting at library r; "
@@ -625,18 +665,30 @@ class Lib:
 class Mods:
     """PyTorch and the libraries that imported, with their versions."""
 
-    def __init__(self, only, env_columns):
+    def __init__(self, only, env_columns, libs=None):
         import torch
         import torch.nn.functional as F
         from torch.nn.attention import SDPBackend, sdpa_kernel
         self.torch, self.F, self.SDPBackend, self.sdpa_kernel = torch, F, SDPBackend, sdpa_kernel
         self.only = only
+        self.libs = libs  # the pass's libraries: only these are imported (None: all)
         self.env_columns = env_columns
         self.notes = []
-        self.fa4 = self.fa3 = self.fa4cute = None
+        self.fa4 = self.fa3 = self.fa4cute = self.cudnn_fe = None
+        self._cudnn_handle = None
         self.versions = {"torch": torch.__version__, "cudnn": self.cudnn_version(), "fa4": None,
                          "flash_attn_4": None, "fa3": None}
-        if self.wanted("fa4") or env_columns:
+        if self.wanted("cudnn_fp8"):
+            self.versions["cudnn_frontend"] = None
+            try:
+                import cudnn
+                self.cudnn_fe = cudnn
+                backend = cudnn.backend_version_string() if hasattr(cudnn, "backend_version_string") else None
+                self.versions["cudnn_frontend"] = cudnn.__version__ + (f" (cuDNN {backend})" if backend else "")
+            except Exception as ex:
+                self.notes.append(f"cuDNN's frontend (cudnn, wheel nvidia-cudnn-frontend) not importable: "
+                                  f"{one_line(ex)}")
+        if self.wanted("fa4") or self.wanted("fa4_bf16") or env_columns:
             try:
                 import fa4
                 self.fa4 = fa4
@@ -665,7 +717,15 @@ class Mods:
                 self.notes.append(f"FlashAttention-4 CuTe (flash_attn.cute) not importable: {one_line(ex)}")
 
     def wanted(self, name):
-        return self.only is None or name in self.only
+        return (self.libs is None or name in self.libs) and (self.only is None or name in self.only)
+
+    def cudnn_handle(self):
+        """One cuDNN handle for the run, on PyTorch's current stream."""
+        if self._cudnn_handle is None:
+            h = self.cudnn_fe.create_handle()
+            self.cudnn_fe.set_stream(h, self.torch.cuda.current_stream().cuda_stream)
+            self._cudnn_handle = h
+        return self._cudnn_handle
 
     def cudnn_version(self):
         v = self.torch.backends.cudnn.version()
@@ -673,6 +733,8 @@ class Mods:
 
     def lib_names(self):
         cud = self.versions["cudnn"] or "?"
+        fe = self.versions.get("cudnn_frontend") or ""
+        fe_backend = fe.partition("(cuDNN ")[2].rstrip(")") or cud
         # As docs/data names them; the versions are in `versions`, SDPA in the method line.
         return {
             "fa4": "fa4",
@@ -680,6 +742,8 @@ class Mods:
             "fa2": "FlashAttention-2",
             "fa3": "FlashAttention-3",
             "fa4cute": "FlashAttention-4 (CuTe)",
+            "cudnn_fp8": "cuDNN " + ".".join(fe_backend.split(".")[:2]) + " (fp8 O)",
+            "fa4_bf16": "fa4 bf16",
             "cudnn_expanded": "cuDNN, K/V repeated to the query heads",
             **{name: f"fa4 with {','.join(f'{k}={v}' for k, v in env.items())}" for name, env in self.env_columns},
         }
@@ -687,7 +751,8 @@ class Mods:
     def available(self, names):
         """The names of `names` this run can time."""
         have = {"fa4": self.fa4 is not None, "cudnn": True, "fa2": True, "fa3": self.fa3 is not None,
-                "fa4cute": self.fa4cute is not None, "cudnn_expanded": True}
+                "fa4cute": self.fa4cute is not None, "cudnn_expanded": True,
+                "cudnn_fp8": self.cudnn_fe is not None, "fa4_bf16": self.fa4 is not None}
         out = [n for n in names if have.get(n) and self.wanted(n)]
         if self.fa4 is not None:
             out += [name for name, _ in self.env_columns]
@@ -861,6 +926,172 @@ def check_bwd(m, case, s, out, grads):
                                   ("dV", pick(grads[2]), rv[0])])
 
 
+# ---- fp8 ------------------------------------------------------------------------------------
+
+
+def quantize_e4m3(t, x, heads_kv):
+    """docs/attention.md's quantization of x (batch, seqlen, heads, d) on the GPU: per (batch, KV
+    head) the largest magnitude (for Q, over the query heads of the group) gives the descale
+    amax / 448 (1 when 0), and x / descale rounds to e4m3 (to nearest even; clamped to +-448
+    first, so that no value depends on what torch's cast does past the range). Returns
+    (float8_e4m3fn x, float32 descales (batch, heads_kv))."""
+    b, s, h, d = x.shape
+    g = h // heads_kv
+    amax = x.abs().reshape(b, s, heads_kv, g, d).amax(dim=(1, 3, 4)).float()
+    descale = t.where(amax > 0, amax / E4M3_MAX, t.ones_like(amax))
+    per_head = descale.repeat_interleave(g, dim=1)[:, None, :, None]
+    x8 = (x.float() / per_head).clamp(-E4M3_MAX, E4M3_MAX).to(t.float8_e4m3fn)
+    return x8.contiguous(), descale.contiguous()
+
+
+def dequantize_e4m3(x8, descale, dtype):
+    """x8 (batch, seqlen, heads, d) times its (batch, KV head) descales, in `dtype`."""
+    g = x8.shape[2] // descale.shape[1]
+    return (x8.float() * descale.repeat_interleave(g, dim=1)[:, None, :, None]).to(dtype)
+
+
+def make_fp8_sets(m, case, n):
+    """`n` fp8 input sets of a fixed-length case: q, k, v (float8_e4m3fn) quantized from standard
+    normal draws, their descales q_descale, k_descale, v_descale (float32 (batch, heads_kv)), and
+    cuDNN's per-tensor descales (the largest of each, (1, 1, 1, 1))."""
+    t = m.torch
+    b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
+    sets = []
+    for _ in range(n):
+        s = {}
+        for name, rows, heads, dim in (("q", sq, case.heads_q, case.d), ("k", sk, case.heads_kv, case.d),
+                                       ("v", sk, case.heads_kv, case.dv)):
+            s[name], s[name + "_descale"] = quantize_e4m3(t, t.randn(b, rows, heads, dim, device="cuda"),
+                                                          case.heads_kv)
+            s[name + "_descale_t"] = s[name + "_descale"].max().reshape(1, 1, 1, 1)
+        sets.append(s)
+    return sets
+
+
+def dequantized_sets(m, sets):
+    """The fp8 sets' values in bf16 (fa4's bf16 column: the same problems in 16-bit inputs)."""
+    bf = m.torch.bfloat16
+    return [{x: dequantize_e4m3(s[x], s[x + "_descale"], bf) for x in ("q", "k", "v")} for s in sets]
+
+
+def fp8_fn(m, lib, case):
+    """f(set) → out (batch, seqlen, heads, d_v): one fp8 forward of fa4 or FlashAttention-3 with
+    the per-(batch, KV head) descales (out bf16)."""
+    c = case.causal
+    if lib == "fa4":
+        mod = m.fa4
+    elif lib == "fa3":
+        mod = m.fa3
+    else:
+        raise ValueError(f"no fp8 forward for {lib}")
+    return lambda s: first(mod.flash_attn_func(s["q"], s["k"], s["v"], causal=c, q_descale=s["q_descale"],
+                                               k_descale=s["k_descale"], v_descale=s["v_descale"]))
+
+
+def bshd(b, s, h, d):
+    """cuDNN's (dim, stride) of a contiguous (batch, seqlen, heads, d) tensor: dims in its
+    (batch, heads, seqlen, d) order."""
+    return [b, h, s, d], [s * h * d, d, h * d, 1]
+
+
+def cudnn_fp8_graph(cudnn, case, handle, amax_s_output=False):
+    """cuDNN's fp8 SDPA forward of a fixed-length case, built (validated, planned) once: Q, K, V
+    e4m3 in fa4's (batch, seqlen, heads, d) layout, per-tensor descales and scales ((1, 1, 1, 1)
+    float32), O e4m3 (Hopper's fp8 SDPA writes fp8 O), no softmax stats; the causal mask as the
+    diagonal aligned top left with right bound 0 (= bottom right here: seqlen_q = seqlen_k).
+    cudnn-frontend asks that amax_s stay virtual (the scale of P then comes from its documented
+    bound, 448); `amax_s_output` declares it an output, for a backend that wants it.
+    Returns (graph, {name: tensor}) with the tensors a variant pack binds."""
+    e4m3, f32 = cudnn.data_type.FP8_E4M3, cudnn.data_type.FLOAT
+    g = cudnn.pygraph(io_data_type=e4m3, intermediate_data_type=f32, compute_data_type=f32, handle=handle)
+    b, sq, sk = case.batch, case.seqlen_q, case.seqlen_k
+    ts = {}
+    for name, rows, heads, dim in (("q", sq, case.heads_q, case.d), ("k", sk, case.heads_kv, case.d),
+                                   ("v", sk, case.heads_kv, case.dv)):
+        dims, strides = bshd(b, rows, heads, dim)
+        ts[name] = g.tensor(name=name, dim=dims, stride=strides, data_type=e4m3)
+    for name in ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o"):
+        ts[name] = g.tensor(name=name, dim=[1, 1, 1, 1], stride=[1, 1, 1, 1], data_type=f32)
+    mask = dict(diagonal_alignment=cudnn.diagonal_alignment.TOP_LEFT, right_bound=0) if case.causal else {}
+    o, _, amax_s, amax_o = g.sdpa_fp8(
+        q=ts["q"], k=ts["k"], v=ts["v"], descale_q=ts["descale_q"], descale_k=ts["descale_k"],
+        descale_v=ts["descale_v"], descale_s=ts["descale_s"], scale_s=ts["scale_s"], scale_o=ts["scale_o"],
+        generate_stats=False, attn_scale=1.0 / math.sqrt(case.d), name="sdpa_fp8", **mask)
+    dims, strides = bshd(b, sq, case.heads_q, case.dv)
+    o.set_output(True).set_dim(dims).set_stride(strides).set_data_type(e4m3)
+    amaxes = [("amax_o", amax_o)] + ([("amax_s", amax_s)] if amax_s_output else [])
+    for name, a in amaxes:
+        a.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(f32)
+        ts[name] = a
+    ts["o"] = o
+    g.validate()
+    g.build_operation_graph()
+    g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+    g.check_support()
+    g.build_plans()
+    return g, ts
+
+
+class CudnnFp8:
+    """A callable over variant packs: cuDNN's fp8 forward of one case (cudnn_fp8_graph), its
+    workspace, and per input set a pack with its own fp8 output. P is scaled by 448 into e4m3
+    (descale_s its inverse), O by 1 / v's descale (so O's e4m3 values span V's)."""
+
+    def __init__(self, m, case):
+        t, cudnn = m.torch, m.cudnn_fe
+        self.t, self.case, self.handle = t, case, m.cudnn_handle()
+        try:
+            self.graph, self.ts = cudnn_fp8_graph(cudnn, case, self.handle)
+        except Exception as first:
+            try:
+                self.graph, self.ts = cudnn_fp8_graph(cudnn, case, self.handle, amax_s_output=True)
+            except Exception as second:
+                raise RuntimeError(f"{one_line(first)}; with amax_s an output: {one_line(second)}") from second
+        engine = getattr(self.graph, "selected_engine", None)
+        self.engine = getattr(engine, "name", None) or "the cuDNN backend"
+        size = self.graph.get_workspace_size()
+        self.workspace = t.empty(max(1, size), dtype=t.uint8, device="cuda")
+
+    def pack(self, s):
+        t, c, ts = self.t, self.case, self.ts
+        one = lambda x: t.full((1, 1, 1, 1), x, dtype=t.float32, device="cuda")
+        p = {ts["q"]: s["q"], ts["k"]: s["k"], ts["v"]: s["v"],
+             ts["descale_q"]: s["q_descale_t"], ts["descale_k"]: s["k_descale_t"], ts["descale_v"]: s["v_descale_t"],
+             ts["descale_s"]: one(1.0 / E4M3_MAX), ts["scale_s"]: one(E4M3_MAX), ts["scale_o"]: 1.0 / s["v_descale_t"],
+             ts["o"]: t.empty(c.batch, c.seqlen_q, c.heads_q, c.dv, dtype=t.float8_e4m3fn, device="cuda")}
+        for name in ("amax_o", "amax_s"):
+            if name in ts:
+                p[ts[name]] = one(0.0)
+        return p
+
+    def output(self, p):
+        """A pack's O in float32: the e4m3 values over scale_o."""
+        return p[self.ts["o"]].float() / p[self.ts["scale_o"]].reshape(())
+
+    def __call__(self, p):
+        self.graph.execute(p, self.workspace, handle=self.handle)
+        return p[self.ts["o"]]
+
+
+def check_fp8(m, case, s, out, name, per_tensor=False):
+    """An fp8 forward's O (float, batch 0, up to CHECK_HEADS heads, CHECK_ROWS query rows) against
+    the float32 reference of the dequantized inputs: per-(batch, KV head) descales, or with
+    `per_tensor` the per-tensor ones cuDNN was given."""
+    hs = list(range(min(CHECK_HEADS, case.heads_q)))
+    kvh = [h // (case.heads_q // case.heads_kv) for h in hs]
+    sq, sk = case.seqs[0]
+    r = min(CHECK_ROWS, sq)
+    r0 = sq - r if case.causal else 0
+
+    def deq(x, rows):
+        sl = s[x][0, rows].float()[:, kvh if x != "q" else hs]  # (rows, H, d); fp8 sliced, then widened
+        if per_tensor:
+            return (sl * s[x + "_descale_t"].reshape(())).transpose(0, 1)
+        return (sl * s[x + "_descale"][0, kvh][None, :, None]).transpose(0, 1)
+    ref = reference(m, deq("q", slice(r0, r0 + r)), deq("k", slice(None)), deq("v", slice(None)), case.causal, sq, sk)
+    return check_line(name, [("O", out[0, r0:r0 + r, hs].transpose(0, 1), ref)])
+
+
 class DeadContext(Exception):
     """The CUDA context took a sticky error (an illegal address, a trap): the run stops, and
     the tables so far are still written."""
@@ -998,6 +1229,60 @@ class Runner:
             del sets, graphs, live
             self.recover()
 
+    # -- fp8 --
+
+    def fp8(self, table, cases):
+        """fp8 inputs: fa4 and FlashAttention-3 with per-(batch, KV head) descales, cuDNN with
+        per-tensor ones on the same bytes, fa4's bf16 forward on the dequantized values."""
+        m = self.m
+        libs = m.available(table.libs)
+        print(f"\n== {table.title}\n{table.header()}", flush=True)
+        for i, case in enumerate(cases, 1):
+            if self.over_budget():
+                print(f"budget of {self.a.budget} s spent: {len(cases) - i + 1} cases left out", flush=True)
+                break
+            self.progress(i, len(cases), case.label)
+            try:
+                m.torch.manual_seed(self.a.seed)
+                sets = make_fp8_sets(m, case, copies_for(case.fp8_set_bytes(), self.l2))
+                wide = dequantized_sets(m, sets[:copies_for(case.set_bytes(), self.l2)]) if "fa4_bf16" in libs else []
+            except Exception as ex:
+                print(f"  inputs: {one_line(ex)}", flush=True)
+                self.recover()
+                continue
+            flops = case.flops()
+            cudnn_ = {}
+
+            def make_call(name):
+                if name == "fa4_bf16":
+                    return rotating(wide, fwd_fn(m, "fa4", case))
+                if name == "cudnn_fp8":
+                    g = CudnnFp8(m, case)
+                    packs = [g.pack(s) for s in sets]
+                    cudnn_.update(graph=g, packs=packs)
+                    print(f"  cudnn_fp8: {g.engine}, workspace {g.workspace.numel() / 2**20:.1f} MiB", flush=True)
+                    return rotating(packs, g)
+                return rotating(sets, fp8_fn(m, m.family(name), case))
+            live = self.prepare(libs, make_call, case.label)
+            for name in [x for x in ("fa4", "fa3", "cudnn_fp8") if x in live]:
+                try:
+                    if name == "cudnn_fp8":
+                        g, p = cudnn_["graph"], cudnn_["packs"][0]
+                        g(p)
+                        line = check_fp8(m, case, sets[0], g.output(p), "cudnn_fp8 O (per-tensor descales)", True)
+                    else:
+                        line = check_fp8(m, case, sets[0], fp8_fn(m, name, case)(sets[0]), f"{name} fp8 O")
+                    print(line, flush=True)
+                except Exception as ex:
+                    print(f"  check {name}: {one_line(ex)}", flush=True)
+                    self.recover()
+            results = self.time(live, case.label)
+            if not self.a.profile:
+                row = table.add(case.label, results, lambda ms: flops / (ms * 1e-3) / 1e12)
+                print(table.line(row), flush=True)
+            del sets, wide, cudnn_, live
+            self.recover()
+
     # -- decode --
 
     def decode(self, tables, cases):
@@ -1119,7 +1404,7 @@ def driver_version():
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="pass_", required=True, metavar="fwd|bwd|decode|ncu-table")
+    sub = ap.add_subparsers(dest="pass_", required=True, metavar="fwd|bwd|fp8|decode|ncu-table")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--only", help="comma-separated libraries: " + ",".join(LIB_ORDER))
     common.add_argument("--quick", action="store_true", help="fewer shapes, 5 rounds")
@@ -1148,6 +1433,7 @@ def parse_args(argv=None):
     b.add_argument("--varlen", action="store_true",
                    help="ragged lengths (mean 2k, 1..8k) from --seed, beside the same tokens at fixed length")
     b.add_argument("--no-grid", dest="grid", action="store_false", help="the head dims and varlen only")
+    sub.add_parser("fp8", parents=[common], help="the forward grid with fp8 (e4m3) inputs")
     dp = sub.add_parser("decode", parents=[common], help="paged decode")
     dp.add_argument("--pages", default=",".join(map(str, DECODE_PAGES)), help="page sizes")
     ln = sub.add_parser("lengths", help="print the varlen batch's lengths (for fa4 bench --lengths)")
@@ -1206,6 +1492,11 @@ def tables_for(a, env_names):
                               f"(mean {TOKENS // len(lengths)}, seed {a.seed}) and the same tokens at fixed length, "
                               "hidden 2048", "TFLOP/s", vl),
                         varlen_cases(a.seed, a.quick), "fwd"))
+    elif a.pass_ == "fp8":
+        out.append((Table("fwd_fp8", "Forward, fp8 e4m3 inputs, 16k tokens, hidden 2048 (fa4 and FlashAttention-3: "
+                          "per-(batch, KV head) descales, bf16 O; cuDNN: per-tensor descales, fp8 O; fa4 bf16: the "
+                          "dequantized inputs)", "TFLOP/s", libs("fp8"), own="fa4_bf16"),
+                    fwd_cases(a.quick), "fp8"))
     elif a.pass_ == "bwd":
         if a.grid:
             out.append((Table("bwd_grid", "Backward, bf16, 16k tokens, hidden 2048 (FLOPs 2.5 × forward)", "TFLOP/s",
@@ -1231,12 +1522,13 @@ def main(argv=None):
     if a.pass_ == "lengths":
         print(",".join(map(str, varlen_lengths(a.seed))))
         return
-    m = Mods(a.only, a.env_columns)
+    m = Mods(a.only, a.env_columns, PASS_LIBS[a.pass_])
     t = m.torch
     for n in m.notes:
         print(n, flush=True)
     env_names = [name for name, _ in a.env_columns]
-    ver = {"fa4": m.versions["fa4"], "fa3": m.versions["fa3"], "fa4cute": m.versions["flash_attn_4"]}
+    ver = {"fa4": m.versions["fa4"], "fa3": m.versions["fa3"], "fa4cute": m.versions["flash_attn_4"],
+           "cudnn_fp8": m.versions.get("cudnn_frontend")}
     print(f"{t.cuda.get_device_name()}, torch {t.__version__}, cuDNN {m.versions['cudnn']}; libraries: "
           + ", ".join(f"{n} {ver[n]}" if ver.get(n) else n for n in m.available(LIB_ORDER)), flush=True)
     print(f"method: {method_line(a)}; h = host path slower than the GPU time", flush=True)
@@ -1254,7 +1546,10 @@ def main(argv=None):
         else:
             for table, cases, kind in tables_for(a, env_names):
                 tables.append(table)
-                r.fixed(table, cases, kind == "bwd")
+                if kind == "fp8":
+                    r.fp8(table, cases)
+                else:
+                    r.fixed(table, cases, kind == "bwd")
     except DeadContext as ex:
         print(f"CUDA context unusable, stopping: {ex}", flush=True)
     if a.profile:
@@ -1272,15 +1567,23 @@ def main(argv=None):
     print(f"done in {time.time() - r.t0:.0f} s", flush=True)
 
 
+def geomean(xs):
+    return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
 def summarise(table):
-    """The table's geomean of fa4 / best peer and its verdict counts, one line."""
+    """The table's geomean of fa4 / best peer and its verdict counts, one line; with an own
+    column, a second line: fa4's speed-up over it."""
     ratios = [r["_summary"]["ratio"] for r in table.rows if "ratio" in r["_summary"]]
-    if not ratios:
-        return
-    g = math.exp(sum(math.log(x) for x in ratios) / len(ratios))
-    v = [r["_summary"].get("verdict") for r in table.rows]
-    print(f"{table.id}: fa4 / best peer geomean {g:.3f} over {len(ratios)} cases (min {min(ratios):.2f}, "
-          f"max {max(ratios):.2f}); {v.count('win')} win, {v.count('tie')} tie, {v.count('loss')} loss", flush=True)
+    if ratios:
+        v = [r["_summary"].get("verdict") for r in table.rows]
+        print(f"{table.id}: fa4 / best peer geomean {geomean(ratios):.3f} over {len(ratios)} cases (min "
+              f"{min(ratios):.2f}, max {max(ratios):.2f}); {v.count('win')} win, {v.count('tie')} tie, "
+              f"{v.count('loss')} loss", flush=True)
+    own = [r["_summary"]["own"] for r in table.rows if "own" in r["_summary"]]
+    if own:
+        print(f"{table.id}: fa4 / {table.own} geomean {geomean(own):.3f}x over {len(own)} cases (min {min(own):.2f}, "
+              f"max {max(own):.2f}); at least {OWN_TARGET}x on {sum(x >= OWN_TARGET for x in own)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,8 @@ KEYS = ("id", "title", "date", "gpu", "driver", "versions", "method", "unit", "h
         "libs", "lib_names", "rows")
 OURS = "fa4"
 DIAGNOSTICS = ("cudnn_expanded",)
-VERSION_NAMES = {"cudnn": "cuDNN", "fa2": "FlashAttention-2", "fa4cute": "FlashAttention-4 (CuTe)"}
+VERSION_NAMES = {"cudnn": "cuDNN", "fa2": "FlashAttention-2", "fa4cute": "FlashAttention-4 (CuTe)",
+                 "cudnn_frontend": "cuDNN frontend"}
 BLOCK = re.compile(r"(<!-- table: ([A-Za-z0-9_.-]+) -->\n)(.*?)(<!-- end table -->)", re.S)
 
 

@@ -292,7 +292,8 @@ class Tables(unittest.TestCase):
 
 class FakeMods:
     """What Mods.lib_names reads."""
-    versions = {"torch": "2.11.0", "cudnn": "9.19.0", "fa4": "0.1.0", "flash_attn_4": "4.0.0b36", "fa3": "0.0.3"}
+    versions = {"torch": "2.11.0", "cudnn": "9.19.0", "fa4": "0.1.0", "flash_attn_4": "4.0.0b36", "fa3": "0.0.3",
+                "cudnn_frontend": "1.32.0 (cuDNN 9.19.0)"}
     env_columns = [("alt", {"FA4_BWD_KERNEL": "sm80"})]
 
 
@@ -337,6 +338,159 @@ class Cli(unittest.TestCase):
         ts = peers.tables_for(a, [])
         self.assertEqual([t.id for t, _, _ in ts], ["bwd_varlen"])
         self.assertEqual(ts[0][0].libs, ["fa4", "fa4cute"])
+
+
+class FakeTensor:
+    """A graph tensor that records what is set on it."""
+
+    def __init__(self, name, **attrs):
+        self.name, self.attrs = name, dict(attrs)
+
+    def _set(self, key, value):
+        self.attrs[key] = value
+        return self
+
+    def set_output(self, x):
+        return self._set("output", x)
+
+    def set_dim(self, x):
+        return self._set("dim", list(x))
+
+    def set_stride(self, x):
+        return self._set("stride", list(x))
+
+    def set_data_type(self, x):
+        return self._set("data_type", x)
+
+
+class FakeGraph:
+    def __init__(self, log, kwargs):
+        self.log, self.kwargs, self.tensors, self.sdpa = log, kwargs, {}, None
+
+    def tensor(self, name, dim, stride, data_type):
+        self.tensors[name] = FakeTensor(name, dim=list(dim), stride=list(stride), data_type=data_type)
+        return self.tensors[name]
+
+    def sdpa_fp8(self, **kw):
+        self.sdpa = kw
+        return [FakeTensor(n) for n in ("O", "Stats", "Amax_S", "Amax_O")]
+
+    def __getattr__(self, step):  # validate, build_operation_graph, ...: logged in order
+        return lambda *a: self.log.append((step, a))
+
+
+class FakeCudnn:
+    """What peers.cudnn_fp8_graph reads of cudnn-frontend's module."""
+
+    class data_type:
+        FP8_E4M3, FLOAT = "e4m3", "f32"
+
+    class heur_mode:
+        A, FALLBACK = "A", "FALLBACK"
+
+    class diagonal_alignment:
+        TOP_LEFT = "top_left"
+
+    def __init__(self):
+        self.log = []
+
+    def pygraph(self, **kw):
+        return FakeGraph(self.log, kw)
+
+
+class Fp8(unittest.TestCase):
+    def test_the_pass_is_the_forward_grid_in_one_table(self):
+        ts = peers.tables_for(peers.parse_args(["fp8"]), [])
+        self.assertEqual([t.id for t, _, _ in ts], ["fwd_fp8"])
+        table, cases, kind = ts[0]
+        self.assertEqual((kind, table.own), ("fp8", "fa4_bf16"))
+        self.assertEqual(table.libs, ["fa4", "fa3", "cudnn_fp8", "fa4_bf16"])
+        self.assertEqual([c.label for c in cases], [c.label for c in peers.fwd_cases(False)])
+        labels = [c.label for c in cases]
+        self.assertIn("d128 16k", labels)  # the two shapes the fp8 claims are about
+        self.assertIn("d256 16k", labels)
+        quick = peers.tables_for(peers.parse_args(["fp8", "--quick"]), ["alt"])[0]
+        self.assertEqual(len(quick[1]), 6)
+        self.assertEqual(quick[0].libs[-1], "alt")
+        self.assertEqual(peers.parse_args(["fp8", "--only", "fa4,cudnn_fp8"]).only, ["fa4", "cudnn_fp8"])
+
+    def test_fp8_set_bytes(self):
+        # d128 1k: Q, K, V one byte each, O two: 16384 tokens · 16 heads · (128 · 3 + 2 · 128).
+        c = peers.fwd_cases(False)[6]
+        self.assertEqual(c.fp8_set_bytes(), 16384 * 16 * 640)
+        self.assertEqual(peers.copies_for(c.fp8_set_bytes(), 50 << 20), 2)
+        self.assertEqual(peers.copies_for(c.set_bytes(), 50 << 20), 1)
+
+    def test_the_own_column_is_a_ratio_never_the_best_peer(self):
+        t = peers.Table("fwd_fp8", "fp8", "TFLOP/s", ["fa4", "fa3", "cudnn_fp8", "fa4_bf16"], own="fa4_bf16")
+        res = {"fa4": [(1.0, 10.0)] * 5, "fa3": [(1.1, 10.0)] * 5, "cudnn_fp8": [(1.2, 80.0)] * 5,
+               "fa4_bf16": [(0.5, 10.0)] * 5}  # the own column faster than all: still not a peer
+        row = t.add("d128 16k", res, lambda ms: 1.0 / ms)
+        s = row["_summary"]
+        self.assertEqual(s["best"], "fa3")
+        self.assertAlmostEqual(s["own"], 0.5)
+        self.assertIn("0.50x", t.line(row))
+        self.assertIn("fa4/fa4_bf16", t.header())
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            peers.summarise(t)
+        self.assertIn("fwd_fp8: fa4 / fa4_bf16 geomean 0.500x over 1 cases", out.getvalue())
+        self.assertIn("at least 1.8x on 0", out.getvalue())
+        meta = dict(date="2026-12-06", gpu="NVIDIA H100", driver=None, versions=FakeMods.versions, method="m",
+                    lib_names=peers.Mods.lib_names(FakeMods()))
+        j = t.json(meta)
+        perf_table.validate(j, "fwd_fp8.json")
+        self.assertEqual(j["lib_names"]["cudnn_fp8"], "cuDNN 9.19 (fp8 O)")
+        self.assertEqual(perf_table.best_peer(j, j["rows"][0])[0], "fa3")
+        self.assertFalse(perf_table.is_peer(j, "fa4_bf16"))
+        self.assertTrue(perf_table.is_peer(j, "cudnn_fp8"))
+        self.assertIn("cuDNN frontend 1.32.0", perf_table.caption_text(j))
+
+    def test_bshd_strides(self):
+        # A contiguous (2, 3, 4, 8) tensor seen as (batch, heads, seqlen, d).
+        self.assertEqual(peers.bshd(2, 3, 4, 8), ([2, 4, 3, 8], [96, 8, 32, 1]))
+
+    def test_cudnn_graph(self):
+        cases = {c.label: c for c in peers.fwd_cases(True)}
+        for label, causal in (("d128 4k", False), ("d128 4k causal", True)):
+            cud = FakeCudnn()
+            g, ts = peers.cudnn_fp8_graph(cud, cases[label], "handle")
+            self.assertEqual(g.kwargs, dict(io_data_type="e4m3", intermediate_data_type="f32", compute_data_type="f32",
+                                            handle="handle"))
+            # 4 sequences of 4096, 16 heads of 128, in fa4's (batch, seqlen, heads, d) layout.
+            self.assertEqual(ts["q"].attrs, dict(dim=[4, 16, 4096, 128], stride=[4096 * 2048, 128, 2048, 1],
+                                                 data_type="e4m3"))
+            self.assertEqual(ts["descale_v"].attrs["dim"], [1, 1, 1, 1])
+            self.assertEqual(ts["o"].attrs, dict(output=True, dim=[4, 16, 4096, 128],
+                                                 stride=[4096 * 2048, 128, 2048, 1], data_type="e4m3"))
+            self.assertNotIn("amax_s", ts)
+            self.assertEqual(ts["amax_o"].attrs["data_type"], "f32")
+            kw = g.sdpa
+            self.assertEqual(kw["generate_stats"], False)
+            self.assertAlmostEqual(kw["attn_scale"], 128 ** -0.5)
+            self.assertEqual(kw["scale_s"], ts["scale_s"])
+            if causal:
+                self.assertEqual((kw["diagonal_alignment"], kw["right_bound"]), ("top_left", 0))
+            else:
+                self.assertNotIn("right_bound", kw)
+            self.assertEqual([step for step, _ in cud.log],
+                             ["validate", "build_operation_graph", "create_execution_plans", "check_support",
+                              "build_plans"])
+        _, ts = peers.cudnn_fp8_graph(FakeCudnn(), cases["d128 1k"], None, amax_s_output=True)
+        self.assertEqual(ts["amax_s"].attrs["output"], True)
+
+    def test_method_line_and_wanted(self):
+        a = peers.parse_args(["fp8", "--rounds", "3"])
+        line = peers.method_line(a)
+        self.assertIn("per-tensor descales and fp8 O", line)
+        self.assertIn("3 rounds", line)
+
+        class M:
+            libs, only = peers.PASS_LIBS["fp8"], None
+        self.assertTrue(peers.Mods.wanted(M, "cudnn_fp8"))
+        self.assertFalse(peers.Mods.wanted(M, "fa4cute"))  # not imported for this pass
+        M.only = ["fa4"]
+        self.assertFalse(peers.Mods.wanted(M, "fa3"))
 
 
 class Ncu(unittest.TestCase):

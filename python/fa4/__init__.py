@@ -9,7 +9,8 @@ FlashAttention's functions, with its names and arguments:
   optional append of new keys and values.
 
 Inputs may be torch tensors (CUDA: fa4's GPU kernels on torch's current stream, no copies; CPU:
-fa4's CPU backend) or numpy arrays (the CPU backend). Gradients flow through
+fa4's CPU backend) or numpy arrays (the CPU backend). fp8 (e4m3) inputs take FlashAttention-3's
+``q_descale``, ``k_descale``, ``v_descale`` (forward only; on the GPU, Hopper's kernel). Gradients flow through
 ``torch.autograd`` (fa4's backward); the functions are ``torch.library`` custom ops with fake
 implementations, so ``torch.compile`` traces them without graph breaks.
 

@@ -79,6 +79,45 @@ def _torch_ops():
     return _torch
 
 
+def _is_fp8(x):
+    """fp8 (e4m3) inputs: torch.float8_e4m3fn tensors; numpy uint8 (e4m3 bytes) or float8_e4m3fn."""
+    if _is_torch(x):
+        return _torch_ops().is_fp8(x)
+    return isinstance(x, np.ndarray) and _numpy.is_fp8(x)
+
+
+_OUT_NAMES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16"}
+
+
+def _out_dtype(out_dtype):
+    """O's dtype for fp8 inputs as "bf16" (the default) or "fp16": a torch or numpy dtype, or a
+    name."""
+    if out_dtype is None:
+        return "bf16"
+    name = out_dtype if isinstance(out_dtype, str) else str(out_dtype).replace("torch.", "")
+    if name not in _OUT_NAMES:
+        try:
+            name = np.dtype(out_dtype).name
+        except (TypeError, ValueError):
+            pass
+    try:
+        return _OUT_NAMES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"out_dtype: O of fp8 inputs is bfloat16 or float16, got {out_dtype!r}") from None
+
+
+def _fp8_only(q, descales, out_dtype):
+    """Whether q is fp8; descales and out_dtype with other inputs are a ValueError naming them."""
+    if _is_fp8(q):
+        return True
+    for name, d in zip(("q_descale", "k_descale", "v_descale"), descales):
+        if d is not None:
+            raise ValueError(f"{name}: descales are for fp8 inputs (float8_e4m3fn), q is {q.dtype}")
+    if out_dtype is not None:
+        raise ValueError(f"out_dtype: for fp8 inputs only; O of {q.dtype} inputs is {q.dtype}")
+    return False
+
+
 def flash_attn_func(
     q,
     k,
@@ -91,6 +130,11 @@ def flash_attn_func(
     alibi_slopes=None,
     deterministic=False,
     return_attn_probs=False,
+    *,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    out_dtype=None,
 ):
     """Attention over a fixed-length batch, as FlashAttention's ``flash_attn_func``.
 
@@ -99,7 +143,15 @@ def flash_attn_func(
     ``heads_kv``. ``causal`` aligns the diagonal to the bottom-right corner; ``window_size``
     ``(left, right)`` keys around it (-1 unbounded). Returns ``out`` ``(batch, seqlen_q,
     heads_q, head_dim_v)``, or ``(out, softmax_lse, None)`` with ``return_attn_probs`` (LSE
-    float32 ``(batch, heads_q, seqlen_q)``, natural log). Differentiable (torch).
+    float32 ``(batch, heads_q, seqlen_q)``, natural log). Differentiable (torch), but for fp8.
+
+    fp8 (e4m3) inputs, as FlashAttention-3's: ``q``, ``k``, ``v`` ``torch.float8_e4m3fn`` (numpy:
+    ``uint8`` e4m3 bytes or ml_dtypes' ``float8_e4m3fn``), with ``q_descale``, ``k_descale``,
+    ``v_descale`` float32 ``(batch, heads_kv)`` on q's device (None: ones): query head ``h`` of
+    sequence ``b`` reads ``q_descale[b, h // (heads_q // heads_kv)] * q``, KV head ``hk`` reads
+    ``k_descale[b, hk] * k`` and ``v_descale[b, hk] * v``. ``out`` is bfloat16, or float16 with
+    ``out_dtype=torch.float16``. On the GPU, a Hopper GPU's kernel; descales are not read back,
+    so one that is not finite and positive makes its rows NaN (the CPU checks them). No backward.
     """
     window, softcap, scale = _common(dropout_p, alibi_slopes, window_size, softcap, softmax_scale)
     kind = _kind(q=q, k=k, v=v)
@@ -107,11 +159,22 @@ def flash_attn_func(
         if x.ndim != 4:
             raise ValueError(f"{name}: expected (batch, seqlen, heads, head_dim), got shape {tuple(x.shape)}")
     scale = _scale(scale, q)
-    if kind == "torch":
+    descales = (q_descale, k_descale, v_descale)
+    if _fp8_only(q, descales, out_dtype):
+        out, lse = _fp8_forward(kind, q, k, v, None, None, descales, out_dtype, scale, causal, window, softcap)
+    elif kind == "torch":
         out, lse = _torch_ops().forward(q, k, v, None, None, scale, causal, window, softcap, bool(deterministic))
     else:
         out, lse = _numpy.forward(q, k, v, None, None, scale, causal, window, softcap)
     return (out, lse, None) if return_attn_probs else out
+
+
+def _fp8_forward(kind, q, k, v, cu_q, cu_k, descales, out_dtype, scale, causal, window, softcap):
+    """The fp8 forward of torch tensors or numpy arrays: (out, lse)."""
+    out_dtype = _out_dtype(out_dtype)
+    if kind == "torch":
+        return _torch_ops().forward_fp8(q, k, v, cu_q, cu_k, descales, out_dtype, scale, causal, window, softcap)
+    return _numpy.forward_fp8(q, k, v, cu_q, cu_k, descales, out_dtype, scale, causal, window, softcap)
 
 
 def flash_attn_varlen_func(
@@ -131,6 +194,11 @@ def flash_attn_varlen_func(
     deterministic=False,
     return_attn_probs=False,
     block_table=None,
+    *,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    out_dtype=None,
 ):
     """Attention over a packed variable-length batch, as FlashAttention's
     ``flash_attn_varlen_func``.
@@ -140,7 +208,10 @@ def flash_attn_varlen_func(
     The offsets are validated on the host: CPU tensors cost nothing, CUDA ones are copied to
     the host (one synchronisation). ``max_seqlen_*`` are checked against the offsets. Returns
     ``out`` ``(total_q, heads_q, head_dim_v)``, or ``(out, softmax_lse, None)`` (LSE
-    ``(heads_q, total_q)``). Differentiable (torch).
+    ``(heads_q, total_q)``). Differentiable (torch), but for fp8.
+
+    fp8 inputs, descales and ``out_dtype`` as in :func:`flash_attn_func`, the descales
+    ``(batch, heads_kv)`` with ``batch = len(cu_seqlens_q) - 1``.
     """
     if block_table is not None:
         raise ValueError("block_table: use flash_attn_with_kvcache for a paged cache")
@@ -158,7 +229,11 @@ def flash_attn_varlen_func(
         if m < longest:
             raise ValueError(f"{name}: {m} is shorter than the longest sequence ({longest})")
     scale = _scale(scale, q)
-    if kind == "torch":
+    descales = (q_descale, k_descale, v_descale)
+    if _fp8_only(q, descales, out_dtype):
+        cu = (cu_seqlens_q, cu_seqlens_k) if kind == "torch" else (cq, ck)
+        out, lse = _fp8_forward(kind, q, k, v, *cu, descales, out_dtype, scale, causal, window, softcap)
+    elif kind == "torch":
         out, lse = _torch_ops().forward(
             q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window, softcap, bool(deterministic)
         )
@@ -290,6 +365,8 @@ def flash_attn_backward(
     :func:`flash_attn_varlen_func`. ``deterministic`` gives the same bits every run."""
     window, softcap, scale = _common(0.0, None, window_size, softcap, softmax_scale)
     kind = _kind(dout=dout, q=q, k=k, v=v, out=out, softmax_lse=softmax_lse)
+    if _is_fp8(q):
+        raise ValueError("q: fa4 has no backward for fp8 (float8_e4m3fn) inputs; the fp8 forward is for inference")
     scale = _scale(scale, q)
     if (cu_seqlens_q is None) != (cu_seqlens_k is None):
         raise ValueError("cu_seqlens_k: give both cu_seqlens or neither")

@@ -2,7 +2,8 @@
 
 Arrays cross to the extension as C-contiguous bytes and come back as bytearrays viewed as
 arrays (``python/src/lib.rs``, "Host data"). bfloat16 arrays are ml_dtypes' ``bfloat16``
-(what JAX and others use); float16 and float32 are numpy's own.
+(what JAX and others use); float16 and float32 are numpy's own. numpy has no fp8 type: fp8
+(e4m3) inputs are ``uint8`` arrays of e4m3 bytes, or ml_dtypes' ``float8_e4m3fn``.
 """
 
 import numpy as np
@@ -87,3 +88,59 @@ def kvcache(q, k_cache, v_cache, k, v, table, seqlens, scale, causal, window, so
         v_cache[...] = _view(vc, v_cache.dtype, v_cache.shape)
     o_shape = tuple(q.shape[:-1]) + (v_cache.shape[-1],)
     return _view(o, q.dtype, o_shape), _view(lse, np.float32, (q.shape[0], q.shape[2], q.shape[1]))
+
+
+def is_fp8(a):
+    """Whether a numpy array holds fp8 (e4m3) bytes: uint8, or ml_dtypes' float8_e4m3fn."""
+    dt = np.dtype(a.dtype)
+    return dt == np.uint8 or dt.name == "float8_e4m3fn"
+
+
+def _fp8_arg(name, a):
+    if not is_fp8(a):
+        raise TypeError(f"{name}: q is fp8, so {name} must be too (uint8 e4m3 bytes or float8_e4m3fn); got {a.dtype}")
+    return _arg(np.ascontiguousarray(a).view(np.uint8))
+
+
+def out_type(out_dtype):
+    """The numpy dtype of O for fp8 inputs ("bf16" or "fp16"); bfloat16 is ml_dtypes'."""
+    if out_dtype == "fp16":
+        return np.float16
+    try:
+        import ml_dtypes
+    except ImportError:
+        raise ValueError(
+            "out_dtype: O of fp8 inputs is bfloat16 by default, which numpy holds through ml_dtypes "
+            "(not installed); install it or pass out_dtype=numpy.float16"
+        ) from None
+    return ml_dtypes.bfloat16
+
+
+def descale_bytes(name, d, shape):
+    """f32 bytes of a descale array of `shape` ``(sequences, heads_kv)``; None stays None."""
+    if d is None:
+        return None
+    if not isinstance(d, np.ndarray):
+        raise ValueError(f"{name}: expected a float32 numpy array of shape {shape}, got {type(d).__name__}")
+    if d.dtype != np.float32:
+        raise ValueError(f"{name}: expected float32, got {d.dtype}")
+    if tuple(d.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} (sequences, heads_kv), got {tuple(d.shape)}")
+    return np.ascontiguousarray(d).tobytes()
+
+
+def forward_fp8(q, k, v, cu_q, cu_k, descales, out_dtype, scale, causal, window, softcap, threads=0):
+    """fp8 (e4m3) inputs: `descales` (q, k, v) f32 arrays or None, `out_dtype` "bf16" or "fp16".
+    Returns (out, lse) as forward's."""
+    ot = out_type(out_dtype)
+    args = [_fp8_arg(n, x) for n, x in (("q", q), ("k", k), ("v", v))]
+    sequences = q.shape[0] if cu_q is None else len(cu_q) - 1
+    shape = (sequences, k.shape[-2])
+    ds = [descale_bytes(n, d, shape) for n, d in zip(("q_descale", "k_descale", "v_descale"), descales)]
+    o, lse = _fa4.forward_fp8_cpu(out_dtype, *args, cu_q, cu_k, *ds, bool(causal), window, scale, softcap, threads)
+    o_shape = tuple(q.shape[:-1]) + (v.shape[-1],)
+    if q.ndim == 4:
+        lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    else:
+        lse_shape = (q.shape[1], q.shape[0])
+    return _view(o, ot, o_shape), _view(lse, np.float32, lse_shape)

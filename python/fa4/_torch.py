@@ -1,7 +1,9 @@
-"""fa4 as torch.library custom ops: ``fa4::fwd``, ``fa4::bwd`` and ``fa4::kvcache``.
+"""fa4 as torch.library custom ops: ``fa4::fwd``, ``fa4::fwd_fp8``, ``fa4::bwd`` and
+``fa4::kvcache``.
 
 Each op has a fake (meta) implementation, so ``torch.compile`` traces it without a graph break,
-and ``fa4::fwd`` has an autograd formula (``fa4::bwd``). CUDA tensors run fa4's kernels on
+and ``fa4::fwd`` has an autograd formula (``fa4::bwd``). ``fa4::fwd_fp8`` (float8_e4m3fn inputs
+with FlashAttention-3's descales) has none: its backward raises. CUDA tensors run fa4's kernels on
 torch's current stream with no copies and no host synchronisation (varlen offsets, page tables
 and cache lengths are validated on the host: given as CPU tensors they cost nothing, as CUDA
 tensors one copy to the host). Fixed-length calls are capturable in a CUDA graph once a call
@@ -18,11 +20,23 @@ from . import _fa4
 _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "f32"}
 
 
+_FP8 = getattr(torch, "float8_e4m3fn", None)  # None in a torch without fp8 types
+_OUT_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def _dtype(name, t):
     try:
         return _DTYPES[t.dtype]
     except KeyError:
-        raise TypeError(f"{name}: fa4 computes bfloat16, float16 and float32, got {t.dtype}") from None
+        if is_fp8(t):
+            raise TypeError(f"{name}: float8_e4m3fn inputs take flash_attn_func and flash_attn_varlen_func (forward "
+                            "only)") from None
+        raise TypeError(f"{name}: fa4 computes bfloat16, float16, float32 and float8_e4m3fn, got {t.dtype}") from None
+
+
+def is_fp8(t):
+    """Whether a tensor holds fp8 inputs (float8_e4m3fn)."""
+    return _FP8 is not None and t.dtype == _FP8
 
 
 def _check_same(**ts):
@@ -46,7 +60,8 @@ def _dev(t):
 def _host(t):
     """(bytes, shape) of a CPU tensor, C-contiguous."""
     t = t.detach().contiguous()
-    raw = t.view(torch.int16) if t.element_size() == 2 else t
+    # numpy has no bfloat16 nor fp8: their bits cross as integers.
+    raw = t.view(torch.int16) if t.element_size() == 2 else t.view(torch.uint8) if t.element_size() == 1 else t
     return (raw.numpy().tobytes(), list(t.shape))
 
 
@@ -111,6 +126,62 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window
               deterministic):
     o_shape, lse_shape = _out_shapes(q, v)
     return q.new_empty(o_shape), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("fa4::fwd_fp8", mutates_args=())
+def _fwd_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: Optional[torch.Tensor],
+    cu_seqlens_k: Optional[torch.Tensor],
+    q_descale: Optional[torch.Tensor],
+    k_descale: Optional[torch.Tensor],
+    v_descale: Optional[torch.Tensor],
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    out_dtype: str,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    cq, ck = _host_list(cu_seqlens_q), _host_list(cu_seqlens_k)
+    window = (window_left, window_right)
+    o_shape, lse_shape = _out_shapes(q, v)
+    descales = [None if d is None else d.contiguous() for d in (q_descale, k_descale, v_descale)]
+    if q.is_cuda:
+        out = torch.empty(o_shape, dtype=_OUT_DTYPES[out_dtype], device=q.device)
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+        (q, qa), (k, ka), (v, va) = _dev(q), _dev(k), _dev(v)
+        ds = [None if d is None else (d.data_ptr(), d.numel()) for d in descales]
+        _fa4.forward_fp8_cuda(
+            _index(q), _stream(q), out_dtype, qa, ka, va, _dev(out)[1], lse.data_ptr(), *ds, cq, ck,
+            causal, window, softmax_scale, softcap,
+        )
+        return out, lse
+    ds = [None if d is None else d.detach().numpy().tobytes() for d in descales]
+    o, l = _fa4.forward_fp8_cpu(
+        out_dtype, _host(q), _host(k), _host(v), cq, ck, *ds, causal, window, softmax_scale, softcap, 0
+    )
+    return _from_host(o, _OUT_DTYPES[out_dtype], o_shape), _from_host(l, torch.float32, lse_shape)
+
+
+@_fwd_fp8.register_fake
+def _fwd_fp8_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, softmax_scale, causal,
+                  window_left, window_right, softcap, out_dtype):
+    o_shape, lse_shape = _out_shapes(q, v)
+    return q.new_empty(o_shape, dtype=_OUT_DTYPES[out_dtype]), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _fwd_fp8_setup(ctx, inputs, output):
+    ctx.mark_non_differentiable(output[1])
+
+
+def _fwd_fp8_backward(ctx, dout, dlse):
+    raise ValueError("q: fa4 has no backward for fp8 (float8_e4m3fn) inputs; the fp8 forward is for inference")
+
+
+torch.library.register_autograd("fa4::fwd_fp8", _fwd_fp8_backward, setup_context=_fwd_fp8_setup)
 
 
 @torch.library.custom_op("fa4::bwd", mutates_args=())
@@ -257,6 +328,36 @@ def _cu(name, t):
 def forward(q, k, v, cu_q, cu_k, scale, causal, window, softcap, deterministic):
     return _fwd(q, k, v, _cu("cu_seqlens_q", cu_q), _cu("cu_seqlens_k", cu_k), float(scale), bool(causal),
                 window[0], window[1], float(softcap), deterministic)
+
+
+def _descale(name, d, q, shape):
+    """Checks a descale tensor: float32, on q's device, of `shape` (sequences, heads_kv)."""
+    if d is None:
+        return None
+    if not isinstance(d, torch.Tensor):
+        raise ValueError(f"{name}: expected a float32 tensor of shape {shape}, got {type(d).__name__}")
+    if d.dtype != torch.float32:
+        raise ValueError(f"{name}: expected float32, got {d.dtype}")
+    if d.device != q.device:
+        raise ValueError(f"{name}: on {d.device}, q on {q.device}")
+    if tuple(d.shape) != tuple(shape):
+        raise ValueError(f"{name}: expected shape {tuple(shape)} (sequences, heads_kv), got {tuple(d.shape)}")
+    return d
+
+
+def forward_fp8(q, k, v, cu_q, cu_k, descales, out_dtype, scale, causal, window, softcap):
+    """float8_e4m3fn q, k, v; `descales` (q, k, v) tensors or None; `out_dtype` "bf16" or "fp16"."""
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: dtype {t.dtype} differs from q's {q.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: on {t.device}, q on {q.device}")
+    cu_q, cu_k = _cu("cu_seqlens_q", cu_q), _cu("cu_seqlens_k", cu_k)
+    sequences = q.shape[0] if cu_q is None else cu_q.shape[0] - 1
+    shape = (sequences, k.shape[-2])
+    ds = [_descale(n, d, q, shape) for n, d in zip(("q_descale", "k_descale", "v_descale"), descales)]
+    return _fwd_fp8(q, k, v, cu_q, cu_k, *ds, float(scale), bool(causal), window[0], window[1], float(softcap),
+                    out_dtype)
 
 
 def backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, window, softcap, deterministic):

@@ -15,6 +15,9 @@
 //!   address range is checked against the driver's record of the allocation holding it
 //!   ([`fa4::cuda::ForeignBuffer`]), so a wrong shape or a host address is an error, not a
 //!   fault in a kernel.
+//!
+//! fp8 (e4m3) inputs have entry points of their own ([`forward_fp8_cpu`], [`forward_fp8_cuda`]):
+//! they take the descales and the output dtype (`docs/attention.md`, "FP8 (e4m3) inputs").
 
 use std::sync::Mutex;
 
@@ -22,10 +25,11 @@ use cudarc::driver::{sys::CUstream, CudaContext};
 use fa4::backward::BackwardOptions;
 use fa4::cuda::backward::{BwdDeviceInputs, BwdDeviceOutputs};
 use fa4::cuda::decode::PagedTables;
+use fa4::cuda::fp8::DeviceDescales;
 use fa4::cuda::{CudaBackend, ForeignBuffer};
 use fa4::paged::{PagedCache, PagedKv, PagedOptions, PagedProblem};
 use fa4::tensor::Layout;
-use fa4::{Backend, DType, Element, Mask, Options, Problem, Tensor, TensorMut};
+use fa4::{Backend, DType, Descales, Element, Mask, Options, Problem, Tensor, TensorMut, F8E4M3};
 use half::{bf16, f16};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -63,6 +67,17 @@ fn dtype_of(name: &str) -> PyResult<DType> {
         "f32" => Ok(DType::F32),
         other => Err(PyValueError::new_err(format!(
             "invalid argument `dtype`: fa4 computes bfloat16, float16 and float32, got {other}"
+        ))),
+    }
+}
+
+/// O's dtype for fp8 inputs: bf16 or fp16.
+fn out_dtype_of(name: &str) -> PyResult<DType> {
+    match name {
+        "bf16" => Ok(DType::Bf16),
+        "fp16" => Ok(DType::F16),
+        other => Err(PyValueError::new_err(format!(
+            "invalid argument `out_dtype`: O of fp8 inputs is bfloat16 or float16, got {other}"
         ))),
     }
 }
@@ -157,6 +172,15 @@ impl FromBits for bf16 {
     }
 }
 
+impl FromBits for F8E4M3 {
+    fn from_le(b: &[u8]) -> Self {
+        F8E4M3::from_bits(b[0])
+    }
+    fn put_le(&self, out: &mut Vec<u8>) {
+        out.push(self.to_bits());
+    }
+}
+
 impl FromBits for i32 {
     fn from_le(b: &[u8]) -> Self {
         i32::from_le_bytes([b[0], b[1], b[2], b[3]])
@@ -198,7 +222,7 @@ macro_rules! by_dtype {
                 $body
             }
             DType::Fp8E4M3 => Err(PyValueError::new_err(
-                "invalid argument `dtype`: the Python package does not take fp8 yet (fa4's Rust API and CLI compute fp8 inputs on the CPU)",
+                "invalid argument `dtype`: fp8 inputs take the fp8 entry points (forward_fp8_cpu, forward_fp8_cuda), with descales",
             )),
         }
     };
@@ -260,6 +284,93 @@ fn forward_cpu<'py>(
         PyByteArray::new(py, &o_bytes),
         PyByteArray::new(py, &lse_bytes),
     ))
+}
+
+/// A descale array from the host: f32 bytes, `[sequences, heads_kv]` (its length is checked
+/// against the problem by [`Descales::validate`], which names the argument).
+fn host_descale(name: &str, d: &Option<Bound<'_, PyBytes>>) -> PyResult<Option<Vec<f32>>> {
+    d.as_ref()
+        .map(|b| elems::<f32>(name, b.as_bytes(), b.as_bytes().len() / 4))
+        .transpose()
+}
+
+/// The forward of fp8 (e4m3) inputs on the CPU: q, k, v are `(bytes, shape)` of e4m3 bytes,
+/// the descales f32 bytes `[sequences, heads_kv]` (None: ones), `out_dtype` "bf16" or "fp16".
+/// Returns `(out, lse)` as bytearrays, laid out as [`forward_cpu`]'s.
+#[pyfunction]
+#[pyo3(signature = (out_dtype, q, k, v, cu_seqlens_q, cu_seqlens_k, q_descale, k_descale, v_descale, causal, window, scale, softcap, threads))]
+#[allow(clippy::too_many_arguments)]
+fn forward_fp8_cpu<'py>(
+    py: Python<'py>,
+    out_dtype: &str,
+    q: (Bound<'py, PyBytes>, Vec<usize>),
+    k: (Bound<'py, PyBytes>, Vec<usize>),
+    v: (Bound<'py, PyBytes>, Vec<usize>),
+    cu_seqlens_q: Option<Vec<i32>>,
+    cu_seqlens_k: Option<Vec<i32>>,
+    q_descale: Option<Bound<'py, PyBytes>>,
+    k_descale: Option<Bound<'py, PyBytes>>,
+    v_descale: Option<Bound<'py, PyBytes>>,
+    causal: bool,
+    window: (i64, i64),
+    scale: Option<f32>,
+    softcap: f32,
+    threads: usize,
+) -> PyResult<(Bound<'py, PyByteArray>, Bound<'py, PyByteArray>)> {
+    let odt = out_dtype_of(out_dtype)?;
+    let opts = options(causal, window, scale, softcap)?;
+    let qd: Vec<F8E4M3> = elems("q", q.0.as_bytes(), numel(&q.1))?;
+    let kd: Vec<F8E4M3> = elems("k", k.0.as_bytes(), numel(&k.1))?;
+    let vd: Vec<F8E4M3> = elems("v", v.0.as_bytes(), numel(&v.1))?;
+    let dq = host_descale("q_descale", &q_descale)?;
+    let dk = host_descale("k_descale", &k_descale)?;
+    let dv = host_descale("v_descale", &v_descale)?;
+    let mut o_shape = q.1.clone();
+    if let (Some(last), Some(d)) = (o_shape.last_mut(), v.1.last()) {
+        *last = *d;
+    }
+    let n_out = numel(&o_shape);
+    let backend = cpu_backend(threads);
+    let (o_bytes, lse) = py
+        .detach(|| -> fa4::Result<(Vec<u8>, Vec<f32>)> {
+            let p = Problem::new_fp8(
+                odt,
+                &Layout::new("q", &q.1, None)?,
+                &Layout::new("k", &k.1, None)?,
+                &Layout::new("v", &v.1, None)?,
+                &Layout::new("out", &o_shape, None)?,
+                cu_seqlens_q.as_deref(),
+                cu_seqlens_k.as_deref(),
+                &opts,
+            )?;
+            let ds = Descales::new(dq.as_deref(), dk.as_deref(), dv.as_deref());
+            let mut lse = vec![0f32; p.lse_len()];
+            let x = (&qd[..], &kd[..], &vd[..]);
+            let o = match odt {
+                DType::Bf16 => fp8_host::<bf16>(&backend, &p, x, &ds, n_out, &mut lse)?,
+                _ => fp8_host::<f16>(&backend, &p, x, &ds, n_out, &mut lse)?,
+            };
+            Ok((o, lse))
+        })
+        .map_err(py_err)?;
+    Ok((
+        PyByteArray::new(py, &o_bytes),
+        PyByteArray::new(py, &to_bytes(&lse)),
+    ))
+}
+
+/// [`Backend::run_fp8`] into a fresh O of `n_out` elements of `O`, returned as bytes.
+fn fp8_host<O: Element + FromBits + Default>(
+    backend: &Backend,
+    p: &Problem,
+    (q, k, v): (&[F8E4M3], &[F8E4M3], &[F8E4M3]),
+    ds: &Descales,
+    n_out: usize,
+    lse: &mut [f32],
+) -> fa4::Result<Vec<u8>> {
+    let mut o = vec![O::default(); n_out];
+    backend.run_fp8(p, q, k, v, ds, &mut o, Some(lse))?;
+    Ok(to_bytes(&o))
 }
 
 /// The backward on the CPU: `(dq, dk, dv)` as bytearrays, shaped as q, k, v.
@@ -610,6 +721,102 @@ fn fwd_dev<T: Element>(
     cuda.forward_device_views(p, &qb, &kb, &vb, &mut ob, Some(&mut lb))
 }
 
+/// A device descale from Python: address and element count (f32, `[sequences, heads_kv]`,
+/// contiguous; the Python layer checked shape, dtype and device).
+type DevDescale = (u64, usize);
+
+/// The forward of fp8 (e4m3) inputs on the GPU (a Hopper GPU; elsewhere an error naming
+/// `dtype`): q, k, v e4m3 device tensors, the descales device f32 (None: ones), `out` of
+/// `out_dtype` ("bf16" or "fp16"); writes `out` and `lse` (f32, contiguous) in place. The
+/// descales are not read back: an entry that is not finite and positive makes its rows NaN.
+#[pyfunction]
+#[pyo3(signature = (device, stream, out_dtype, q, k, v, out, lse, q_descale, k_descale, v_descale, cu_seqlens_q, cu_seqlens_k, causal, window, scale, softcap))]
+#[allow(clippy::too_many_arguments)]
+fn forward_fp8_cuda(
+    py: Python<'_>,
+    device: usize,
+    stream: u64,
+    out_dtype: &str,
+    q: DevArg,
+    k: DevArg,
+    v: DevArg,
+    out: DevArg,
+    lse: u64,
+    q_descale: Option<DevDescale>,
+    k_descale: Option<DevDescale>,
+    v_descale: Option<DevDescale>,
+    cu_seqlens_q: Option<Vec<i32>>,
+    cu_seqlens_k: Option<Vec<i32>>,
+    causal: bool,
+    window: (i64, i64),
+    scale: Option<f32>,
+    softcap: f32,
+) -> PyResult<()> {
+    let odt = out_dtype_of(out_dtype)?;
+    let opts = options(causal, window, scale, softcap)?;
+    let descales = [q_descale, k_descale, v_descale];
+    py.detach(|| {
+        with_backend(device, stream, |sb| {
+            let p = Problem::new_fp8(
+                odt,
+                &layout("q", &q)?,
+                &layout("k", &k)?,
+                &layout("v", &v)?,
+                &layout("out", &out)?,
+                cu_seqlens_q.as_deref(),
+                cu_seqlens_k.as_deref(),
+                &opts,
+            )?;
+            let x = Fp8Args {
+                q: &q,
+                k: &k,
+                v: &v,
+                out: &out,
+                lse,
+                descales: &descales,
+            };
+            match odt {
+                DType::Bf16 => fp8_dev::<bf16>(&sb.cuda, &p, &x),
+                _ => fp8_dev::<f16>(&sb.cuda, &p, &x),
+            }
+        })
+    })
+    .map_err(py_err)
+}
+
+struct Fp8Args<'a> {
+    q: &'a DevArg,
+    k: &'a DevArg,
+    v: &'a DevArg,
+    out: &'a DevArg,
+    lse: u64,
+    descales: &'a [Option<DevDescale>; 3],
+}
+
+fn fp8_dev<O: Element>(cuda: &CudaBackend, p: &Problem, a: &Fp8Args<'_>) -> fa4::Result<()> {
+    let qb = foreign::<F8E4M3>(cuda, "q", a.q.0, extent(p.q_layout()))?;
+    let kb = foreign::<F8E4M3>(cuda, "k", a.k.0, extent(p.k_layout()))?;
+    let vb = foreign::<F8E4M3>(cuda, "v", a.v.0, extent(p.v_layout()))?;
+    let mut ob = foreign::<O>(cuda, "out", a.out.0, extent(p.o_layout()))?;
+    let mut lb = foreign::<f32>(cuda, "softmax_lse", a.lse, p.lse_len())?;
+    let mut ds: [Option<ForeignBuffer<f32>>; 3] = [None, None, None];
+    for (slot, (name, d)) in ds.iter_mut().zip(
+        ["q_descale", "k_descale", "v_descale"]
+            .into_iter()
+            .zip(a.descales),
+    ) {
+        if let Some((ptr, len)) = d {
+            *slot = Some(foreign::<f32>(cuda, name, *ptr, *len)?);
+        }
+    }
+    let descales = DeviceDescales {
+        q: ds[0].as_ref(),
+        k: ds[1].as_ref(),
+        v: ds[2].as_ref(),
+    };
+    cuda.forward_fp8_device(p, &qb, &kb, &vb, &descales, &mut ob, Some(&mut lb))
+}
+
 /// The backward on the GPU: writes `dq`, `dk`, `dv` in place.
 #[pyfunction]
 #[pyo3(signature = (device, stream, dtype, q, k, v, out, lse, d_out, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, causal, window, scale, softcap, deterministic))]
@@ -911,10 +1118,12 @@ fn cuda_status() -> (bool, String) {
 #[pymodule]
 fn _fa4(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forward_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(forward_fp8_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(backward_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(paged_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(combine, m)?)?;
     m.add_function(wrap_pyfunction!(forward_cuda, m)?)?;
+    m.add_function(wrap_pyfunction!(forward_fp8_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(backward_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(paged_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;

@@ -112,6 +112,137 @@ def test_errors_name_the_argument():
 
 
 # ---------------------------------------------------------------------------------------------
+# fp8 (e4m3) inputs: docs/attention.md, "FP8 (e4m3) inputs"
+# ---------------------------------------------------------------------------------------------
+
+E4M3_MAX = 448.0
+
+
+def quantize_fp8(x, heads_kv):
+    """x (batch, seqlen, heads, d) as the docs quantize it: per (batch, KV head) descale =
+    amax / 448 (over the group's query heads for Q; 1 when 0), x / descale rounded to e4m3."""
+    b, s, h, d = x.shape
+    g = h // heads_kv
+    amax = x.float().abs().reshape(b, s, heads_kv, g, d).amax(dim=(1, 3, 4))
+    ds = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    x8 = (x.float() / ds.repeat_interleave(g, 1)[:, None, :, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    return x8.to(torch.float8_e4m3fn), ds
+
+
+def dequantize_fp8(x8, ds, dtype=torch.float64):
+    g = x8.shape[2] // ds.shape[1]
+    return x8.to(dtype) * ds.to(dtype).repeat_interleave(g, 1)[:, None, :, None]
+
+
+def naive_fp8(q, k, v, out_dtype, causal=False):
+    """The naive fp8 evaluation (dequantized f32 inputs, f32 scores, P~ = 2^8 exp(s - max) rounded to
+    e4m3, the row sum over the unrounded P~, O rounded to out_dtype): what fp8 itself costs."""
+    q, k, v = q.float(), k.float(), v.float()
+    g = q.shape[2] // k.shape[2]
+    k, v = k.repeat_interleave(g, dim=2), v.repeat_interleave(g, dim=2)
+    sq, sk = q.shape[1], k.shape[1]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if causal:
+        i = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
+        s = s.masked_fill(torch.arange(sk, device=q.device)[None, :] > i, float("-inf"))
+    m = s.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = 256 * torch.exp(s - m)
+    l = p.sum(-1, keepdim=True)
+    o = torch.einsum("bhqk,bkhd->bqhd", p.to(torch.float8_e4m3fn).float(), v)
+    l = l.permute(0, 2, 1, 3)
+    o = torch.where(l > 0, o / torch.where(l > 0, l, torch.ones_like(l)), torch.zeros_like(o))
+    return o.to(out_dtype)
+
+
+def check_fp8(out, ref, naive, what="out"):
+    """The docs' bound for fp8 inputs: 2 x the naive evaluation's error + the output's rounding."""
+    atol = (ref.to(out.dtype).double() - ref).abs().max().item()
+    e = (out.double() - ref).abs().max().item()
+    ne = (naive.double() - ref).abs().max().item()
+    assert e <= 2 * ne + atol, f"{what}: fa4 error {e:.3g} > 2 x naive {ne:.3g} + {atol:.3g}"
+
+
+def make_fp8(b, sq, sk, hq, hk, d, device, seed=0):
+    """Quantized standard normal Q, K, V (a few K rows scaled up) and their descales."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q, k, v = (torch.randn(b, n, h, d, generator=g) for n, h in ((sq, hq), (sk, hk), (sk, hk)))
+    k[:, torch.randperm(sk, generator=g)[:2]] *= 8
+    out = []
+    for x in (q, k, v):
+        x8, ds = quantize_fp8(x, hk)
+        out += [x8.to(device), ds.to(device)]
+    return out
+
+
+def fp8_case(q8, dq, k8, dk, v8, dv, causal, want, **kw):
+    """fa4's fp8 forward (O of dtype `want`) against the oracle; `kw` goes to flash_attn_func."""
+    out, lse, _ = fa4.flash_attn_func(q8, k8, v8, causal=causal, q_descale=dq, k_descale=dk, v_descale=dv,
+                                      return_attn_probs=True, **kw)
+    assert out.dtype == want and lse.dtype == torch.float32
+    deq = [dequantize_fp8(x, d) for x, d in ((q8, dq), (k8, dk), (v8, dv))]
+    ref = attention_ref(*deq, causal=causal)
+    check_fp8(out, ref, naive_fp8(*deq, want, causal=causal))
+    return out, lse
+
+
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_cpu_fp8_forward(out_dtype):
+    q8, dq, k8, dk, v8, dv = make_fp8(2, 33, 40, 4, 2, 64, "cpu", seed=11)
+    kw = {} if out_dtype == torch.bfloat16 else dict(out_dtype=out_dtype)
+    out, lse = fp8_case(q8, dq, k8, dk, v8, dv, True, out_dtype, **kw)
+    assert out.shape == (2, 33, 4, 64) and lse.shape == (2, 4, 33)
+
+
+def test_cpu_fp8_varlen_and_compile():
+    q8, dq, k8, dk, v8, dv = make_fp8(1, 20, 26, 4, 2, 32, "cpu", seed=12)
+    cq = torch.tensor([0, 8, 20], dtype=torch.int32)
+    ck = torch.tensor([0, 10, 26], dtype=torch.int32)
+    # Two sequences, each with its own descales (the packed batch's (sequences, heads_kv)).
+    dqs, dks, dvs = (torch.stack([d[0], d[0] * 2]) for d in (dq, dk, dv))
+    out = fa4.flash_attn_varlen_func(q8[0], k8[0], v8[0], cq, ck, 12, 16, causal=True, q_descale=dqs,
+                                     k_descale=dks, v_descale=dvs)
+    for i in range(2):
+        qs, ks = slice(int(cq[i]), int(cq[i + 1])), slice(int(ck[i]), int(ck[i + 1]))
+        deq = [dequantize_fp8(x[:, r], d[i : i + 1]) for x, r, d in ((q8, qs, dqs), (k8, ks, dks), (v8, ks, dvs))]
+        check_fp8(out[None, qs], attention_ref(*deq, causal=True), naive_fp8(*deq, torch.bfloat16, causal=True))
+    f = torch.compile(lambda q, k, v: fa4.flash_attn_func(q, k, v, q_descale=dq, k_descale=dk, v_descale=dv).float(),
+                      backend="aot_eager", fullgraph=True)
+    want = fa4.flash_attn_func(q8, k8, v8, q_descale=dq, k_descale=dk, v_descale=dv).float()
+    assert torch.equal(f(q8, k8, v8), want)
+
+
+def test_fp8_errors_name_the_argument():
+    q8, dq, k8, dk, v8, dv = make_fp8(2, 8, 8, 4, 2, 16, "cpu", seed=13)
+    for kw, name in (
+        (dict(q_descale=dq[:1]), "q_descale"),
+        (dict(k_descale=dk.double()), "k_descale"),
+        (dict(v_descale=dv.numpy()), "v_descale"),
+        (dict(v_descale=torch.zeros_like(dv)), "`v_descale`"),
+        (dict(out_dtype=torch.float32), "out_dtype"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            fa4.flash_attn_func(q8, k8, v8, **kw)
+    with pytest.raises(TypeError, match="k"):
+        fa4.flash_attn_func(q8, k8.to(torch.bfloat16), v8)
+    with pytest.raises(TypeError, match="q"):
+        e5m2 = q8.float().to(torch.float8_e5m2)
+        fa4.flash_attn_func(e5m2, e5m2, e5m2)
+    with pytest.raises(TypeError, match="flash_attn_func"):
+        fa4.flash_attn_with_kvcache(q8, k8, v8)
+    qb = q8.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="q_descale"):
+        fa4.flash_attn_func(qb, qb, qb, q_descale=dq)
+    out, lse, _ = fa4.flash_attn_func(q8, k8, v8, return_attn_probs=True)
+    with pytest.raises(ValueError, match="q"):
+        fa4.flash_attn_backward(out, q8, k8, v8, out, lse)
+    q8.requires_grad_()
+    out = fa4.flash_attn_func(q8, k8, v8)
+    with pytest.raises(ValueError, match="no backward for fp8"):
+        out.float().sum().backward()
+
+
+# ---------------------------------------------------------------------------------------------
 # CUDA tensors
 # ---------------------------------------------------------------------------------------------
 
@@ -296,3 +427,70 @@ def test_cuda_errors_name_the_argument():
         qq = q.view(64, 4, 64)
         fa4.flash_attn_varlen_func(qq, qq, qq, torch.tensor([0, 64], dtype=torch.int32),
                                    torch.tensor([0, 64], dtype=torch.int32), 10, 64)
+
+
+hopper = pytest.mark.skipif(
+    not (torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)),
+    reason="fa4's fp8 kernel needs a Hopper GPU",
+)
+
+FP8_CASES = [
+    # (batch, seqlen_q, seqlen_k, heads_q, heads_kv, head_dim): the kernel's head dims, GQA,
+    # ragged lengths, a single query row.
+    (2, 256, 256, 8, 8, 64),
+    (2, 300, 300, 8, 2, 128),
+    (1, 512, 700, 4, 4, 256),
+    (3, 1, 257, 8, 2, 128),
+    (1, 200, 333, 4, 1, 96),
+]
+
+
+@hopper
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("case", FP8_CASES)
+def test_cuda_fp8_forward(case, causal, out_dtype):
+    b, sq, sk, hq, hk, d = case
+    q8, dq, k8, dk, v8, dv = make_fp8(b, sq, sk, hq, hk, d, "cuda", seed=sum(case))
+    kw = {} if out_dtype == torch.bfloat16 else dict(out_dtype=out_dtype)
+    out, lse = fp8_case(q8, dq, k8, dk, v8, dv, causal, out_dtype, **kw)
+    assert out.is_cuda and lse.shape == (b, hq, sq)
+    # The CPU's evaluation of the same bytes (P in f32) passes the same bound.
+    cpu = fa4.flash_attn_func(q8.cpu(), k8.cpu(), v8.cpu(), causal=causal, q_descale=dq.cpu(), k_descale=dk.cpu(),
+                              v_descale=dv.cpu(), **kw)
+    deq = [dequantize_fp8(x, dd) for x, dd in ((q8, dq), (k8, dk), (v8, dv))]
+    check_fp8(cpu.cuda(), attention_ref(*deq, causal=causal), naive_fp8(*deq, out_dtype, causal=causal), "cpu")
+
+
+@hopper
+def test_cuda_fp8_varlen():
+    lens_q, lens_k = [1, 200, 0, 511, 64], [30, 200, 5, 600, 64]
+    cq = torch.tensor([0] + lens_q).cumsum(0).to(torch.int32)
+    ck = torch.tensor([0] + lens_k).cumsum(0).to(torch.int32)
+    n = len(lens_q)
+    g = torch.Generator().manual_seed(21)
+    q8, k8, v8 = (torch.randn(int(c[-1]), h, 128, generator=g).clamp(-4, 4).to(torch.float8_e4m3fn).cuda()
+                  for c, h in ((cq, 8), (ck, 4), (ck, 4)))
+    dq, dk, dv = (torch.rand(n, 4, generator=g).add(0.5).cuda() for _ in range(3))
+    out = fa4.flash_attn_varlen_func(q8, k8, v8, cq, ck, max(lens_q), max(lens_k), causal=True, q_descale=dq,
+                                     k_descale=dk, v_descale=dv)
+    for i in range(n):
+        qs, ks = slice(int(cq[i]), int(cq[i + 1])), slice(int(ck[i]), int(ck[i + 1]))
+        if qs.stop == qs.start:
+            continue
+        deq = [dequantize_fp8(x[None, r], d[i : i + 1]) for x, r, d in ((q8, qs, dq), (k8, ks, dk), (v8, ks, dv))]
+        check_fp8(out[None, qs], attention_ref(*deq, causal=True), naive_fp8(*deq, torch.bfloat16, causal=True))
+
+
+@hopper
+def test_cuda_fp8_errors_name_the_argument():
+    q8, dq, k8, dk, v8, dv = make_fp8(1, 64, 64, 4, 2, 128, "cuda")
+    with pytest.raises(ValueError, match="q_descale"):
+        fa4.flash_attn_func(q8, k8, v8, q_descale=dq.cpu())  # not on q's device
+    with pytest.raises(ValueError, match="k_descale"):
+        fa4.flash_attn_func(q8, k8, v8, k_descale=dk.half())
+    with pytest.raises(ValueError, match="v"):
+        fa4.flash_attn_func(q8, k8, v8.cpu())
+    q8.requires_grad_()
+    with pytest.raises(ValueError, match="no backward for fp8"):
+        fa4.flash_attn_func(q8, k8, v8).float().sum().backward()

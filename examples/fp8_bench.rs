@@ -106,12 +106,7 @@ fn sweep(rounds: usize) -> Result<(), Box<dyn std::error::Error>> {
             for causal in [false, true] {
                 let (p8, _) = grid_problems(d, seqlen, causal)?;
                 let n = p8.q_layout().numel();
-                let bytes: Vec<F8E4M3> = (0..n)
-                    .map(|i| {
-                        F8E4M3::from_f32((((i * 2654435761) >> 7) % 2001) as f32 / 500.0 - 2.0)
-                    })
-                    .collect();
-                let g8 = st.clone_htod(&bytes)?;
+                let g8 = st.clone_htod(&draw(n))?;
                 let mut o8 = cuda.alloc::<bf16>(n)?;
                 let ones = DeviceDescales::<CudaSlice<f32>> {
                     q: None,
@@ -135,18 +130,7 @@ fn sweep(rounds: usize) -> Result<(), Box<dyn std::error::Error>> {
                 }
                 let mut ms = Vec::new();
                 for _ in 0..rounds {
-                    let ev = || {
-                        cuda.context()
-                            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                    };
-                    let (a, z) = (ev()?, ev()?);
-                    a.record(&st)?;
-                    for _ in 0..CALLS {
-                        run()?;
-                    }
-                    z.record(&st)?;
-                    z.synchronize()?;
-                    ms.push(f64::from(a.elapsed_ms(&z)?) / CALLS as f64);
+                    ms.push(round(&cuda, &mut run)?);
                 }
                 let s = Spread::of(&ms)?;
                 println!(
@@ -158,6 +142,32 @@ fn sweep(rounds: usize) -> Result<(), Box<dyn std::error::Error>> {
         }
     }
     Ok(())
+}
+
+/// `n` e4m3 inputs: values in [−2, 2] on a 1/500 grid, varied by position, rounded to e4m3.
+fn draw(n: usize) -> Vec<F8E4M3> {
+    (0..n)
+        .map(|i| F8E4M3::from_f32((((i * 2654435761) >> 7) % 2001) as f32 / 500.0 - 2.0))
+        .collect()
+}
+
+/// One round: an event pair around [`CALLS`] back-to-back calls of `f`; milliseconds per call.
+fn round(
+    cuda: &CudaBackend,
+    f: &mut dyn FnMut() -> fa4::Result<()>,
+) -> Result<f64, Box<dyn std::error::Error>> {
+    let ev = || {
+        cuda.context()
+            .new_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+    };
+    let (a, z) = (ev()?, ev()?);
+    a.record(cuda.stream())?;
+    for _ in 0..CALLS {
+        f()?;
+    }
+    z.record(cuda.stream())?;
+    z.synchronize()?;
+    Ok(f64::from(a.elapsed_ms(&z)?) / CALLS as f64)
 }
 
 /// The grid's fp8 (O in bf16) and bf16 problems of head dim `d`, `seqlen` tokens per sequence.
@@ -222,13 +232,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     continue;
                 }
                 let n = p16.q_layout().numel();
-                // Bytes of a standard normal's e4m3 codes (|x| < 4), varied by position.
-                let bytes: Vec<F8E4M3> = (0..n)
-                    .map(|i| {
-                        let x = (((i * 2654435761) >> 7) % 2001) as f32 / 500.0 - 2.0;
-                        F8E4M3::from_f32(x)
-                    })
-                    .collect();
+                let bytes = draw(n);
                 let halfs: Vec<bf16> = bytes.iter().map(|x| bf16::from_f32(x.to_f32())).collect();
                 let g8 = st.clone_htod(&bytes)?;
                 let g16 = cuda.upload(&halfs)?;
@@ -265,19 +269,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
                     run8()?;
                     run16()?;
                 }
-                type Res<T> = Result<T, Box<dyn std::error::Error>>;
-                let time = |f: &mut dyn FnMut() -> fa4::Result<()>| -> Res<f64> {
-                    let ctx = cuda.context();
-                    let ev = || ctx.new_event(Some(CUevent_flags::CU_EVENT_DEFAULT));
-                    let (a, z) = (ev()?, ev()?);
-                    a.record(&st)?;
-                    for _ in 0..CALLS {
-                        f()?;
-                    }
-                    z.record(&st)?;
-                    z.synchronize()?;
-                    Ok(f64::from(a.elapsed_ms(&z)?) / CALLS as f64)
-                };
+                let time = |f: &mut dyn FnMut() -> fa4::Result<()>| round(&cuda, f);
                 let (mut t8, mut t16) = (Vec::new(), Vec::new());
                 for r in 0..rounds {
                     if r % 2 == 0 {

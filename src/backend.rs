@@ -6,7 +6,7 @@
 
 use crate::cpu::CpuBackend;
 use crate::cuda::CudaBackend;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::fp8::{Descales, F8E4M3};
 use crate::problem::{Options, Problem};
 use crate::tensor::{Element, Tensor, TensorMut};
@@ -213,18 +213,8 @@ impl Backend {
         out: &mut [O],
         lse: Option<&mut [f32]>,
     ) -> Result<()> {
-        if p.out_dtype() != O::DTYPE {
-            return Err(Error::invalid(
-                "out",
-                format!(
-                    "element type {} does not match the problem's O ({})",
-                    O::DTYPE,
-                    p.out_dtype()
-                ),
-            ));
-        }
-        p.check_buffers(
-            crate::dtype::DType::Fp8E4M3,
+        p.check_fp8_buffers(
+            O::DTYPE,
             q.len(),
             k.len(),
             v.len(),

@@ -462,6 +462,29 @@ impl Problem {
         self.out_dtype
     }
 
+    /// [`Problem::check_buffers`] for an fp8 problem whose O buffer holds elements of `out`
+    /// (which must be [`Problem::out_dtype`]; an error naming `out` otherwise).
+    pub fn check_fp8_buffers(
+        &self,
+        out: DType,
+        q: usize,
+        k: usize,
+        v: usize,
+        o: usize,
+        lse: Option<usize>,
+    ) -> Result<()> {
+        if self.out_dtype != out {
+            return Err(Error::invalid(
+                "out",
+                format!(
+                    "element type {out} does not match the problem's O ({})",
+                    self.out_dtype
+                ),
+            ));
+        }
+        self.check_buffers(DType::Fp8E4M3, q, k, v, o, lse)
+    }
+
     /// Storage dtype of Q, K, V and O.
     pub fn dtype(&self) -> DType {
         self.dtype

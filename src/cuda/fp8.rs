@@ -181,18 +181,8 @@ impl CudaBackend {
         out: &mut impl DevicePtrMut<O>,
         lse: Option<&mut impl DevicePtrMut<f32>>,
     ) -> Result<()> {
-        if p.out_dtype() != O::DTYPE {
-            return Err(Error::invalid(
-                "out",
-                format!(
-                    "element type {} does not match the problem's O ({})",
-                    O::DTYPE,
-                    p.out_dtype()
-                ),
-            ));
-        }
-        p.check_buffers(
-            crate::dtype::DType::Fp8E4M3,
+        p.check_fp8_buffers(
+            O::DTYPE,
             q.len(),
             k.len(),
             v.len(),

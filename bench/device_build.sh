@@ -13,7 +13,8 @@
 # --precompile` (every split, combine, append and all-heads decode kernel for sm_90a, ~540
 # kernels, 6–11 min on two cores; FA4_PRECOMPILE=VARIANT,… only the decode grid's kernels under
 # those variants, a minute or two; FA4_PRECOMPILE=fp8 the e4m3 forward's kernels, those of the fp8
-# matrix and the fp8 grid's with `fp8_bench --precompile`), so that a device call spends no time in NVRTC; it needs
+# matrix and the fp8 grid's with `fp8_bench --precompile`; FA4_PRECOMPILE=bwd the backward's and
+# the 16-bit forward matrix's with `bwd_bench --precompile`), so that a device call spends no time in NVRTC; it needs
 # NVRTC here (LD_LIBRARY_PATH, e.g. the pip wheel's nvidia/cu13/lib). device_check.sh unpacks
 # it into FA4_CACHE_DIR (an NVRTC of another version on the device misses it and compiles).
 # Prints the folder's size and what it holds; exits non-zero if a build fails or the folder
@@ -83,8 +84,13 @@ if [ -n "${FA4_PRECOMPILE:-}" ]; then
     cache=$stage/cache
     mkdir -p "$cache"
     only=()
-    [ "$FA4_PRECOMPILE" != 1 ] && [ "$FA4_PRECOMPILE" != fp8 ] && only=("$FA4_PRECOMPILE")
-    if [ "$FA4_PRECOMPILE" = fp8 ]; then
+    [ "$FA4_PRECOMPILE" != 1 ] && [ "$FA4_PRECOMPILE" != fp8 ] && [ "$FA4_PRECOMPILE" != bwd ] \
+        && only=("$FA4_PRECOMPILE")
+    if [ "$FA4_PRECOMPILE" = bwd ]; then
+        # The backward's kernels and the 16-bit forward matrix's (bwd_bench --precompile).
+        FA4_CACHE_DIR="$cache" FA4_REQUIRE_NVRTC=1 "$stage/bins/examples/bwd_bench" --precompile \
+            > "$stage/precompile.log"
+    elif [ "$FA4_PRECOMPILE" = fp8 ]; then
         # Only the e4m3 forward's kernels (fp8_bench --precompile).
         FA4_CACHE_DIR="$cache" FA4_REQUIRE_NVRTC=1 "$stage/bins/examples/fp8_bench" --precompile \
             > "$stage/precompile.log"

@@ -40,8 +40,9 @@
 #   FA4_CHECK_FAMILIES   sanitized families (default `sm80 sm90 decode backward`; also
 #                        `decode-fp8`: `fa4 run --paged --kv-dtype fp8`, the all-heads kernel with
 #                        bulk copies (auto) and the split kernel (plain, causal, fp16 queries);
-#                        `bwd-sm90`: seven Hopper backward problems, five of them walking more
-#                        steps than the ring has stages, two at head dims narrower than the tiles; `sm90-tiles`: the Hopper forward's
+#                        `bwd-sm90`: nine Hopper backward problems, seven of them walking more
+#                        steps than the ring has stages, three at head dims narrower than the
+#                        tiles, two in the shared-keys form (d256, d192); `sm90-tiles`: the Hopper forward's
 #                        longest-first, TMA-store and cross-tile switches; `sm90-dims`: the
 #                        Hopper forward at head dims off 64/128/256 and d_v < d_qk;
 #                        `sm90-dynamic`: its dynamic schedule, fixed-length and varlen;
@@ -208,6 +209,8 @@ bwd-sm90|bwd-sm90-d64-256|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dt
 bwd-sm90|bwd-sm90-d128-causal-gqa-200|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype bf16 --batch 1 --seqlen-q 200 --seqlen-k 200 --heads-q 2 --heads-kv 1 --head-dim 128 --causal
 bwd-sm90|bwd-sm90-d40-causal-gqa|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype bf16 --batch 2 --seqlen-q 300 --seqlen-k 190 --heads-q 4 --heads-kv 2 --head-dim 40 --causal
 bwd-sm90|bwd-sm90-d96-window|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype fp16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 2 --heads-kv 1 --head-dim 96 --window 80,20 --softcap 8
+bwd-sm90|bwd-sm90-d256-causal-gqa|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype bf16 --batch 2 --seqlen-q 150 --seqlen-k 190 --heads-q 4 --heads-kv 2 --head-dim 256 --causal
+bwd-sm90|bwd-sm90-d192-window|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype fp16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 2 --heads-kv 1 --head-dim 192 --window 80,20 --softcap 8
 sm90-tiles|sm90-tiles-longest-first|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,1,0,0
 sm90-tiles|sm90-tiles-tma-store|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,1,0
 sm90-tiles|sm90-tiles-cross-tile|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,0,1

@@ -7,6 +7,11 @@
 //!   (2.5 × the forward's `Problem::flops`);
 //! - `round CALLS`: one CUDA event pair around CALLS back-to-back backward calls; answers the
 //!   milliseconds per call.
+//!
+//! `bwd_bench --precompile` fills the kernel cache ($FA4_CACHE_DIR) for an H200 without a GPU
+//! (`bench/device_build.sh` with `FA4_PRECOMPILE=bwd`): the Hopper and Ampere-class backward
+//! kernels of the gradient matrix at every head dim the GPU tests take, and the 16-bit Hopper
+//! forward kernels of the forward matrix, so that a device call spends no time in NVRTC.
 
 use std::io::{BufRead, Write};
 
@@ -20,7 +25,59 @@ use half::bf16;
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
+/// `--precompile`: compiles (rayon, every core) what the GPU tests of the backward and the
+/// 16-bit forward matrix will ask for, into the kernel cache.
+fn precompile() -> Result<(), Box<dyn std::error::Error>> {
+    use fa4::config::{bwd, bwd_sm90, sm90};
+    use fa4::cuda::compile::compile;
+    use fa4::DType;
+    use rayon::prelude::*;
+    let h200 = fa4::arch::H200;
+    let dtypes = [DType::F16, DType::Bf16];
+    let mut hopper = Vec::new();
+    let mut rows = Vec::new();
+    let head_dims = [8, 40, 64, 80, 96, 112, 128, 136, 192, 248, 256];
+    for case in fa4::check::grad::grad_matrix(&dtypes, &head_dims) {
+        let p = case.problem()?;
+        if let Ok(plan) = bwd_sm90::plan(&p, &h200, "sm_90") {
+            hopper.push(plan.spec);
+            rows.push(plan.pre.0);
+            rows.push(plan.convert.0);
+        }
+        for det in [false, true] {
+            if let Ok(plan) = bwd::plan(&p, &h200, "sm_90", det, None) {
+                rows.extend(plan.launches.iter().map(|l| l.0));
+            }
+        }
+    }
+    let mut fwd = Vec::new();
+    for case in fa4::check::matrix(&dtypes, &[32, 64, 80, 96, 128, 192, 256]) {
+        if let Ok(plan) = sm90::plan(&case.problem()?, &h200, "sm_90a", None) {
+            fwd.push(plan.spec);
+        }
+    }
+    hopper.sort_by_key(|s| s.to_string());
+    hopper.dedup();
+    rows.sort_by_key(|s| s.to_string());
+    rows.dedup();
+    fwd.sort_by_key(|s| s.to_string());
+    fwd.dedup();
+    println!(
+        "precompiling {} Hopper backward, {} other backward, {} forward kernels",
+        hopper.len(),
+        rows.len(),
+        fwd.len()
+    );
+    hopper.par_iter().try_for_each(|s| compile(s).map(|_| ()))?;
+    rows.par_iter().try_for_each(|s| compile(s).map(|_| ()))?;
+    fwd.par_iter().try_for_each(|s| compile(s).map(|_| ()))?;
+    Ok(())
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::args().nth(1).as_deref() == Some("--precompile") {
+        return precompile();
+    }
     let cuda = CudaBackend::new(0)?;
     let ctx = cuda.context().clone();
     let stdin = std::io::stdin();

@@ -325,8 +325,8 @@ fn json(args: &[&str]) -> serde_json::Value {
 
 /// `fa4 plan --backward --json` names the main kernel's family (`sm90`, `sm80`, `cpu`) beside
 /// the prose, and plans packed (`--varlen`) batches: on sm90 the Hopper kernel runs them (its
-/// `varlen` variant), the Ampere-class kernels d256, the deterministic mode and everything on
-/// sm80; d96 runs the Hopper kernel in tiles of 128.
+/// `varlen` variant), the Ampere-class kernels the deterministic mode and everything on sm80;
+/// d96 runs the Hopper kernel in tiles of 128, d192 and d256 in tiles of 256 (shared keys).
 #[test]
 fn backward_plan_names_its_family_and_plans_packed_batches() {
     let family = |extra: &[&str]| {
@@ -339,7 +339,10 @@ fn backward_plan_names_its_family_and_plans_packed_batches() {
     let (f, v) = family(&["--depth", "96", "--causal"]);
     assert_eq!(f, "sm90", "{v}");
     assert_eq!(v["padded_head_dim"], 128);
-    assert_eq!(family(&["--depth", "256"]).0, "sm80");
+    assert_eq!(family(&["--depth", "256"]).0, "sm90");
+    let (f, v) = family(&["--depth", "192", "--causal"]);
+    assert_eq!(f, "sm90", "{v}");
+    assert_eq!(v["padded_head_dim"], 256);
     assert_eq!(family(&["--depth", "128", "--deterministic"]).0, "sm80");
     assert_eq!(family(&["--arch", "sm80", "--depth", "64"]).0, "sm80");
     assert_eq!(family(&["--arch", "cpu", "--depth", "64"]).0, "cpu");

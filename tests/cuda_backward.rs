@@ -94,22 +94,27 @@ fn gradient_matrix_d256_and_odd_head_dims_pass_the_rule() {
     matrix_for(KernelChoice::Sm80, &[256, 40, 96], 20);
 }
 
-/// The Hopper kernel, forced, on the matrix's fixed-length cases at d64 and d128 (11 per
-/// dtype and head dim: masks, GQA/MQA, sq ≠ sk both ways, block ± 1, softcap, scales,
-/// strided views, a NaN key).
+/// The Hopper kernel, forced, on the matrix's fixed-length cases at d64, d128 and d256 (the
+/// shared-keys form; 11 per dtype and head dim: masks, GQA/MQA, sq ≠ sk both ways, block ± 1,
+/// softcap, scales, strided views, a NaN key).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn hopper_gradient_matrix_passes_the_rule() {
-    matrix_for(KernelChoice::Sm90, &[64, 128], 40);
+    matrix_for(KernelChoice::Sm90, &[64, 128, 256], 60);
 }
 
 /// The Hopper kernel, forced, at head dims narrower than its tiles (8, 40 in tiles of 64; 80,
-/// 96, 112 in tiles of 128): the slab maps' zero fill, Sᵀ/dPᵀ over the head dim rounded to 16,
-/// the clipped dK/dV stores and the padded dQ accumulator, on the same 11 cases per dtype.
+/// 96, 112 in tiles of 128; 136, 192, 248 in tiles of 256): the slab maps' zero fill, Sᵀ/dPᵀ
+/// over the head dim rounded to 16, the clipped dK/dV stores and the padded dQ accumulator, on
+/// the same 11 cases per dtype.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn hopper_gradient_matrix_at_narrower_head_dims_passes_the_rule() {
-    matrix_for(KernelChoice::Sm90, &[8, 40, 80, 96, 112], 100);
+    matrix_for(
+        KernelChoice::Sm90,
+        &[8, 40, 80, 96, 112, 136, 192, 248],
+        160,
+    );
 }
 
 /// A fixed-length problem with random inputs, its forward on the CPU (O, LSE) and dO.
@@ -199,6 +204,9 @@ fn hopper_backward_on_long_problems_passes_the_rule_as_the_ampere_one() {
         ([1, 900, 333, 2, 1, 64], window, None, true),
         ([1, 700, 700, 4, 2, 96], Mask::Causal, None, true),
         ([1, 513, 600, 4, 1, 40], window, Some(10.0), false),
+        ([1, 700, 700, 4, 2, 256], Mask::Causal, None, true),
+        ([2, 513, 600, 2, 1, 192], window, Some(10.0), false),
+        ([1, 300, 900, 2, 2, 256], Mask::None, None, false),
     ] {
         let what = format!("{shape:?} {mask:?} softcap {cap:?}");
         if bf {
@@ -216,18 +224,19 @@ fn hopper_backward_on_long_problems_passes_the_rule_as_the_ampere_one() {
 }
 
 /// What the Hopper backward does not cover is an error naming the argument when it is forced,
-/// and runs the Ampere-class backward by default (the deterministic mode, d256); a varlen batch
-/// is covered, by default too.
+/// and runs the Ampere-class backward by default (the deterministic mode); d256 (the
+/// shared-keys form) and a varlen batch are covered, by default too.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn hopper_backward_refusals_name_the_argument_and_auto_falls_back() {
     let cuda = gpu();
     let forced = cuda.with_kernel(KernelChoice::Sm90);
     let fixed = fixed_inputs::<bf16>([1, 64, 64, 2, 2, 256], Mask::Causal, None, 1);
-    assert!(cuda.plan_backward_sm90(&fixed.p, false).unwrap().is_none());
+    let plan = cuda.plan_backward_sm90(&fixed.p, false).unwrap().unwrap();
+    assert_eq!((plan.spec.head_dim, plan.spec.block_n()), (256, 64));
     assert_eq!(
-        arg_of(forced.plan_backward_sm90(&fixed.p, false).unwrap_err()),
-        "q"
+        arg_of(forced.plan_backward_sm90(&fixed.p, true).unwrap_err()),
+        "deterministic"
     );
     let d128 = fixed_inputs::<bf16>([1, 64, 64, 2, 2, 128], Mask::Causal, None, 1);
     assert!(cuda.plan_backward_sm90(&d128.p, false).unwrap().is_some());
@@ -271,6 +280,8 @@ fn hopper_backward_on_varlen_batches_passes_the_rule() {
         (128, Mask::Causal, Some(8.0), true),
         (40, Mask::Causal, None, true),
         (96, window, None, true),
+        (256, Mask::Causal, None, true),
+        (192, window, Some(6.0), false),
     ] {
         let what = format!("varlen d{d} {mask:?} softcap {cap:?}");
         if bf {
@@ -295,10 +306,10 @@ fn hopper_backward_on_varlen_batches_passes_the_rule() {
 #[ignore = "needs a CUDA GPU"]
 fn hopper_varlen_blocks_ignore_the_next_sequences_rows() {
     let hopper = Backend::Cuda(gpu().with_kernel(KernelChoice::Sm90));
-    for d in [64, 128] {
+    for d in [64, 128, 256] {
         let mut x = inputs::<bf16>(d, Mask::None, None, 77);
         // Packed row 310: row 10 of the last sequence (the second one has no queries), in the
-        // first sequence's last query block (rows 256 .. 383 at d64, 256 .. 319 at d128).
+        // first sequence's last query block (rows 256 .. 383 at d64, 256 .. 319 at d128, d256).
         let row = 310 * 8 * d;
         for v in &mut x.d_out[row..row + 8 * d] {
             *v = bf16::INFINITY;
@@ -317,8 +328,8 @@ fn hopper_varlen_blocks_ignore_the_next_sequences_rows() {
 }
 
 /// Small problems on the Hopper backward, for the sanitizers (memcheck, racecheck, synccheck):
-/// causal GQA 4/2 at d64, a window with softcap at d128, and d40 and d96 (narrower than their
-/// tiles), lengths off the block sizes (two key blocks, the second partial; three query
+/// causal GQA 4/2 at d64, a window with softcap at d128, d40 and d96 (narrower than their
+/// tiles), d256 and d192 (the shared-keys form), lengths off the block sizes (two key blocks, the second partial; three query
 /// blocks); two small varlen batches.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -341,6 +352,15 @@ fn small_hopper_problem_for_the_sanitizers() {
     judge(&x, &backward_fixed(&backend, &x), "small sm90 d40 causal");
     let x = fixed_inputs::<f16>([2, 150, 190, 4, 2, 96], window, None, 8);
     judge(&x, &backward_fixed(&backend, &x), "small sm90 d96 window");
+    // The shared-keys form (tiles of 256): d256 causal GQA, d192 window with softcap.
+    let x = fixed_inputs::<bf16>([1, 150, 190, 4, 2, 256], Mask::Causal, None, 11);
+    judge(&x, &backward_fixed(&backend, &x), "small sm90 d256 causal");
+    let x = fixed_inputs::<f16>([1, 150, 190, 2, 1, 192], window, Some(8.0), 12);
+    judge(
+        &x,
+        &backward_fixed(&backend, &x),
+        "small sm90 d192 window softcap",
+    );
     // Varlen: packed maps, a sequence without queries, blocks crossing into the next sequence.
     let cu = (vec![0, 150, 150, 290], vec![0, 190, 200, 330]);
     let x = varlen_inputs::<bf16>(cu.clone(), (4, 2), 64, Mask::Causal, None, 9);

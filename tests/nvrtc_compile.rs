@@ -675,9 +675,9 @@ fn backward_variants_compile_without_spills() {
 
 /// The Hopper backward's main kernel (`kernels/bwd_sm90/`) compiles for sm_90a without spills,
 /// without ptxas serialising its wgmma groups, and with the launch's whole register share (its
-/// `setmaxnreg` split counts on it). Eight variants cover both tile widths, a head dim narrower
-/// than each (40, 96), both dtypes, the window, the softcap and varlen (CI time);
-/// `FA4_BWD_SM90_ALL=1` compiles all 64, and
+/// `setmaxnreg` split counts on it). Ten variants cover the three tile widths, a head dim
+/// narrower than each (40, 96, 192), both dtypes, the window, the softcap and varlen (CI time);
+/// `FA4_BWD_SM90_ALL=1` compiles all 96, and
 /// `FA4_BWD_SM90_SOURCE_DIR=DIR` also writes each variant's full source there (to iterate on a
 /// kernel with nvcc).
 #[test]
@@ -713,7 +713,7 @@ fn hopper_backward_variants_compile_without_spills_or_wgmma_serialization() {
     let specs: Vec<Spec> = if std::env::var("FA4_BWD_SM90_ALL").is_ok_and(|v| v == "1") {
         let mut all = Vec::new();
         for bf16 in [false, true] {
-            for d in [64, 128, 40, 96] {
+            for d in [64, 128, 256, 40, 96, 192] {
                 for window in [false, true] {
                     for softcap in [false, true] {
                         for varlen in [false, true] {
@@ -737,6 +737,9 @@ fn hopper_backward_variants_compile_without_spills_or_wgmma_serialization() {
             // and softcap d64 variant has the fewest registers to spare).
             spec(true, 64, true, true, true),
             spec(false, 128, true, false, true),
+            // The shared-keys form (tiles of 256): the widest, and d192 in it, varlen.
+            spec(true, 256, true, true, false),
+            spec(false, 192, true, false, true),
         ]
     };
     if let Some(dir) = std::env::var_os("FA4_BWD_SM90_SOURCE_DIR") {

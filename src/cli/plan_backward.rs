@@ -276,19 +276,20 @@ impl Gpu {
                 Ok(h) => format!(
                     "the Hopper backward (kernels/bwd_sm90: a TMA producer warpgroup, two consumer \
                      warpgroups, wgmma) replaces launch 2 below with {}: {} persistent CTAs \
-                     (at most one per SM) taking {} tiles (128 keys, KV head, sequence) from a \
+                     (at most one per SM) taking {} tiles ({} keys, KV head, sequence) from a \
                      counter, {} threads, {} B shared memory; launches 1 and 3 are as listed, \
                      except that launch 1 covers {} (grid \
                      {}x{}x{}) and writes D and LSE·log2e padded to them ({} B in place of the D \
                      workspace below, the tile counter included), which the Hopper kernel \
                      bulk-copies per step, and zeroes a dQ accumulator of {} B laid out in 64 x \
-                     64 tiles over those rows, which it adds to tile by tile from shared memory \
-                     (cp.reduce.async.bulk), and launch 3 reads those tiles whole, 32 rows per \
+                     64 tiles over those rows, which it adds to tile by tile {}, and launch 3 \
+                     reads those tiles whole, 32 rows per \
                      CTA (grid {}x{}x{}); FA4_BWD_KERNEL=sm80 runs the Ampere-class main kernel \
                      instead",
                     h.spec,
                     h.grid.0,
                     h.tiles,
+                    h.spec.block_n(),
                     h.spec.threads(),
                     h.spec.smem_bytes(),
                     if p.is_varlen() {
@@ -305,6 +306,12 @@ impl Gpu {
                     h.pre.1 .2,
                     h.base.dpsum_len * 4,
                     h.base.accum_len * 4,
+                    if fa4::config::bwd_sm90::shared_keys(h.spec.head_dim) {
+                        "from registers (red.global.add.v4.f32; both consumers share the 64 keys \
+                         and split the head dim)"
+                    } else {
+                        "from shared memory (cp.reduce.async.bulk)"
+                    },
                     h.convert.1 .0,
                     h.convert.1 .1,
                     h.convert.1 .2
@@ -325,6 +332,11 @@ impl Gpu {
         let ampere =
             "red.global.add.v2.f32 (one vector reduction per pair of f32, sm_90 and later)";
         match fa4::config::bwd_sm90::plan(p, &self.arch, self.target) {
+            Ok(h) if fa4::config::bwd_sm90::shared_keys(h.spec.head_dim) => format!(
+                "red.global.add.v4.f32 of 64 x 64 tiles from registers (the Hopper main \
+                 kernel at tiles of {}; the Ampere-class one: {ampere})",
+                h.spec.head_dim
+            ),
             Ok(_) => format!(
                 "cp.reduce.async.bulk add.f32 of 64 x 64 tiles from shared memory (the Hopper \
                  main kernel; the Ampere-class one: {ampere})"

@@ -23,9 +23,10 @@ use crate::arch::{Family, GpuArch};
 use crate::error::{Error, Result};
 use crate::problem::Problem;
 
-/// Tile widths of the Hopper backward: a head dim that is a multiple of 8 up to 128 runs in the
-/// first that holds it ([`padded_head_dim`]); larger ones run the Ampere-class backward.
-pub const HEAD_DIMS: [usize; 2] = [64, 128];
+/// Tile widths of the Hopper backward: a head dim that is a multiple of 8 up to 256 runs in the
+/// first that holds it ([`padded_head_dim`]). The 256-wide tiles are the shared-keys form
+/// ([`shared_keys`]).
+pub const HEAD_DIMS: [usize; 3] = [64, 128, 256];
 
 /// The tile width a head dim runs in: the first of [`HEAD_DIMS`] that holds it, for multiples
 /// of 8 (the TMA maps' 16-byte row rule), else `None`. Q, K, V and dO narrower than the tile
@@ -45,8 +46,24 @@ pub const WARPGROUP_THREADS: usize = 128;
 pub const KEYS_PER_CONSUMER: usize = 64;
 /// Consumer warpgroups per CTA.
 pub const CONSUMER_WGS: usize = 2;
-/// Keys per CTA.
-pub const BLOCK_N: usize = KEYS_PER_CONSUMER * CONSUMER_WGS;
+
+/// Whether tiles `head_dim` wide take the shared-keys form: both consumers take the block's 64
+/// keys (the M of `wgmma`), consumer c the queries `[c·block_m/2, …)` of Sᵀ and dPᵀ and the
+/// columns `[c·head_dim/2, …)` of dK, dV and dQ; Pᵀ and dSᵀ go through shared memory and dV,
+/// dK read them from there. Past 128 columns a consumer's own 64 keys would need dK and dV of
+/// 64 × head_dim each, 2 · head_dim / 2 ≥ 256 f32 registers per thread: more than it has.
+pub fn shared_keys(head_dim: usize) -> bool {
+    head_dim > 128
+}
+
+/// Keys per CTA at tile width `head_dim`: 64 per consumer, or 64 shared ([`shared_keys`]).
+pub fn block_n(head_dim: usize) -> usize {
+    if shared_keys(head_dim) {
+        KEYS_PER_CONSUMER
+    } else {
+        KEYS_PER_CONSUMER * CONSUMER_WGS
+    }
+}
 /// Registers per thread of the CTA at launch (`__launch_bounds__(384, 1)`): the register file
 /// (64K) over 384 threads, rounded down to the allocation granularity of 8.
 pub const LAUNCH_REGS: u32 = 168;
@@ -90,19 +107,27 @@ impl Tiles {
         WARPGROUP_THREADS * (1 + CONSUMER_WGS)
     }
 
-    /// Dynamic shared memory at `head_dim`: K and V, `stages` × (Q, dO), two dSᵀ buffers, one
-    /// dQ tile per consumer warpgroup, `stages` × (LSE, D) rows in f32, the mbarriers, the
-    /// CTA's work and the alignment slack (the kernel static_asserts the same sum).
+    /// Dynamic shared memory at `head_dim`: K and V, `stages` × (Q, dO), two dSᵀ buffers (and
+    /// two Pᵀ buffers in the shared-keys form), one dQ tile per consumer warpgroup (none in the
+    /// shared-keys form, which adds dQ from registers), `stages` × (LSE, D) rows in f32, the
+    /// mbarriers, the CTA's work and the alignment slack (the kernel static_asserts the same
+    /// sum).
     pub fn smem_bytes(&self, head_dim: usize) -> usize {
-        let kv = BLOCK_N * head_dim * 2;
+        let block_n = block_n(head_dim);
+        let kv = block_n * head_dim * 2;
         let qo = self.block_m * head_dim * 2;
-        let ds = BLOCK_N * self.block_m * 2;
+        let ds = block_n * self.block_m * 2;
         let stats = 2 * self.block_m * 4;
         let barriers = 8 * (6 + 2 * self.stages);
+        let (pt_buffers, dq_tiles) = if shared_keys(head_dim) {
+            (2, 0)
+        } else {
+            (0, CONSUMER_WGS)
+        };
         2 * kv
             + self.stages * 2 * qo
-            + 2 * ds
-            + CONSUMER_WGS * DQ_TILE_BYTES
+            + (2 + pt_buffers) * ds
+            + dq_tiles * DQ_TILE_BYTES
             + self.stages * stats
             + barriers
             + WORK_BYTES
@@ -123,6 +148,9 @@ impl Tiles {
             && head_dim.is_multiple_of(64)
             && CONSUMER_WGS.is_multiple_of(self.block_m / 64)
             && (head_dim / 64).is_multiple_of(dq_col_groups(self.block_m, head_dim))
+            && (!shared_keys(head_dim)
+                || (self.block_m == 64 * CONSUMER_WGS / 2
+                    && (head_dim / CONSUMER_WGS).is_multiple_of(64)))
             && (2..=3).contains(&self.stages)
             && self.producer_regs.is_multiple_of(8)
             && self.consumer_regs.is_multiple_of(8)
@@ -144,8 +172,12 @@ impl Tiles {
 
 /// Column groups of the dQ tile (block_m × head_dim): whole 64-column slabs (an MN-major
 /// wgmma operand cannot start inside a swizzle atom), at most the consumers left per 64-row
-/// group. The kernel computes the same number (`DQ_COL_GROUPS`).
+/// group; in the shared-keys form every slab. The kernel computes the same number (`DQ_COL_GROUPS`).
 fn dq_col_groups(block_m: usize, head_dim: usize) -> usize {
+    if shared_keys(head_dim) {
+        // One part per slab, each consumer taking its columns' parts in turn.
+        return head_dim / 64;
+    }
     (head_dim / 64)
         .min(CONSUMER_WGS / (block_m / 64).max(1))
         .max(1)
@@ -162,6 +194,13 @@ fn dq_col_groups(block_m: usize, head_dim: usize) -> usize {
 /// - d128: 64 queries per step. Sᵀ, dPᵀ 32 registers each, dK, dV 64 each (128 queries would
 ///   need 256 for the four accumulators alone); dQ (64 × 128) splits into two column slabs,
 ///   one per consumer. Three Q/dO stages (d64 has no room for a third).
+/// - d256 ([`shared_keys`]): 64 keys, 64 queries per step, two Q/dO stages (32 KiB per tile:
+///   K, V and two stages of Q and dO take 192 of the 227 KiB, the Pᵀ and dSᵀ buffers 32 more,
+///   so dQ goes from registers to the accumulator by 16-byte reductions, as FlashAttention-3
+///   does at d256). A consumer holds Sᵀ, dPᵀ (64 × 32: 16 registers each), dK, dV (64 × 128:
+///   64 each) and a 64 × 64 part of dQ (32), its two parts one after the other (both at once,
+///   64 × 128, spilled 20 bytes in the varlen d192 variants). FlashAttention-4 runs the same tile (64 × 64,
+///   both consumers on one key block) with single stages and a dQ tile in shared memory.
 ///
 /// Registers: 24 for the producer, 240 for each consumer, as FlashAttention-3's backward:
 /// 128 · (24 + 2 · 240) = 64512 of the 65536. No variant spills (`tests/nvrtc_compile.rs`)
@@ -170,7 +209,7 @@ fn dq_col_groups(block_m: usize, head_dim: usize) -> usize {
 pub fn tiles(head_dim: usize) -> Tiles {
     Tiles {
         block_m: if head_dim == 64 { 128 } else { 64 },
-        stages: if head_dim == 64 { 2 } else { 3 },
+        stages: if head_dim == 128 { 3 } else { 2 },
         producer_regs: 24,
         consumer_regs: 240,
     }
@@ -225,8 +264,9 @@ impl Spec {
             .int("QK_DIM", self.dim.next_multiple_of(16))
             .flag("SLAB_MAPS", self.slab_maps())
             .int("BLOCK_M", t.block_m)
-            .int("BLOCK_N", BLOCK_N)
+            .int("BLOCK_N", block_n(self.head_dim))
             .int("CONSUMER_WGS", CONSUMER_WGS)
+            .flag("SHARED_KEYS", shared_keys(self.head_dim))
             .int("STAGES", t.stages)
             .int("PRODUCER_REGS", t.producer_regs)
             .int("CONSUMER_REGS", t.consumer_regs)
@@ -253,14 +293,18 @@ impl Spec {
             .finish()
     }
 
-    /// The kernel's three `wgmma` shapes: `wgmma_st` (Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, N = block_m,
-    /// both operands K-major in shared memory), `wgmma_dkv` (dV += Pᵀ·dO and dK += dSᵀ·Q,
-    /// N = head_dim, A from registers, B MN-major) and `wgmma_dq` (dQ = dS·K, N = the dQ column
-    /// group, A = dSᵀ and B = K both MN-major in shared memory).
+    /// The kernel's `wgmma` shapes: `wgmma_st` (Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, N = a consumer's
+    /// queries, both operands K-major in shared memory), `wgmma_dkv` (dV += Pᵀ·dO and dK +=
+    /// dSᵀ·Q, N = a consumer's columns, A from registers, B MN-major), `wgmma_dkv_ss` (the same
+    /// with A = Pᵀ / dSᵀ from shared memory, the shared-keys form's) and `wgmma_dq` (dQ = dS·K,
+    /// N = the dQ column group, A = dSᵀ and B = K both MN-major in shared memory). Both `dkv`
+    /// forms are emitted; the kernel calls the one of its form.
     pub fn wgmma_wrappers(&self) -> String {
+        let sk = shared_keys(self.head_dim);
+        let split = if sk { CONSUMER_WGS } else { 1 };
         let st = Wgmma {
             name: "wgmma_st",
-            n: self.tiles.block_m,
+            n: self.tiles.block_m / split,
             a: OperandA::Smem,
             bf16: self.bf16,
             e4m3: false,
@@ -268,11 +312,16 @@ impl Spec {
         };
         let dkv = Wgmma {
             name: "wgmma_dkv",
-            n: self.head_dim,
+            n: self.head_dim / split,
             a: OperandA::Regs,
             bf16: self.bf16,
             e4m3: false,
             b_transposed: true,
+        };
+        let dkv_ss = Wgmma {
+            name: "wgmma_dkv_ss",
+            a: OperandA::Smem,
+            ..dkv
         };
         let dq = Wgmma {
             name: "wgmma_dq",
@@ -283,14 +332,20 @@ impl Spec {
             b_transposed: true,
         };
         format!(
-            "// generated by config::bwd_sm90: wgmma for N = {} (Sᵀ, dPᵀ), {} (dK, dV), {} (dQ)\n{}{}{}",
+            "// generated by config::bwd_sm90: wgmma for N = {} (Sᵀ, dPᵀ), {} (dK, dV), {} (dQ)\n{}{}{}{}",
             st.n,
             dkv.n,
             dq.n,
             st.wrapper(),
             dkv.wrapper(),
+            dkv_ss.wrapper(),
             transpose_a(&dq.wrapper())
         )
+    }
+
+    /// Keys per CTA ([`block_n`]).
+    pub fn block_n(&self) -> usize {
+        block_n(self.head_dim)
     }
 
     /// Whether Q, K, V and dO are narrower than the tile: loaded slab by slab through 4-D maps
@@ -331,7 +386,7 @@ impl fmt::Display for Spec {
             } else {
                 String::new()
             },
-            BLOCK_N,
+            self.block_n(),
             self.tiles.block_m,
             self.tiles.producer_regs,
             CONSUMER_WGS,
@@ -360,7 +415,7 @@ pub fn uncovered(
         return Some((
             "q",
             format!(
-                "head_dim {} (v: {}): the Hopper backward covers multiples of 8 up to 128, equal for q and v",
+                "head_dim {} (v: {}): the Hopper backward covers multiples of 8 up to 256, equal for q and v",
                 p.head_dim(),
                 p.head_dim_v()
             ),
@@ -516,7 +571,7 @@ pub fn plan(p: &Problem, arch: &GpuArch, target: &'static str) -> Result<Plan> {
     let max_k = p.sequences().iter().map(|s| s.k_len).max().unwrap_or(0);
     // The kernel numbers the tiles in int32.
     let n_tiles = max_k
-        .div_ceil(BLOCK_N)
+        .div_ceil(block_n(head_dim))
         .checked_mul(p.heads_kv())
         .and_then(|t| t.checked_mul(p.sequences().len()))
         .filter(|&t| t <= i32::MAX as usize)
@@ -590,8 +645,11 @@ mod tests {
             assert!(s.tiles.registers() <= 65_536, "{s}");
             assert_eq!(s.target, "sm_90a");
             assert!(s.window && !s.softcap);
-            // 333 keys in blocks of 128, 2 KV heads, 2 sequences: 12 tiles, fewer than SMs.
-            assert_eq!((p.tiles, p.grid), (12, (12, 1, 1)));
+            // 333 keys in blocks of 128 (64 at d256), 2 KV heads, 2 sequences: 12 tiles (24),
+            // fewer than SMs.
+            let tiles = if d == 256 { 24 } else { 12 };
+            assert_eq!((p.tiles, p.grid), (tiles, (tiles as u32, 1, 1)));
+            assert_eq!(s.block_n(), if d == 256 { 64 } else { 128 });
             assert_eq!(s.dq_n() % 64, 0);
             let prelude = s.prelude();
             assert!(prelude.contains(&format!("#define FA4_SMEM_BYTES {}", s.smem_bytes())));
@@ -634,6 +692,13 @@ mod tests {
             2 * 32768 + 6 * 16384 + 2 * 16384 + 2 * 16384 + 3 * 512 + 96 + 256 + 1024
         );
         assert_eq!(tiles(128).smem_bytes(128), 232_448 - 160);
+        // d256, shared keys (64 keys, 64 queries): K, V + 2 × (Q, dO) + 2 × dSᵀ + 2 × Pᵀ,
+        // no dQ tiles; 688 bytes under.
+        assert_eq!(
+            tiles(256).smem_bytes(256),
+            2 * 32768 + 4 * 32768 + 4 * 8192 + 2 * 512 + 80 + 256 + 1024
+        );
+        assert_eq!(tiles(256).smem_bytes(256), 232_448 - 688);
     }
 
     #[test]
@@ -642,7 +707,9 @@ mod tests {
         assert_eq!(padded_head_dim(64), Some(64));
         assert_eq!(padded_head_dim(72), Some(128));
         assert_eq!(padded_head_dim(128), Some(128));
-        assert_eq!(padded_head_dim(136), None);
+        assert_eq!(padded_head_dim(136), Some(256));
+        assert_eq!(padded_head_dim(256), Some(256));
+        assert_eq!(padded_head_dim(264), None);
         assert_eq!(padded_head_dim(20), None);
         assert_eq!(padded_head_dim(0), None);
         for (d, tile, qk) in [
@@ -651,6 +718,8 @@ mod tests {
             (80, 128, 80),
             (96, 128, 96),
             (120, 128, 128),
+            (136, 256, 144),
+            (192, 256, 192),
         ] {
             let p = plan(&problem(d, Options::new()), &arch::H100, "sm_90").unwrap();
             let s = &p.spec;
@@ -692,6 +761,18 @@ mod tests {
         assert!(w.contains("void wgmma_dq(float (&d)[32], u64 desc_a"));
         assert_eq!(w.matches("p, 1, 1, 1, 1;").count(), 1, "{w}");
         assert_eq!(w.matches("p, 1, 1, 0, 0;").count(), 1, "{w}");
+        // The shared-keys form: each consumer half the queries of Sᵀ and half the columns of dK
+        // and dV, with A from shared memory (K-major, B MN-major); dQ in 64-column parts.
+        let p = plan(&problem(256, Options::new()), &arch::H100, "sm_90").unwrap();
+        let w = p.spec.wgmma_wrappers();
+        assert!(w.contains("void wgmma_st(float (&d)[16], u64 desc_a"));
+        assert!(w.contains("void wgmma_dkv_ss(float (&d)[64], u64 desc_a"));
+        assert!(w.contains("void wgmma_dq(float (&d)[32], u64 desc_a"));
+        assert_eq!(w.matches("p, 1, 1, 0, 1;").count(), 1, "{w}");
+        assert!(p
+            .spec
+            .prelude()
+            .contains("constexpr bool SHARED_KEYS = true;"));
     }
 
     #[test]
@@ -703,12 +784,14 @@ mod tests {
         );
         assert_eq!(uncovered(&causal, &arch::A100, false).unwrap().0, "device");
         assert_eq!(
-            uncovered(&problem(256, Options::new()), &arch::H100, false)
-                .unwrap()
-                .0,
-            "q"
+            uncovered(&problem(256, Options::new()), &arch::H100, false),
+            None
         );
-        for d in [136, 100] {
+        assert_eq!(
+            uncovered(&problem(136, Options::new()), &arch::H100, false),
+            None
+        );
+        for d in [264, 100] {
             assert_eq!(
                 uncovered(&problem(d, Options::new()), &arch::H100, false)
                     .unwrap()

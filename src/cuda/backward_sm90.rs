@@ -259,7 +259,7 @@ impl CudaBackend {
         let (bf16, rows_m) = (plan.spec.bf16, plan.spec.tiles.block_m);
         let slabs = plan.spec.slab_maps();
         let f = &params.f;
-        let n = bwd_sm90::BLOCK_N;
+        let n = plan.spec.block_n();
         let args = Sm90BwdParams {
             tq: map("q", f.q, bf16, p.q_layout(), rows_m, slabs)?,
             tk: map("k", f.k, bf16, p.k_layout(), n, slabs)?,

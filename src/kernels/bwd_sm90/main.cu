@@ -92,6 +92,17 @@
 // are what a fixed-length batch loads (zeros, their statistics the padded rows' P = 0). The row
 // statistics and the dQ accumulator pad each sequence to whole query blocks (`stats_base`).
 //
+// Shared keys (SHARED_KEYS, tiles 256 wide: 136 ≤ head dim ≤ 256): a consumer's own 64 keys
+// would need dK and dV of 64 × HEAD_DIM each, 256 f32 registers per thread at d256. So the
+// block is 64 keys, which both consumers take as the M of wgmma; consumer c computes Sᵀ and dPᵀ
+// for the block's queries [c·QUERIES_PER_WG, …) (N = BLOCK_M / 2), stores its Pᵀ and dSᵀ to
+// shared memory (buffers g % 2, the dSᵀ layout), and after DS_READY computes dV += Pᵀ·dO and
+// dK += dSᵀ·Q for its columns [c·DKV_N, …) over all the block's queries (A from shared memory,
+// K-major) and dQ for the same columns, one 64 × 64 part at a time, added from registers with
+// 16-byte reductions (`red.global.add.v4.f32`, in `dq_pos` order: K, V and two Q/dO stages of
+// 32 KiB each and the Pᵀ/dSᵀ buffers leave no room for the dQ tiles). FlashAttention-4's sm90
+// backward uses the same split at d256.
+//
 // Shared-memory tiles are TMA boxes with the 128-byte swizzle, as the forward's: a (rows,
 // HEAD_DIM) tile is HEAD_DIM / 64 slabs of (rows, 64), each row 128 bytes, each slab
 // 1024-aligned. dSᵀ (BLOCK_N, BLOCK_M) is stored the same way, written by the consumers.
@@ -107,43 +118,55 @@ constexpr int WG_THREADS = 128;
 constexpr int CONSUMER_THREADS = WG_THREADS * CONSUMER_WGS;
 constexpr int NUM_THREADS = WG_THREADS * (1 + CONSUMER_WGS);
 constexpr int KEYS_PER_WG = 64;                    // the M of wgmma
+// SHARED_KEYS (head dims past 128): the consumers share the block's 64 keys; consumer c takes
+// queries [c·QUERIES_PER_WG, …) of Sᵀ and dPᵀ and columns [c·DKV_N, …) of dK, dV and dQ.
+constexpr int QUERIES_PER_WG = SHARED_KEYS ? BLOCK_M / CONSUMER_WGS : BLOCK_M;  // the N of Sᵀ
+constexpr int DKV_N = SHARED_KEYS ? HEAD_DIM / CONSUMER_WGS : HEAD_DIM;          // the N of dK, dV
+constexpr bool DQ_SMEM = !SHARED_KEYS;             // dQ by bulk reduce-add from shared memory
 constexpr int SLAB_ELEMS = 64;                     // one 128-byte swizzle row of 16-bit values
 constexpr int SLAB_ROW_BYTES = 128;
 constexpr int KV_BYTES = BLOCK_N * HEAD_DIM * 2;   // (BLOCK_N, HEAD_DIM)
 constexpr int QO_BYTES = BLOCK_M * HEAD_DIM * 2;   // (BLOCK_M, HEAD_DIM)
-constexpr int DS_BYTES = BLOCK_N * BLOCK_M * 2;    // (BLOCK_N, BLOCK_M): dSᵀ
+constexpr int DS_BYTES = BLOCK_N * BLOCK_M * 2;    // (BLOCK_N, BLOCK_M): dSᵀ (and Pᵀ, SHARED_KEYS)
 constexpr int DS_BUFFERS = 2;
+constexpr int P_BUFFERS = SHARED_KEYS ? DS_BUFFERS : 0;
 constexpr int ROW_STATS = 2 * BLOCK_M;             // f32 LSE·LOG2E and D of a step's rows
 constexpr int DQ_TILE = 64;                        // the dQ tile: 64 rows × 64 columns, f32
 constexpr int DQ_BYTES = DQ_TILE * DQ_TILE * 4;    // one consumer warpgroup's dQ buffer
+constexpr int DQ_BUFFERS = DQ_SMEM ? CONSUMER_WGS : 0;
 constexpr int DQ_WARP_ELEMS = 16 * DQ_TILE;        // a warp's 16 rows of it: one reduce-add
 constexpr int NUM_BARRIERS = 2 + 2 * STAGES + 4;  // load_kv, kv_free, the ring, work_full/empty[2]
 constexpr int WORK_SLOT = 128;                     // a tile's `Work`
 constexpr int WORK_BYTES = 2 * WORK_SLOT;          // two slots, after the barriers
 constexpr int TILE_ALIGN = 1024;
-constexpr int SMEM_BYTES = 2 * KV_BYTES + STAGES * 2 * QO_BYTES + DS_BUFFERS * DS_BYTES + CONSUMER_WGS * DQ_BYTES +
-                           STAGES * ROW_STATS * 4 + 8 * NUM_BARRIERS + WORK_BYTES + TILE_ALIGN;
-constexpr int ST_REGS = BLOCK_M / 2;               // f32 Sᵀ (and dPᵀ) per thread: (64, BLOCK_M) per warpgroup
-constexpr int PK_REGS = BLOCK_M / 4;               // packed 16-bit pairs of Pᵀ (and dSᵀ)
-constexpr int DKV_REGS = HEAD_DIM / 2;             // f32 dK (and dV) per thread: (64, HEAD_DIM)
+constexpr int SMEM_BYTES = 2 * KV_BYTES + STAGES * 2 * QO_BYTES + (DS_BUFFERS + P_BUFFERS) * DS_BYTES +
+                           DQ_BUFFERS * DQ_BYTES + STAGES * ROW_STATS * 4 + 8 * NUM_BARRIERS + WORK_BYTES + TILE_ALIGN;
+constexpr int ST_REGS = QUERIES_PER_WG / 2;        // f32 Sᵀ (and dPᵀ) per thread: (64, QUERIES_PER_WG) per warpgroup
+constexpr int PK_REGS = QUERIES_PER_WG / 4;        // packed 16-bit pairs of Pᵀ (and dSᵀ)
+constexpr int DKV_REGS = DKV_N / 2;                // f32 dK (and dV) per thread: (64, DKV_N)
 constexpr int SLABS = HEAD_DIM / SLAB_ELEMS;
 constexpr int DQ_ROW_GROUPS = BLOCK_M / 64;        // dQ tile split: 64-row groups …
-constexpr int DQ_COL_GROUPS = SLABS < CONSUMER_WGS / DQ_ROW_GROUPS ? SLABS : CONSUMER_WGS / DQ_ROW_GROUPS;
+// SHARED_KEYS: every slab a part, consumer c taking its DKV_N columns' parts one after another.
+constexpr int DQ_COL_GROUPS =
+    SHARED_KEYS ? SLABS : (SLABS < CONSUMER_WGS / DQ_ROW_GROUPS ? SLABS : CONSUMER_WGS / DQ_ROW_GROUPS);
 constexpr int DQ_PARTS = DQ_ROW_GROUPS * DQ_COL_GROUPS;  // … × column groups of whole slabs
+constexpr int DQ_PARTS_PER_WG = SHARED_KEYS ? DQ_PARTS / CONSUMER_WGS : 1;
 constexpr int DQ_N = HEAD_DIM / DQ_COL_GROUPS;     // the dQ wgmma's N
 constexpr int DQ_REGS = DQ_N / 2;                  // f32 dQ per thread: (64, DQ_N)
 constexpr int SBO_BYTES = 8 * SLAB_ROW_BYTES;      // 8-row core-matrix groups of a swizzle atom
 constexpr int KSTEP_K_MAJOR_BYTES = 32;            // k16 step inside a 128-byte swizzle row
 constexpr int KSTEP_ROWS_BYTES = 16 * SLAB_ROW_BYTES;  // k16 step over 16 rows (MN-major operands)
 
-static_assert(BLOCK_N == KEYS_PER_WG * CONSUMER_WGS, "a consumer warpgroup owns 64 keys");
+static_assert(BLOCK_N == (SHARED_KEYS ? KEYS_PER_WG : KEYS_PER_WG * CONSUMER_WGS),
+              "a consumer warpgroup owns 64 keys, or all consumers share them");
 static_assert(FIRST_CONSUMER_WARP == WG_THREADS / 32, "warpgroup 0 produces, the others consume");
 static_assert(HEAD_DIM % SLAB_ELEMS == 0, "tile widths are whole 64-element slabs");
 static_assert(DIM % 8 == 0 && DIM <= HEAD_DIM && SLAB_MAPS == (DIM != HEAD_DIM),
               "the head dim is a multiple of 8 within the tile, loaded per slab where narrower");
 static_assert(QK_DIM % 16 == 0 && QK_DIM >= DIM && QK_DIM <= HEAD_DIM, "Sᵀ and dPᵀ sum whole k16 steps");
 static_assert(BLOCK_M % 64 == 0 && BLOCK_M <= 256, "BLOCK_M is a wgmma N and a multiple of the dQ M");
-static_assert(CONSUMER_WGS % DQ_ROW_GROUPS == 0 && SLABS % DQ_COL_GROUPS == 0 && DQ_PARTS <= CONSUMER_WGS,
+static_assert(CONSUMER_WGS % DQ_ROW_GROUPS == 0 && SLABS % DQ_COL_GROUPS == 0 &&
+                  (SHARED_KEYS || DQ_PARTS <= CONSUMER_WGS),
               "the dQ tile splits into at most CONSUMER_WGS parts: 64-row groups × whole column slabs");
 static_assert(KV_BYTES % TILE_ALIGN == 0 && QO_BYTES % TILE_ALIGN == 0 && DS_BYTES % TILE_ALIGN == 0,
               "tiles keep 1024-byte alignment");
@@ -151,6 +174,9 @@ static_assert(SMEM_BYTES == FA4_SMEM_BYTES, "the planner's shared-memory count m
 static_assert(STAGES >= 2, "the Q/dO ring needs two stages to overlap loads with compute");
 static_assert((BLOCK_M * 4) % 16 == 0, "a step's statistics are whole 16-byte bulk copies");
 static_assert(DQ_N == DQ_TILE && DQ_REGS == 32, "a dQ part is one 64 × 64 tile of the accumulator");
+static_assert(!SHARED_KEYS || (QUERIES_PER_WG % 16 == 0 && DKV_N % SLAB_ELEMS == 0 &&
+                               DQ_PARTS_PER_WG * DQ_N == DKV_N && DQ_ROW_GROUPS == 1),
+              "shared keys: each consumer a whole k16 of queries and whole column slabs, its dQ parts its columns");
 
 // Accumulator layout of wgmma m64nN (f32), as in the forward: thread t of the warpgroup (warp
 // w, lane l) holds register i at row 16w + l/4 + 8·slot(i) and column 8·(i/4) + 2·(l%4) + i%2.
@@ -163,13 +189,15 @@ struct Smem {
     u32 k, v;        // (BLOCK_N, HEAD_DIM) each
     u32 q, dout;     // STAGES × (BLOCK_M, HEAD_DIM) each
     u32 ds;          // DS_BUFFERS × (BLOCK_N, BLOCK_M): dSᵀ
-    u32 dq;          // CONSUMER_WGS × (64, 64) f32: each warpgroup's dQ tile, in `dq_pos` order
+    u32 pt;          // P_BUFFERS × (BLOCK_N, BLOCK_M): Pᵀ (SHARED_KEYS)
+    u32 dq;          // DQ_BUFFERS × (64, 64) f32: each warpgroup's dQ tile, in `dq_pos` order
     float* stats;    // STAGES × [LSE·LOG2E (BLOCK_M), D (BLOCK_M)]
     Barriers load_kv, kv_free, load_q, release_q, work_full, work_empty;
     __device__ Pipeline<STAGES> pipe_q() const { return {load_q, release_q}; }
     __device__ u32 q_stage(int s) const { return q + s * QO_BYTES; }
     __device__ u32 do_stage(int s) const { return dout + s * QO_BYTES; }
     __device__ u32 ds_buf(int b) const { return ds + b * DS_BYTES; }
+    __device__ u32 p_buf(int b) const { return pt + b * DS_BYTES; }
     __device__ u32 dq_buf(int c) const { return dq + c * DQ_BYTES; }
     __device__ float* lse2(int s) const { return stats + s * ROW_STATS; }
     __device__ float* dsum(int s) const { return lse2(s) + BLOCK_M; }
@@ -374,13 +402,16 @@ __device__ __forceinline__ void zero_rows_from(u32 q, u32 dout, int from, int ct
 }
 
 // Sᵀ = K_c·Qᵀ and dPᵀ = V_c·dOᵀ (one commit group): A is the warpgroup's 64 rows of K (V),
-// K-major; B is Q (dO), K-major, N = BLOCK_M; the sum over QK_DIM (the columns past it are zeros).
+// K-major; B is Q (dO), K-major, N = QUERIES_PER_WG (its rows from c·QUERIES_PER_WG with
+// SHARED_KEYS, whose consumers all take the block's 64 keys); the sum over QK_DIM (the columns
+// past it are zeros).
 __device__ __forceinline__ void issue_st_dpt(float (&rS)[ST_REGS], float (&rdP)[ST_REGS], const Smem& sm, int stage,
                                              int c) {
-    const u32 wg_off = KEYS_PER_WG * c * SLAB_ROW_BYTES;
+    const u32 wg_off = SHARED_KEYS ? 0u : KEYS_PER_WG * c * SLAB_ROW_BYTES;
+    const u32 q_off = SHARED_KEYS ? QUERIES_PER_WG * c * SLAB_ROW_BYTES : 0u;
     const u64 k_desc = smem_desc(sm.k + wg_off, 16, SBO_BYTES), v_desc = smem_desc(sm.v + wg_off, 16, SBO_BYTES);
-    const u64 q_desc = smem_desc(sm.q_stage(stage), 16, SBO_BYTES);
-    const u64 do_desc = smem_desc(sm.do_stage(stage), 16, SBO_BYTES);
+    const u64 q_desc = smem_desc(sm.q_stage(stage) + q_off, 16, SBO_BYTES);
+    const u64 do_desc = smem_desc(sm.do_stage(stage) + q_off, 16, SBO_BYTES);
 #pragma unroll
     for (int kk = 0; kk < QK_DIM / 16; ++kk) {
         const u32 a_off = (kk / 4) * (BLOCK_N * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
@@ -398,6 +429,20 @@ __device__ __forceinline__ void issue_dkv(float (&acc)[DKV_REGS], const u32 (&a)
 #pragma unroll
     for (int kk = 0; kk < BLOCK_M / 16; ++kk)
         wgmma_dkv(acc, a[4 * kk], a[4 * kk + 1], a[4 * kk + 2], a[4 * kk + 3], desc_plus(b_desc, kk * KSTEP_ROWS_BYTES));
+}
+
+// SHARED_KEYS: acc += A·B for A = the (BLOCK_N, BLOCK_M) tile at `a_base` (Pᵀ or dSᵀ, stored by
+// both consumers: K-major, queries contiguous) and B = DKV_N columns of the (BLOCK_M, HEAD_DIM)
+// tile from `b_base` (a slab's start), MN-major: dV += Pᵀ·dO and dK += dSᵀ·Q over the block's
+// queries, this consumer's columns.
+__device__ __forceinline__ void issue_dkv_ss(float (&acc)[DKV_REGS], u32 a_base, u32 b_base) {
+    const u64 a_desc = smem_desc(a_base, 16, SBO_BYTES);
+    const u64 b_desc = smem_desc(b_base, BLOCK_M * SLAB_ROW_BYTES, SBO_BYTES);
+#pragma unroll
+    for (int kk = 0; kk < BLOCK_M / 16; ++kk) {
+        const u32 a_off = (kk / 4) * (BLOCK_N * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
+        wgmma_dkv_ss(acc, desc_plus(a_desc, a_off), desc_plus(b_desc, kk * KSTEP_ROWS_BYTES), 1);
+    }
 }
 
 // dQ (64 queries of row group `rg`, DQ_N columns of column group `cg`) = dS·K over the block's
@@ -419,10 +464,11 @@ __device__ __forceinline__ void issue_dq(float (&acc)[DQ_REGS], const Smem& sm, 
 // (tile + ds_row_base + ds_offset(i)) ^ ((lane / 4) · 16): the chunk bits 4–6 of everything but
 // the constant's chunk are 0, so adding the chunk and then XOR-ing equals XOR-ing the chunk.
 // Computed per store (an add and a xor) so that nothing is held across the step loop.
-__device__ __forceinline__ constexpr u32 ds_offset(int i) {
+// `q0` is the warpgroup's first query column (SHARED_KEYS; a multiple of 8, else 0).
+__device__ __forceinline__ constexpr u32 ds_offset(int i, int q0) {
     // acc_col(i, lane) = 8·(i/4) + 2·(lane % 4) + i % 2 (the lane part is in ds_row_base).
-    return static_cast<u32>(((8 * (i >> 2)) / SLAB_ELEMS) * BLOCK_N * SLAB_ROW_BYTES + acc_slot(i) * 8 * SLAB_ROW_BYTES +
-                            (((8 * (i >> 2)) % SLAB_ELEMS) / 8) * 16);
+    return static_cast<u32>(((q0 + 8 * (i >> 2)) / SLAB_ELEMS) * BLOCK_N * SLAB_ROW_BYTES +
+                            acc_slot(i) * 8 * SLAB_ROW_BYTES + (((q0 + 8 * (i >> 2)) % SLAB_ELEMS) / 8) * 16);
 }
 
 // Position (in f32 elements) of accumulator register i of warpgroup thread t in a dQ tile:
@@ -447,20 +493,21 @@ __device__ __forceinline__ void zero(float* r, int n) {
 }
 
 // Pᵀ and dSᵀ (without the scale) of a step from its Sᵀ and dPᵀ, packed into A fragments: k step
-// kk takes registers 8kk .. 8kk + 7 pairwise (the accumulator layout is the A layout's). `lse2`
+// kk takes registers 8kk .. 8kk + 7 pairwise (the accumulator layout is the A layout's); the
+// thread's query columns start at q0 (the warpgroup's first with SHARED_KEYS, else 0). `lse2`
 // holds the step's LSE·LOG2E rows, then its D rows. MASKED: query q of the block is allowed for
 // the thread's key of slot h iff q is in [q_lo[h], q_hi[h]); others get P = dS = 0 (set, not
 // multiplied). An unmasked step skips that test (its instance has none).
 template <bool MASKED>
 __device__ __forceinline__ void p_and_ds(u32 (&rP)[PK_REGS], u32 (&rdS)[PK_REGS], const float (&rS)[ST_REGS],
                                          const float (&rdP)[ST_REGS], const float* lse2, const int (&q_lo)[2],
-                                         const int (&q_hi)[2], const BwdParams& bp, int lane) {
+                                         const int (&q_hi)[2], const BwdParams& bp, int lane, int q0) {
 #pragma unroll
     for (int j = 0; j < PK_REGS; ++j) {
         float pv[2], ds[2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-            const int i = 2 * j + e, q = acc_col(i, lane);
+            const int i = 2 * j + e, q = q0 + acc_col(i, lane);
             float dsdx = 1.0f;
             if constexpr (HAS_SOFTCAP) {
                 const float x = capped(bp, rS[i], dsdx);
@@ -485,7 +532,10 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
     const FwdParams& p = bp.f;
     const int ctid = threadIdx.x - WG_THREADS;  // 0 .. CONSUMER_THREADS
     const int tid = ctid % WG_THREADS, warp = tid / 32, lane = tid % 32;
-    const int key_row = KEYS_PER_WG * c + 16 * warp + lane / 4;  // this thread's keys: key_row + 8·slot
+    // This thread's keys: key_row + 8·slot; with SHARED_KEYS its queries from q0 and its dK, dV
+    // columns from col0.
+    const int key_row = (SHARED_KEYS ? 0 : KEYS_PER_WG * c) + 16 * warp + lane / 4;
+    const int q0 = SHARED_KEYS ? QUERIES_PER_WG * c : 0, col0 = SHARED_KEYS ? DKV_N * c : 0;
 
     int g = 0;       // steps consumed: the ring position
     int loaded = 0;  // tiles with steps so far: the load_kv phase
@@ -495,7 +545,7 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
         const Work& w = slots[slot];
         if (w.n0 < 0) break;
 
-        float rdK[DKV_REGS], rdV[DKV_REGS];  // (64, HEAD_DIM) each per warpgroup
+        float rdK[DKV_REGS], rdV[DKV_REGS];  // (64, DKV_N) each per warpgroup
         zero(rdK, DKV_REGS);
         zero(rdV, DKV_REGS);
 
@@ -517,7 +567,7 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
                 clean_nonfinite<QO_BYTES>(sm.q_stage(st.stage), ctid);
             }
 
-            float rS[ST_REGS], rdP[ST_REGS];  // (64 keys, BLOCK_M queries) each per warpgroup
+            float rS[ST_REGS], rdP[ST_REGS];  // (64 keys, QUERIES_PER_WG queries) each per warpgroup
             wgmma_fence();
             issue_st_dpt(rS, rdP, sm, st.stage, c);
             wgmma_wait<0>();
@@ -544,29 +594,77 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             int masked_now = masked;
             asm volatile("" : "+r"(masked_now));
             if (masked_now)
-                p_and_ds<true>(rP, rdS, rS, rdP, lse2, q_lo, q_hi, bp, lane);
+                p_and_ds<true>(rP, rdS, rS, rdP, lse2, q_lo, q_hi, bp, lane, q0);
             else
-                p_and_ds<false>(rP, rdS, rS, rdP, lse2, q_lo, q_hi, bp, lane);
+                p_and_ds<false>(rP, rdS, rS, rdP, lse2, q_lo, q_hi, bp, lane, q0);
             // This stage's statistics are read: the producer may refill it (STATS_FREE).
             stats_free_arrive(st.stage);
 
-            // dV += Pᵀ·dO, dK += dSᵀ·Q, in flight while dSᵀ goes to shared memory.
-            wgmma_fence();
-            issue_dkv(rdV, rP, sm.do_stage(st.stage));
-            issue_dkv(rdK, rdS, sm.q_stage(st.stage));
-            wgmma_commit();
-
-            // dSᵀ to buffer it % 2: register pair j is (key_row + 8·slot, queries acc_col(2j) + 0, 1).
             const u32 ds_base = sm.ds_buf(g % DS_BUFFERS);
-            const u32 ds_row = ds_base + key_row * SLAB_ROW_BYTES + (lane % 4) * 4, ds_xor = (lane / 4) * 16;
+            const u32 ds_row = (lane % 4) * 4 + key_row * SLAB_ROW_BYTES, ds_xor = (lane / 4) * 16;
+            if constexpr (SHARED_KEYS) {
+                // Pᵀ and dSᵀ of this warpgroup's queries to buffer g % 2 (the products below take
+                // every query of the block, so both go through shared memory); register pair j is
+                // (key_row + 8·slot, queries q0 + acc_col(2j) + 0, 1).
+                const u32 p_base = sm.p_buf(g % DS_BUFFERS);
 #pragma unroll
-            for (int j = 0; j < PK_REGS; ++j) st_shared_b32((ds_row + ds_offset(2 * j)) ^ ds_xor, rdS[j]);
-            fence_proxy_async();
-            // This warp's previous dQ rows have been read out of the buffer (its lane 0 issued their
-            // reduce-add); the barrier tells the other lanes before they store the next ones.
-            if (lane == 0) bulk_wait_read<0>();
-            named_bar_sync<BAR_DS_READY, CONSUMER_THREADS>();
+                for (int j = 0; j < PK_REGS; ++j) {
+                    st_shared_b32((p_base + ds_row + ds_offset(2 * j, q0)) ^ ds_xor, rP[j]);
+                    st_shared_b32((ds_base + ds_row + ds_offset(2 * j, q0)) ^ ds_xor, rdS[j]);
+                }
+                fence_proxy_async();
+                named_bar_sync<BAR_DS_READY, CONSUMER_THREADS>();
+                // dV += Pᵀ·dO, dK += dSᵀ·Q over this warpgroup's columns, then dQ = dS·K over its
+                // dQ columns (part c) as a second commit group.
+                const u32 slab_off = (col0 / SLAB_ELEMS) * (BLOCK_M * SLAB_ROW_BYTES);
+                wgmma_fence();
+                issue_dkv_ss(rdV, p_base, sm.do_stage(st.stage) + slab_off);
+                issue_dkv_ss(rdK, ds_base, sm.q_stage(st.stage) + slab_off);
+                wgmma_commit();
+            } else {
+                // dV += Pᵀ·dO, dK += dSᵀ·Q, in flight while dSᵀ goes to shared memory.
+                wgmma_fence();
+                issue_dkv(rdV, rP, sm.do_stage(st.stage));
+                issue_dkv(rdK, rdS, sm.q_stage(st.stage));
+                wgmma_commit();
 
+                // dSᵀ to buffer g % 2: register pair j is (key_row + 8·slot, queries acc_col(2j) + 0, 1).
+#pragma unroll
+                for (int j = 0; j < PK_REGS; ++j) st_shared_b32((ds_base + ds_row + ds_offset(2 * j, 0)) ^ ds_xor, rdS[j]);
+                fence_proxy_async();
+                // This warp's previous dQ rows have been read out of the buffer (its lane 0 issued
+                // their reduce-add); the barrier tells the other lanes before they store the next ones.
+                if (lane == 0) bulk_wait_read<0>();
+                named_bar_sync<BAR_DS_READY, CONSUMER_THREADS>();
+            }
+
+            if constexpr (SHARED_KEYS) {
+                // dQ of this warpgroup's columns, one 64 × 64 part at a time (a 64 × 128 product
+                // held beside dK and dV spilled in the varlen d192 variants), each added from
+                // registers: four consecutive registers are 16 contiguous bytes of an
+                // accumulator tile (`dq_pos`), a warp's 32 lanes 512 contiguous bytes. (No shared
+                // dQ buffer: it would not fit beside the two Q/dO stages at HEAD_DIM 256.)
+#pragma unroll 1
+                for (int h = 0; h < DQ_PARTS_PER_WG; ++h) {
+                    float rdQ[DQ_REGS];  // (64, 64)
+                    wgmma_fence();
+                    issue_dq(rdQ, sm, ds_base, 0, c * DQ_PARTS_PER_WG + h);
+                    wgmma_commit();
+                    if (h == 0) {
+                        wgmma_wait<1>();  // dV and dK are in: the stage's Q and dO are free
+                        sm.pipe_q().release(st, lane);
+                    }
+                    wgmma_wait<0>();
+                    const int t_now = static_cast<int>(thread_index()) % WG_THREADS;
+                    const long long row0 = VARLEN ? w.stats0 + static_cast<long long>(head) * bp.stats_rows + r0
+                                                  : stats_row(bp, w, head) + r0;
+                    float* acc = bp.dq_accum + row0 * HEAD_DIM + (c * DQ_PARTS_PER_WG + h) * (DQ_TILE * DQ_TILE);
+#pragma unroll
+                    for (int k = 0; k < DQ_REGS / 4; ++k)
+                        red_add_v4f(acc + dq_pos(4 * k, t_now), rdQ[4 * k], rdQ[4 * k + 1], rdQ[4 * k + 2], rdQ[4 * k + 3]);
+                }
+                continue;
+            }
             const int part = (c + g) % CONSUMER_WGS;  // this warpgroup's part of dQ, if any
             if (part >= DQ_PARTS) {
                 wgmma_wait<0>();  // dV and dK are in: the stage's Q and dO are free
@@ -582,12 +680,14 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             sm.pipe_q().release(st, lane);
             wgmma_wait<0>();
 
-            // dQ_i += dS·K (the scale is applied by the convert kernel): the tile to this warpgroup's
-            // buffer in register order, then one bulk reduce-add of it into its accumulator tile
-            // (rows past the sequence land in the padded rows, which `convert` skips).
-            // The thread's place in the tile from a fresh read of its index: held across the step
-            // loop, these offsets spilled at d64 with a window (BLOCK_M 128).
+            // dQ_i += dS·K (the scale is applied by the convert kernel): the tile to this
+            // warpgroup's buffer in register order, then one bulk reduce-add of it into its
+            // accumulator tile (rows past the sequence land in the padded rows, which `convert`
+            // skips). The thread's place in the tile from a fresh read of its index: held across
+            // the step loop, these offsets spilled at d64 with a window (BLOCK_M 128).
             const int t_now = static_cast<int>(thread_index()) % WG_THREADS;
+            const long long row0 = VARLEN ? w.stats0 + static_cast<long long>(head) * bp.stats_rows + r0 + 64 * rg
+                                          : stats_row(bp, w, head) + r0 + 64 * rg;
             const u32 dq_buf = sm.dq_buf(c);
 #pragma unroll
             for (int k = 0; k < DQ_REGS / 4; ++k)
@@ -596,8 +696,6 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             __syncwarp();
             if (lane == 0) {
                 const int warp_elems = DQ_WARP_ELEMS * (t_now / 32);
-                const long long row0 = VARLEN ? w.stats0 + static_cast<long long>(head) * bp.stats_rows + r0 + 64 * rg
-                                              : stats_row(bp, w, head) + r0 + 64 * rg;
                 bulk_reduce_add_f32(bp.dq_accum + row0 * HEAD_DIM + cg * (DQ_TILE * DQ_TILE) + warp_elems,
                                     dq_buf + 4 * warp_elems, 4 * DQ_WARP_ELEMS);
                 bulk_commit();
@@ -623,7 +721,7 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
                        w.kv_head * bp.dv_head_stride;
 #pragma unroll
             for (int i = 0; i < DKV_REGS; i += 4) {
-                const int col = acc_col(i, lane);
+                const int col = col0 + acc_col(i, lane);
                 if (SLAB_MAPS && col >= DIM) continue;
                 st_global_b32(gdK + col, pack2(rdK[i + 2 * h] * bp.scale, rdK[i + 2 * h + 1] * bp.scale));
                 st_global_b32(gdV + col, pack2(rdV[i + 2 * h], rdV[i + 2 * h + 1]));
@@ -652,8 +750,9 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_bwd_sm90(const 
     sm.q = sm.v + KV_BYTES;
     sm.dout = sm.q + STAGES * QO_BYTES;
     sm.ds = sm.dout + STAGES * QO_BYTES;
-    sm.dq = sm.ds + DS_BUFFERS * DS_BYTES;
-    const u32 stats = sm.dq + CONSUMER_WGS * DQ_BYTES;
+    sm.pt = sm.ds + DS_BUFFERS * DS_BYTES;
+    sm.dq = sm.pt + P_BUFFERS * DS_BYTES;
+    const u32 stats = sm.dq + DQ_BUFFERS * DQ_BYTES;
     sm.stats = reinterpret_cast<float*>(smem_raw + (stats - smem_u32(smem_raw)));
     sm.load_kv.base = stats + STAGES * ROW_STATS * 4;
     sm.kv_free.base = sm.load_kv[1];

@@ -31,3 +31,10 @@ __device__ __forceinline__ void st_shared_v4(u32 addr, const u32 (&x)[4]) {
                  : "memory");
 }
 
+
+// dst[0 .. 4) += {a, b, c, d} (f32, one vector reduction, no return value; sm_90). dst 16-byte
+// aligned.
+__device__ __forceinline__ void red_add_v4f(float* dst, float a, float b, float c, float d) {
+    asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d)
+                 : "memory");
+}

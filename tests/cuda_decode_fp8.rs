@@ -14,9 +14,12 @@
 //! unset), and `bench/device_check.sh DIR decode` runs this binary once per variant;
 //! `fp8_runs_the_environments_variant` proves which ran.
 
+use std::collections::BTreeMap;
+
 use cudarc::driver::CudaSlice;
 use fa4::config::decode::DecodeTiles;
 use fa4::config::decode_gpu::DecodeVariant;
+use fa4::cuda::compile::{compile, KernelSource};
 use fa4::cuda::decode::DeviceKvScales;
 use fa4::cuda::CudaBackend;
 use fa4::paged::random::{random_paged, PagedInputs, PagedSpec};
@@ -26,6 +29,7 @@ use fa4::{Backend, Element, Error, Options, Tensor, TensorMut, F8E4M3};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use rayon::prelude::*;
 
 fn gpu() -> CudaBackend {
     match CudaBackend::new(0) {
@@ -338,11 +342,21 @@ impl<T: Element> Device<T> {
         c: &Fp8Inputs<T>,
         p: &paged::PagedProblem,
     ) -> fa4::check::Report {
+        let oracle = reference::oracle_fp8(p, &c.x.q, &c.k8, &c.v8, &c.scales()).unwrap();
+        self.judge(cuda, &oracle, p)
+    }
+    /// [`Device::check`] with the oracle of `p` computed beforehand.
+    fn judge(
+        &self,
+        cuda: &CudaBackend,
+        oracle: &reference::Fp8Oracle<T>,
+        p: &paged::PagedProblem,
+    ) -> fa4::check::Report {
         let (o, l) = (
             cuda.download(&self.o).unwrap(),
             cuda.download(&self.lse).unwrap(),
         );
-        reference::check_fp8(p, &c.x.q, &c.k8, &c.v8, &c.scales(), &o, Some(&l)).unwrap()
+        oracle.check(p, &o, Some(&l)).unwrap()
     }
 }
 
@@ -392,6 +406,9 @@ fn fp8_runs_the_environments_variant() {
 /// Every variant on one set of device tables (switched with `set_variant`), against the oracle:
 /// the layout with ragged lengths, plain and causal speculative decode, the planner's
 /// and forced split counts; then a GQA-1 d256 case over pages of 3 and a d64 one over pages of 1.
+/// The oracle of each problem is computed once for its 36 runs (the first case's takes 7–10 s on
+/// 2 CPU cores), and the kernels (69 on Hopper, about 1 s of NVRTC each) are compiled up front
+/// in parallel.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fp8_every_variant_matches_the_oracle_in_one_process() {
@@ -415,6 +432,11 @@ fn fp8_every_variant_matches_the_oracle_in_one_process() {
             "heads+bulk+best+fuse",
         ]);
     }
+    let variants: Vec<DecodeVariant> = variants
+        .iter()
+        .map(|v| DecodeVariant::parse(v).unwrap())
+        .collect();
+    let splits = [None, Some(1), Some(5)];
     let mut rng = StdRng::seed_from_u64(53);
     let cases = [
         PagedSpec {
@@ -448,29 +470,67 @@ fn fp8_every_variant_matches_the_oracle_in_one_process() {
             varlen: false,
         },
     ];
-    for (i, spec) in cases.iter().enumerate() {
-        let c = fp8_inputs::<bf16>(&mut rng, spec);
-        for opts in [
-            Options::new(),
-            Options::new().causal(),
-            Options::new().window(Some(100), Some(0)).softcap(4.0),
-        ] {
-            let p = c.x.problem(&opts).unwrap();
-            let p8 = p.clone().with_fp8_cache();
-            let mut tables = cuda.paged_tables(&p8).unwrap();
-            let mut d = Device::new(&cuda, &c, p.lse_len());
-            for v in &variants {
-                tables.set_variant(DecodeVariant::parse(v).unwrap());
-                for splits in [None, Some(1), Some(5)] {
-                    d.run(&cuda, &p8, &mut tables, splits)
-                        .unwrap_or_else(|e| panic!("case {i} {v} {splits:?}: {e}"));
-                    let r = d.check(&cuda, &c, &p);
-                    assert!(r.passed(), "case {i} {opts:?} {v} splits {splits:?}: {r}");
-                    d.poison(&cuda);
+    let masks = [
+        Options::new(),
+        Options::new().causal(),
+        Options::new().window(Some(100), Some(0)).softcap(4.0),
+    ];
+    let inputs: Vec<Fp8Inputs<bf16>> = cases.iter().map(|s| fp8_inputs(&mut rng, s)).collect();
+    let problems: Vec<paged::PagedProblem> = inputs
+        .iter()
+        .flat_map(|c| masks.iter().map(|o| c.x.problem(o).unwrap()))
+        .collect();
+    let fp8_problems: Vec<_> = problems
+        .iter()
+        .map(|p| p.clone().with_fp8_cache())
+        .collect();
+    compile_ahead(&cuda, &fp8_problems, &variants, &splits);
+    for (n, (p, p8)) in problems.iter().zip(&fp8_problems).enumerate() {
+        let (i, c) = (n / masks.len(), &inputs[n / masks.len()]);
+        let opts = p.options();
+        let oracle = reference::oracle_fp8(p, &c.x.q, &c.k8, &c.v8, &c.scales()).unwrap();
+        let mut tables = cuda.paged_tables(p8).unwrap();
+        let mut d = Device::new(&cuda, c, p.lse_len());
+        for &v in &variants {
+            tables.set_variant(v);
+            for s in splits {
+                d.run(&cuda, p8, &mut tables, s)
+                    .unwrap_or_else(|e| panic!("case {i} {v} {s:?}: {e}"));
+                let r = d.judge(&cuda, &oracle, p);
+                assert!(r.passed(), "case {i} {opts:?} {v} splits {s:?}: {r}");
+                d.poison(&cuda);
+            }
+        }
+    }
+}
+
+/// Compiles the kernels that `variants` × `splits` run on `problems` (the split or all-heads
+/// kernel, and the combine where there is one) in parallel, into the disk cache that their
+/// launches then read instead of compiling them one at a time.
+fn compile_ahead(
+    cuda: &CudaBackend,
+    problems: &[paged::PagedProblem],
+    variants: &[DecodeVariant],
+    splits: &[Option<usize>],
+) {
+    let mut kernels: BTreeMap<String, Box<dyn KernelSource + Send + Sync>> = BTreeMap::new();
+    for p in problems {
+        for &v in variants {
+            for &s in splits {
+                let plan = cuda.plan_paged_variant(p, s, v).unwrap();
+                match plan.heads {
+                    Some(h) => kernels.insert(format!("{h:?}"), Box::new(h)),
+                    None => kernels.insert(format!("{:?}", plan.spec), Box::new(plan.spec)),
+                };
+                if plan.grid.2 > 1 && !plan.fused() {
+                    kernels.insert(format!("{:?}", plan.combine), Box::new(plan.combine));
                 }
             }
         }
     }
+    kernels.par_iter().for_each(|(name, k)| {
+        compile(k.as_ref()).unwrap_or_else(|e| panic!("{name}: {e}"));
+    });
 }
 
 /// The non-finite rule over an fp8 cache: a NaN byte (S.1111.111) in V at a key that some rows

@@ -16,6 +16,7 @@
 //! the helpers the backends use.
 
 use std::fmt;
+use std::marker::PhantomData;
 
 use rand::Rng;
 use rand_distr::{Distribution, StandardNormal};
@@ -258,32 +259,91 @@ pub fn check_kv_fp8<T: Element>(
     lse: Option<&[f32]>,
 ) -> Result<Report> {
     check_outputs(p, o, lse)?;
-    for (name, l, w) in [
-        ("k", p.k_layout(), p.head_dim()),
-        ("v", p.v_layout(), p.head_dim_v()),
-    ] {
-        let [_, s, h, _] = l.dims;
-        if l.strides[2] != w || l.strides[1] != h * w || (!l.packed && l.strides[0] != s * h * w) {
+    KvFp8Oracle::new(p, q, k, v, k_scale, v_scale)?.judge(p, o, lse)
+}
+
+/// [`check_kv_fp8`]'s two evaluations of one set of inputs, computed once to judge several
+/// backends' outputs of them (the GPU decode variants: the evaluations cost far more than the
+/// judging).
+#[derive(Debug, Clone)]
+pub struct KvFp8Oracle<T> {
+    want: reference::Output<f64>,
+    low: reference::Output<f32>,
+    queries: PhantomData<T>,
+}
+
+impl<T: Element> KvFp8Oracle<T> {
+    /// The evaluations of [`check_kv_fp8`]'s inputs; errors as it does for them.
+    pub fn new(
+        p: &Problem,
+        q: &[T],
+        k: &[F8E4M3],
+        v: &[F8E4M3],
+        k_scale: &[f32],
+        v_scale: &[f32],
+    ) -> Result<Self> {
+        for (name, l, w) in [
+            ("k", p.k_layout(), p.head_dim()),
+            ("v", p.v_layout(), p.head_dim_v()),
+        ] {
+            let [_, s, h, _] = l.dims;
+            if l.strides[2] != w
+                || l.strides[1] != h * w
+                || (!l.packed && l.strides[0] != s * h * w)
+            {
+                return Err(Error::invalid(
+                    name,
+                    "must be contiguous (a gathered cache)",
+                ));
+            }
+        }
+        let want = reference::attention_f64_kv_fp8(p, q, k, v, k_scale, v_scale)?;
+        let widen = |x: &[F8E4M3], s: &[f32], w: usize| -> Vec<T> {
+            let hkv = p.heads_kv();
+            x.iter()
+                .enumerate()
+                .map(|(i, e)| {
+                    T::from_f64(reference::e4m3_value(e.to_bits()) * f64::from(s[(i / w) % hkv]))
+                })
+                .collect()
+        };
+        let kw = widen(k, k_scale, p.head_dim());
+        let vw = widen(v, v_scale, p.head_dim_v());
+        let low = reference::attention_lowp(p, q, &kw, &vw)?;
+        Ok(KvFp8Oracle {
+            want,
+            low,
+            queries: PhantomData,
+        })
+    }
+
+    /// [`check_kv_fp8`]'s verdict on a backend's O and LSE of `p`, the problem these
+    /// evaluations are of. Errors as [`check`] for the outputs, and name `p` when it has other
+    /// outputs than the evaluations hold.
+    pub fn judge(&self, p: &Problem, o: &[T], lse: Option<&[f32]>) -> Result<Report> {
+        check_outputs(p, o, lse)?;
+        if self.want.o.len() != p.o_layout().numel() || self.want.lse.len() != p.lse_len() {
             return Err(Error::invalid(
-                name,
-                "must be contiguous (a gathered cache)",
+                "p",
+                format!(
+                    "the oracle holds {} O and {} LSE elements, the problem has {} and {}",
+                    self.want.o.len(),
+                    self.want.lse.len(),
+                    p.o_layout().numel(),
+                    p.lse_len()
+                ),
             ));
         }
+        Ok(judge(
+            p,
+            T::DTYPE,
+            &self.want,
+            Some(&self.low),
+            None,
+            o,
+            lse,
+        ))
     }
-    let want = reference::attention_f64_kv_fp8(p, q, k, v, k_scale, v_scale)?;
-    let widen = |x: &[F8E4M3], s: &[f32], w: usize| -> Vec<T> {
-        let hkv = p.heads_kv();
-        x.iter()
-            .enumerate()
-            .map(|(i, e)| {
-                T::from_f64(reference::e4m3_value(e.to_bits()) * f64::from(s[(i / w) % hkv]))
-            })
-            .collect()
-    };
-    let kw = widen(k, k_scale, p.head_dim());
-    let vw = widen(v, v_scale, p.head_dim_v());
-    let low = reference::attention_lowp(p, q, &kw, &vw)?;
-    Ok(judge(p, T::DTYPE, &want, Some(&low), None, o, lse))
 }
 
 /// The LSE allowance of fp8 inputs, per LSE entry (`docs/attention.md`, "FP8 (e4m3) inputs",

@@ -163,18 +163,42 @@ pub fn check_fp8<T: Element>(
     o: &[T],
     lse: Option<&[f32]>,
 ) -> Result<Report> {
+    oracle_fp8(p, q, k_cache, v_cache, scales)?.check(p, o, lse)
+}
+
+/// [`check_fp8`]'s evaluations of one paged fp8 problem's inputs, computed once to judge several
+/// backends' outputs of it ([`Fp8Oracle::check`]): the gathered problem and its
+/// [`check::KvFp8Oracle`].
+#[derive(Debug, Clone)]
+pub struct Fp8Oracle<T> {
+    gathered: Problem,
+    oracle: check::KvFp8Oracle<T>,
+}
+
+/// The [`Fp8Oracle`] of `p`'s inputs; errors as [`check_fp8`] does for them.
+pub fn oracle_fp8<T: Element>(
+    p: &PagedProblem,
+    q: &[T],
+    k_cache: &[F8E4M3],
+    v_cache: &[F8E4M3],
+    scales: &super::KvScales,
+) -> Result<Fp8Oracle<T>> {
     let g = gather(p, q, k_cache, v_cache)?;
-    let (go, gl) = regather(p, &g.problem, o, lse);
-    check::check_kv_fp8(
-        &g.problem,
-        &g.q,
-        &g.k,
-        &g.v,
-        scales.k,
-        scales.v,
-        &go,
-        lse.map(|_| gl.as_slice()),
-    )
+    let oracle = check::KvFp8Oracle::new(&g.problem, &g.q, &g.k, &g.v, scales.k, scales.v)?;
+    Ok(Fp8Oracle {
+        gathered: g.problem,
+        oracle,
+    })
+}
+
+impl<T: Element> Fp8Oracle<T> {
+    /// [`check_fp8`]'s verdict on a backend's output of `p`, the problem this oracle is of:
+    /// `o` in its O layout, `lse` in its LSE layout.
+    pub fn check(&self, p: &PagedProblem, o: &[T], lse: Option<&[f32]>) -> Result<Report> {
+        let (go, gl) = regather(p, &self.gathered, o, lse);
+        self.oracle
+            .judge(&self.gathered, &go, lse.map(|_| gl.as_slice()))
+    }
 }
 
 /// A backend's O and LSE moved into the gathered problem's layouts.

@@ -45,6 +45,7 @@ constexpr int V_GROUPS = HEAD_DIM / (8 * VW);  // such groups per row (8 lanes' 
 constexpr u32 SIGN_PAIR = 0x80008000u;         // sign bits of a 16-bit pair
 constexpr u32 BF16_2P120 = 0x7b807b80u;        // 2^120, a bf16 pair
 constexpr u32 NAN_HALF = 0x7fffu;              // a NaN in f16 and in bf16
+constexpr u32 NEG_ZERO_HALF = 0x8000u;         // −0 in f16
 static_assert(HEAD_DIM % 64 == 0, "Q·Kᵀ takes the head dim in groups of 64");
 static_assert(HEAD_DIM % (8 * VW) == 0, "P·V takes V's columns in groups of 8·VW");
 
@@ -260,6 +261,12 @@ __device__ __forceinline__ bool warp_v_nan_fp8(VRow v_row, int lane) {
 // NaN (the 16-bit kernels' pv_skip_zero, whose comments say why). P, rounded to f16 as the MMA
 // path rounds it, is staged in the warp's own K rows: p_addr(e) is the shared address of byte e
 // of P (MT·16 rows, KEYS) f16 row-major laid over them; the caller checks that it fits.
+//
+// Only a P that is 0 in f32 (a masked key: exp2(−inf)) is skipped. An allowed key's P of at most
+// 2^-25 (a score 17.3 nats or more under the row's running max) rounds to an f16 0; it is staged
+// as −0, which adds nothing to a finite V (as the MMA's rounded 0) while −0·NaN still makes the
+// row NaN. Such keys are common with outlier keys: in tests/cuda_decode_fp8.rs's NaN test, 5 of
+// the 28 O elements that a NaN byte must reach (all-heads kernel, causal) come only through them.
 template <int MT, int NT, int ND, int KEYS, class PAddr, class VRow>
 __device__ __forceinline__ void pv_skip_zero_fp8(float (&rO)[MT][ND][4], const float (&rS)[MT][NT][4], PAddr p_addr,
                                                  VRow v_row, int g, int t) {
@@ -272,7 +279,9 @@ __device__ __forceinline__ void pv_skip_zero_fp8(float (&rO)[MT][ND][4], const f
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 const int row = 16 * mt + g + 8 * (e / 2), key = s_key(i, t, e & 1);
-                st_shared_u16(p_addr((row * KEYS + key) * 2), static_cast<unsigned short>(pack_f16x2(rS[mt][i][e], 0.0f)));
+                const u32 ph = pack_f16x2(rS[mt][i][e], 0.0f) & 0xffffu;
+                const u32 staged = ph == 0u && rS[mt][i][e] != 0.0f ? NEG_ZERO_HALF : ph;
+                st_shared_u16(p_addr((row * KEYS + key) * 2), static_cast<unsigned short>(staged));
             }
     __syncwarp();
 #pragma unroll
@@ -289,7 +298,7 @@ __device__ __forceinline__ void pv_skip_zero_fp8(float (&rO)[MT][ND][4], const f
 #pragma unroll 1
                     for (int k = 0; k < KEYS; ++k) {
                         const float pv = ld_shared_f16_f32(p_addr((row * KEYS + k) * 2));
-                        if (pv != 0.0f) acc = fmaf(pv, e4m3_to_f32(ld_shared_u8(v_row(k) + dim)), acc);
+                        if (__float_as_uint(pv) != 0u) acc = fmaf(pv, e4m3_to_f32(ld_shared_u8(v_row(k) + dim)), acc);
                     }
                     rO[mt][jd][2 * h + c2] += acc;
                 }

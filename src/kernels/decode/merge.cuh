@@ -17,7 +17,7 @@
 // Latency, not bandwidth, bounds the merge (a few hundred KB per call): every load of a row is
 // issued before the first is used. Each lane computes the weights of the splits it owns, and
 // the O loads of MERGE_UNROLL splits at a time are in flight together (predicated off for the
-// parts that weigh 0, which are never read). The first version walked the splits one by one, a
+// parts that weigh +0, which are never read). The first version walked the splits one by one, a
 // dependent LSE load and then an O load each: 11 µs per combine launch under Nsight Compute on
 // an H200 whatever the problem size (16 splits), against 3.4–4 µs for cuDNN's reduction.
 
@@ -26,9 +26,14 @@ constexpr int MERGE_UNROLL = 8;
 static_assert(HEAD_DIM % 64 == 0, "a row's columns split evenly over the lanes, in pairs");
 
 // exp(LSE_s − M): 0 for a part that saw no key; with +inf parts (M = +inf), 1 for each of them.
+// A part that saw keys but whose weight underflows (LSE_s 87 nats or more under M) weighs −0:
+// its O_s is still read, so that a NaN there (a NaN in V leaves LSE_s finite) reaches O, as in
+// `fa4::combine`.
 __device__ __forceinline__ float merge_weight(float l, float mx, int infs) {
     if (l == NEG_INF) return 0.0f;
-    return infs > 0 ? (l == mx ? 1.0f : 0.0f) : __expf(l - mx);
+    if (infs > 0) return l == mx ? 1.0f : 0.0f;
+    const float w = __expf(l - mx);
+    return w == 0.0f ? -0.0f : w;
 }
 
 // Merges workspace row `row` (query row among all · heads_q + head) and writes O and LSE at the
@@ -85,7 +90,7 @@ __device__ __forceinline__ void merge_split_row(const DecodeParams& d, long long
                         d.o_part + ((base + j0 + u) * d.part_rows + row) * HEAD_DIM + lane * MERGE_COLS_PER_LANE);
 #pragma unroll
                     for (int c = 0; c < MERGE_COLS_PER_LANE / 2; ++c)
-                        v[u][c] = ws[u] != 0.0f ? src[c] : make_float2(0.0f, 0.0f);
+                        v[u][c] = __float_as_uint(ws[u]) != 0u ? src[c] : make_float2(0.0f, 0.0f);
                 }
 #pragma unroll
                 for (int u = 0; u < MERGE_UNROLL; ++u)

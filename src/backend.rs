@@ -145,7 +145,8 @@ impl Backend {
     /// Attention over a fixed-length batch of fp8 e4m3 inputs (`docs/attention.md`, "FP8
     /// (e4m3) inputs"): shapes as [`Backend::forward`], `descales` each `[batch, heads_kv]`
     /// (absent: ones), O in `O` (bf16 or fp16), LSE in f32 over the descaled scores. The CPU
-    /// backend computes it; the GPU kernels do not yet (an error naming `dtype`).
+    /// backend computes it, and the CUDA backend on Hopper GPUs (the e4m3 kernel,
+    /// [`crate::config::sm90::fp8`]); on other GPUs it is an error naming `dtype`.
     #[allow(clippy::too_many_arguments)]
     pub fn forward_fp8<O: Element>(
         &self,

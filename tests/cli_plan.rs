@@ -252,6 +252,152 @@ fn sm90_plan_reports_roles_budgets_and_the_kernel_choice() {
     }
 }
 
+/// `fa4 plan --arch sm90 --dtype fp8`: the e4m3 kernel's launch as `plan_fp8` plans it (tiles,
+/// warpgroups, shared memory for 1-byte operands), the Vᵀ pass and its scratch, in the report and
+/// in `--json`; what the e4m3 kernel does not take is an error naming the flag.
+#[test]
+fn sm90_fp8_plan_reports_the_e4m3_kernel_and_its_vt_pass() {
+    use fa4::config::sm90::fp8::{plan_fp8, vt_smem_bytes, VT_ENTRY};
+    use fa4::problem::{Options, Problem};
+    use fa4::tensor::Layout;
+
+    // Without --seqlen: the first-choice tiles (d128: 256-key blocks, ping-pong), scratch per key.
+    let (code, out, err) = fa4(&["plan", "--arch", "sm90", "--dtype", "fp8", "--depth", "128"]);
+    assert_eq!(code, 0, "{err}");
+    for needle in [
+        "e4m3 forward plan",
+        "tile 128×256",
+        "2 K/Vᵀ stages",
+        "wg2 consumer",
+        "ping-pong between consumers: on",
+        "Vᵀ pass (fa4_vt_fp8",
+        "Vᵀ 128 bytes per key (the keys padded with zeros to 256-key blocks), descales 12 bytes",
+        "kernel for this problem: sm90 (",
+    ] {
+        assert!(out.contains(needle), "report lacks {needle:?}:\n{out}");
+    }
+
+    // The JSON is the library's plan of the same problem: one head, 1000 rows and keys.
+    let v = json(&[
+        "plan", "--arch", "sm90", "--dtype", "fp8", "--depth", "128", "--seqlen", "1000", "--json",
+    ]);
+    let l = Layout::new("q", &[1, 1000, 1, 128], None).unwrap();
+    let p = Problem::new_fp8(
+        fa4::DType::Bf16,
+        &l,
+        &l,
+        &l,
+        &l,
+        None,
+        None,
+        &Options::new(),
+    )
+    .unwrap();
+    let f = plan_fp8(&p, &fa4::arch::H200, "sm_90a", None).unwrap();
+    let t = f.plan.spec.tiles;
+    assert_eq!(v["dispatch"]["kernel"], "sm90", "{v}");
+    assert_eq!(v["tiles"]["block_n"].as_u64(), Some(t.block_n as u64));
+    assert_eq!(v["tiles"]["persistent"].as_bool(), Some(t.persistent));
+    assert_eq!(v["tiles"]["tma_store"], false);
+    assert_eq!(v["block_m"].as_u64(), Some(t.block_m() as u64));
+    assert_eq!(
+        v["roles"].as_array().map(Vec::len),
+        Some(1 + t.consumer_wgs)
+    );
+    assert!(v["roles"][0]["work"].as_str().unwrap().contains("K and Vᵀ"));
+    assert_eq!(
+        v["smem_total"].as_u64(),
+        Some(f.plan.spec.smem_bytes() as u64)
+    );
+    let parts: u64 = ["q", "k", "v", "barriers", "align_slack"]
+        .iter()
+        .map(|k| v["smem"][*k].as_u64().unwrap())
+        .sum();
+    assert_eq!(parts, v["smem_total"].as_u64().unwrap());
+    assert!(v["smem_total"].as_u64() <= v["smem_limit"].as_u64());
+    let vt = &v["fp8"];
+    assert_eq!(vt["entry"], VT_ENTRY);
+    assert_eq!(vt["smem_bytes"].as_u64(), Some(vt_smem_bytes(128) as u64));
+    assert_eq!(vt["seq_cols"].as_u64(), Some(f.vt_seq_keys as u64));
+    assert_eq!(vt["vt_bytes"].as_u64(), Some(128 * f.vt_seq_keys as u64));
+    assert_eq!(vt["descale_bytes"], 12);
+    // Without a length the scratch is per key only.
+    let v = json(&[
+        "plan", "--arch", "sm90", "--dtype", "fp8", "--depth", "128", "--json",
+    ]);
+    assert!(
+        v["fp8"]["seq_cols"].is_null() && v["fp8"]["vt_bytes"].is_null(),
+        "{v}"
+    );
+    // 16-bit plans carry no Vᵀ pass.
+    let v = json(&["plan", "--arch", "sm90", "--depth", "128", "--json"]);
+    assert!(v.get("fp8").is_none(), "{v}");
+
+    // d64: three consumer warpgroups, Vᵀ of 64 rows; Q and K padded to one 128-column slab.
+    let v = json(&[
+        "plan", "--arch", "sm90", "--dtype", "fp8", "--depth", "64", "--seqlen", "4096", "--json",
+    ]);
+    assert_eq!(v["tiles"]["consumer_wgs"], 3, "{v}");
+    assert_eq!(
+        (
+            v["padded_head_dim"].as_u64(),
+            v["padded_head_dim_v"].as_u64()
+        ),
+        (Some(128), Some(64))
+    );
+    assert_eq!(v["slab_maps"][0], true);
+    assert_eq!(v["fp8"]["rows"], 64);
+    // Varlen batches: the dynamic schedule, at most two consumer warpgroups.
+    let v = json(&[
+        "plan", "--arch", "sm90", "--dtype", "fp8", "--depth", "64", "--varlen", "--seqlen",
+        "4096", "--json",
+    ]);
+    assert_eq!(v["varlen"], true);
+    assert_eq!(v["tiles"]["dynamic"], true, "{v}");
+    assert!(v["tiles"]["consumer_wgs"].as_u64() <= Some(2));
+    // MLA prefill shapes, causal.
+    let (code, out, err) = fa4(&[
+        "plan",
+        "--arch",
+        "sm90",
+        "--dtype",
+        "fp8",
+        "--depth",
+        "192",
+        "--depth-v",
+        "128",
+        "--causal",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("head_dim 192/128 (compiled for 256/128)"),
+        "{out}"
+    );
+
+    for (args, flag) in [
+        (&["--depth", "100"][..], "--depth"),
+        (&["--depth", "72"][..], "--depth"),
+        (&["--depth", "512"][..], "--depth"),
+        (&["--depth", "64", "--depth-v", "128"][..], "--depth-v"),
+        (&["--depth", "128", "--depth-v", "100"][..], "--depth-v"),
+        (&["--depth", "128", "--seqlen", "0"][..], "--seqlen"),
+        (
+            &["--depth", "128", "--seqlen", "2000000000"][..],
+            "--seqlen",
+        ),
+        (&["--depth", "128", "--group", "2"][..], "--group"),
+        (&["--depth", "128", "--backward"][..], "--dtype"),
+    ] {
+        let mut a = vec!["plan", "--arch", "sm90", "--dtype", "fp8"];
+        a.extend_from_slice(args);
+        let (code, out, err) = fa4(&a);
+        assert_eq!(code, 2, "{a:?}: {out}{err}");
+        assert!(out.is_empty(), "{a:?} printed {out}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{a:?}: {err}");
+        assert!(err.contains(&format!("`{flag}`")), "{a:?}: {err}");
+    }
+}
+
 /// `fa4 plan --compile` compiles the SM100 kernel (NVRTC, no GPU) and reports what the cubin
 /// needs; its shared memory is the plan's smem_used. Skipped (and said so) without NVRTC, unless
 /// FA4_REQUIRE_NVRTC=1.

@@ -16,13 +16,16 @@ use std::sync::{Mutex, OnceLock};
 use candle::backend::BackendStorage;
 use candle::cuda_backend::cudarc::driver::{CudaSlice, CudaView};
 use candle::cuda_backend::{CudaDType, CudaDevice, DeviceId};
-use candle::{CudaStorage, DType, Layout, Result, Shape, Storage};
+use candle::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
 
+use fa4::cuda::fp8::DeviceDescales;
 use fa4::cuda::CudaBackend;
 use fa4::paged::PagedProblem;
 use fa4::problem::Problem;
+use fa4::F8E4M3;
 
+use crate::fp8::Fa4Fp8;
 use crate::op::{fa4_err, AttnOp, Fa4Attn, LseOf};
 use crate::paged::Fa4Paged;
 
@@ -114,6 +117,73 @@ where
         let lse = CudaStorage::wrap_cuda_slice(lse, dev.clone());
         op.store_lse(&p, Storage::Cuda(lse));
     }
+    Ok((CudaStorage::wrap_cuda_slice(out, dev), out_shape))
+}
+
+/// The CUDA forward of fp8 attention: fa4's Hopper e4m3 kernel
+/// ([`CudaBackend::forward_fp8_device`]: the Vᵀ pass, the forward and its fixup) on candle's
+/// `F8E4M3` buffers in place and on candle's stream, the descales read from their own device
+/// buffers, O allocated in bf16 by candle's device. Elsewhere than on a Hopper GPU fa4's planner
+/// refuses the problem (an error naming `dtype`).
+pub(crate) fn forward_fp8(op: &Fa4Fp8, inputs: [Input<'_>; 3]) -> Result<(CudaStorage, Shape)> {
+    let [q, k, v] = inputs;
+    let dev = q.0.device().clone();
+    for (name, (s, _)) in [("k", k), ("v", v)] {
+        if s.device().id() != dev.id() {
+            candle::bail!("fa4-candle: `{name}` is on another CUDA device than `q`");
+        }
+    }
+    let (p, out_shape) = op.problem(q.1, k.1, v.1)?;
+    let backend = backend_for(&dev)?;
+    let (qv, kv, vv) = (
+        view::<F8E4M3>(q.0, q.1, "q")?,
+        view::<F8E4M3>(k.0, k.1, "k")?,
+        view::<F8E4M3>(v.0, v.1, "v")?,
+    );
+    // Each descale is a contiguous [batch, heads_kv] tensor (`attention_fp8` made it so): its
+    // storage is held for the call and viewed over exactly its elements.
+    let held: Vec<_> = op
+        .descales
+        .iter()
+        .map(|d| d.as_ref().map(Tensor::storage_and_layout))
+        .collect();
+    let mut views: Vec<Option<CudaView<'_, f32>>> = Vec::with_capacity(3);
+    for (name, h) in Fa4Fp8::DESCALES.iter().zip(&held) {
+        let Some((storage, layout)) = h else {
+            views.push(None);
+            continue;
+        };
+        let Storage::Cuda(s) = &**storage else {
+            candle::bail!("fa4-candle: `{name}` is not on `q`'s CUDA device");
+        };
+        if s.device().id() != dev.id() {
+            candle::bail!("fa4-candle: `{name}` is on another CUDA device than `q`");
+        }
+        let start = layout.start_offset();
+        let end = start + layout.shape().elem_count();
+        match s.as_cuda_slice::<f32>()?.try_slice(start..end) {
+            Some(view) => views.push(Some(view)),
+            None => candle::bail!("fa4-candle: `{name}` runs past its storage"),
+        }
+    }
+    let descales = DeviceDescales {
+        q: views[0].as_ref(),
+        k: views[1].as_ref(),
+        v: views[2].as_ref(),
+    };
+    // Zeroed, as the 16-bit forward's output (one element for a zero-size tensor).
+    let mut out = dev.alloc_zeros::<bf16>(out_shape.elem_count().max(1))?;
+    backend
+        .forward_fp8_device(
+            &p,
+            &qv,
+            &kv,
+            &vv,
+            &descales,
+            &mut out,
+            None::<&mut CudaSlice<f32>>,
+        )
+        .map_err(fa4_err)?;
     Ok((CudaStorage::wrap_cuda_slice(out, dev), out_shape))
 }
 

@@ -2,18 +2,27 @@
 //! fa4 uses too): the definition is fa4's (`docs/attention.md`, "FP8 (e4m3) inputs"), with
 //! FlashAttention-3's descales, f32 `[batch, heads_kv]`, and O in bf16.
 //!
-//! CPU tensors only, for now (fa4's GPU kernels do not compute fp8 yet): the inputs are copied
-//! to contiguous host buffers, which the CPU evaluation dequantizes into f32 anyway.
+//! One candle op over `q`, `k`, `v` as the 16-bit ones are: CPU tensors run fa4's CPU evaluation
+//! on views from each layout's offset (strides passed through, no copy); CUDA tensors (the
+//! `cuda` feature) run fa4's Hopper e4m3 kernel on candle's buffers and stream (`cuda.rs`), the
+//! descales read where they lie, O allocated by candle's device. candle's CUDA backend stores
+//! `F8E4M3` (candle ≥ 0.10), so no conversion happens on either side. On a GPU that is not a
+//! Hopper one fa4 has no fp8 kernel: the error names `dtype`.
 
-use candle::{DType, Device, Result, Tensor};
+use candle::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 use half::bf16;
 
-use crate::op::{fa4_err, fa4_options};
+use fa4::problem::Problem;
+use fa4::tensor::Layout as Fa4Layout;
+use fa4::{Backend, Descales, Options, F8E4M3};
+
+use crate::op::{cpu_view, fa4_err, fa4_layout, fa4_options};
 use crate::AttnOptions;
 
-/// The descales of [`attention_fp8`]: f32 tensors `[batch, heads_kv]`, `None` = ones. Entry
-/// `(b, h)` multiplies KV head `h`'s elements of sequence `b` (for `q`, those of every query head
-/// of the group), each finite and > 0.
+/// The descales of [`attention_fp8`]: f32 tensors `[batch, heads_kv]` on `q`'s device, `None`
+/// = ones. Entry `(b, h)` multiplies KV head `h`'s elements of sequence `b` (for `q`, those of
+/// every query head of the group), each finite and > 0 (checked on the CPU; on CUDA they are not
+/// read back, and one that is not makes the rows it scales NaN).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Fp8Descales<'a> {
     /// Q's descales.
@@ -25,8 +34,9 @@ pub struct Fp8Descales<'a> {
 }
 
 /// Attention over fp8 e4m3 inputs: `q` `[batch, seqlen_q, heads_q, head_dim]`, `k` `[batch,
-/// seqlen_k, heads_kv, head_dim]`, `v` `[batch, seqlen_k, heads_kv, head_dim_v]`, all `F8E4M3` on
-/// the CPU, → `[batch, seqlen_q, heads_q, head_dim_v]` in bf16. Errors name the argument.
+/// seqlen_k, heads_kv, head_dim]`, `v` `[batch, seqlen_k, heads_kv, head_dim_v]`, all `F8E4M3`
+/// on one device (the CPU, or with the `cuda` feature a Hopper GPU), → `[batch, seqlen_q,
+/// heads_q, head_dim_v]` in bf16 on that device. Errors name the argument.
 pub fn attention_fp8(
     q: &Tensor,
     k: &Tensor,
@@ -34,16 +44,13 @@ pub fn attention_fp8(
     descales: &Fp8Descales,
     opts: &AttnOptions,
 ) -> Result<Tensor> {
-    let o = fa4_options(opts)?;
-    let host = |name: &str, t: &Tensor| -> Result<(Vec<fa4::F8E4M3>, Vec<usize>)> {
+    let opts = fa4_options(opts)?;
+    for (name, t) in [("q", q), ("k", k), ("v", v)] {
         if t.dtype() != DType::F8E4M3 {
             candle::bail!(
                 "fa4-candle: `{name}` has dtype {:?}; attention_fp8 takes F8E4M3",
                 t.dtype()
             );
-        }
-        if !matches!(t.device(), Device::Cpu) {
-            candle::bail!("fa4-candle: `{name}` is not on the CPU; fp8 attention runs on the CPU only, for now");
         }
         if t.rank() != 4 {
             candle::bail!(
@@ -51,16 +58,16 @@ pub fn attention_fp8(
                 t.dims()
             );
         }
-        Ok((
-            t.flatten_all()?.to_vec1::<fa4::F8E4M3>()?,
-            t.dims().to_vec(),
-        ))
-    };
-    let (qv, qs) = host("q", q)?;
-    let (kv, ks) = host("k", k)?;
-    let (vv, vs) = host("v", v)?;
-    let want = [qs[0], ks[2]];
-    let scale = |name: &str, t: Option<&Tensor>| -> Result<Option<Vec<f32>>> {
+        if !t.device().same_device(q.device()) {
+            candle::bail!(
+                "fa4-candle: `{name}` is on {:?} but `q` is on {:?}",
+                t.device().location(),
+                q.device().location()
+            );
+        }
+    }
+    let want = [q.dim(0)?, k.dim(2)?];
+    let descale = |name: &str, t: Option<&Tensor>| -> Result<Option<Tensor>> {
         let Some(t) = t else { return Ok(None) };
         if t.dtype() != DType::F32 || t.dims() != want {
             candle::bail!(
@@ -69,28 +76,111 @@ pub fn attention_fp8(
                 t.dims()
             );
         }
-        Ok(Some(
-            t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?,
-        ))
+        if !t.device().same_device(q.device()) {
+            candle::bail!(
+                "fa4-candle: `{name}` is on {:?} but `q` is on {:?}; descales live beside the inputs",
+                t.device().location(),
+                q.device().location()
+            );
+        }
+        Ok(Some(t.contiguous()?))
     };
-    let (dq, dk, dv) = (
-        scale("q_descale", descales.q)?,
-        scale("k_descale", descales.k)?,
-        scale("v_descale", descales.v)?,
-    );
-    let mut os = qs.clone();
-    os[3] = vs[3];
-    let mut out = vec![bf16::ZERO; os.iter().product()];
-    fa4::Backend::Cpu
-        .forward_fp8(
-            &fa4::Tensor::with_name("q", &qv, &qs, None).map_err(fa4_err)?,
-            &fa4::Tensor::with_name("k", &kv, &ks, None).map_err(fa4_err)?,
-            &fa4::Tensor::with_name("v", &vv, &vs, None).map_err(fa4_err)?,
-            &fa4::Descales::new(dq.as_deref(), dk.as_deref(), dv.as_deref()),
-            &mut fa4::TensorMut::with_name("out", &mut out, &os, None).map_err(fa4_err)?,
-            None,
-            &o,
-        )
-        .map_err(fa4_err)?;
-    Tensor::from_vec(out, os, &Device::Cpu)
+    let given = [descales.q, descales.k, descales.v];
+    let mut held: [Option<Tensor>; 3] = Default::default();
+    for ((slot, name), t) in held.iter_mut().zip(Fa4Fp8::DESCALES).zip(given) {
+        *slot = descale(name, t)?;
+    }
+    q.apply_op3(
+        k,
+        v,
+        Fa4Fp8 {
+            opts,
+            descales: held,
+        },
+    )
+}
+
+/// The fp8 attention op: options and the descales (contiguous, on the inputs' device).
+pub(crate) struct Fa4Fp8 {
+    pub(crate) opts: Options,
+    /// Q's, K's and V's descales.
+    pub(crate) descales: [Option<Tensor>; 3],
+}
+
+impl Fa4Fp8 {
+    /// The descales' argument names, in [`Fa4Fp8::descales`]' order.
+    pub(crate) const DESCALES: [&'static str; 3] = ["q_descale", "k_descale", "v_descale"];
+
+    /// Validates the call as an fp8 problem with bf16 O on views from each layout's offset;
+    /// returns it and O's (contiguous) shape.
+    pub(crate) fn problem(
+        &self,
+        ql: &Layout,
+        kl: &Layout,
+        vl: &Layout,
+    ) -> Result<(Problem, Shape)> {
+        let (q, k, v) = (
+            fa4_layout("q", ql)?,
+            fa4_layout("k", kl)?,
+            fa4_layout("v", vl)?,
+        );
+        let mut out_dims = ql.dims().to_vec();
+        let last = out_dims.len() - 1;
+        out_dims[last] = *vl.dims().last().unwrap_or(&0);
+        let o = Fa4Layout::new("out", &out_dims, None).map_err(fa4_err)?;
+        let p = Problem::new_fp8(fa4::DType::Bf16, &q, &k, &v, &o, None, None, &self.opts)
+            .map_err(fa4_err)?;
+        Ok((p, Shape::from(out_dims)))
+    }
+}
+
+impl candle::CustomOp3 for Fa4Fp8 {
+    fn name(&self) -> &'static str {
+        "fa4-attention-fp8"
+    }
+
+    fn cpu_fwd(
+        &self,
+        q: &CpuStorage,
+        ql: &Layout,
+        k: &CpuStorage,
+        kl: &Layout,
+        v: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (p, out_shape) = self.problem(ql, kl, vl)?;
+        let (qs, ks, vs) = (
+            cpu_view::<F8E4M3>(q, ql, "q")?,
+            cpu_view::<F8E4M3>(k, kl, "k")?,
+            cpu_view::<F8E4M3>(v, vl, "v")?,
+        );
+        let host = self
+            .descales
+            .iter()
+            .map(|d| {
+                d.as_ref()
+                    .map(|t| t.flatten_all()?.to_vec1::<f32>())
+                    .transpose()
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let descales = Descales::new(host[0].as_deref(), host[1].as_deref(), host[2].as_deref());
+        let mut out = vec![bf16::ZERO; out_shape.elem_count()];
+        Backend::Cpu
+            .run_fp8(&p, qs, ks, vs, &descales, &mut out, None)
+            .map_err(fa4_err)?;
+        Ok((CpuStorage::BF16(out), out_shape))
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        q: &candle::CudaStorage,
+        ql: &Layout,
+        k: &candle::CudaStorage,
+        kl: &Layout,
+        v: &candle::CudaStorage,
+        vl: &Layout,
+    ) -> Result<(candle::CudaStorage, Shape)> {
+        crate::cuda::forward_fp8(self, [(q, ql), (k, kl), (v, vl)])
+    }
 }

@@ -11,7 +11,7 @@
 //! | [`flash_attn_varlen`], [`flash_attn_varlen_windowed`] | packed `[total, heads, dim]`, `seqlens_*` cumulative `[batch + 1]` → `[total_q, heads_q, head_dim_v]` |
 //! | `*_with_lse` | also the LSE, f32: `[batch, heads_q, seqlen_q]` (fixed) or `[heads_q, total_q]` (varlen) |
 //! | [`attention`], [`attention_varlen`] (+ `_with_lse`) | every option at once: scale, window, softcap |
-//! | [`attention_fp8`] | `F8E4M3` `q`, `k`, `v` as [`flash_attn`]'s, descales `[batch, heads_kv]` ([`Fp8Descales`]) → bf16; CPU only |
+//! | [`attention_fp8`] | `F8E4M3` `q`, `k`, `v` as [`flash_attn`]'s, descales `[batch, heads_kv]` ([`Fp8Descales`]) → bf16; the CPU, and Hopper GPUs (`cuda`) |
 //! | [`flash_attn_paged`], [`attention_paged`] (+ `_with_lse`) | `q` `[batch, seqlen_q, heads_q, head_dim]` over a paged cache `[num_pages, page_size, heads_kv, dim]`, `page_table` `[batch, max_pages]`, `seqlens_k` `[batch]` → `[batch, seqlen_q, heads_q, head_dim_v]` |
 //!
 //! GQA/MQA follows from the head counts (`heads_q % heads_kv == 0`; query head `h` reads KV head
@@ -21,7 +21,7 @@
 //!
 //! Devices and dtypes: the CPU computes f32, f16 and bf16 (fa4's tiled CPU backend, f32
 //! accumulation); CUDA tensors (the `cuda` feature) compute f16 and bf16 with fa4's kernels,
-//! launched on candle's own stream. Non-contiguous tensors are fine as long as their last
+//! launched on candle's own stream, and `F8E4M3` ([`attention_fp8`]) on Hopper GPUs. Non-contiguous tensors are fine as long as their last
 //! dimension is contiguous (strides are passed through, no copy); otherwise the error says to
 //! call `.contiguous()`.
 //!

@@ -10,9 +10,11 @@ FlashAttention's functions, with its names and arguments:
 
 Inputs may be torch tensors (CUDA: fa4's GPU kernels on torch's current stream, no copies; CPU:
 fa4's CPU backend) or numpy arrays (the CPU backend). fp8 (e4m3) inputs take FlashAttention-3's
-``q_descale``, ``k_descale``, ``v_descale`` (forward only; on the GPU, Hopper's kernel). Gradients flow through
-``torch.autograd`` (fa4's backward); the functions are ``torch.library`` custom ops with fake
-implementations, so ``torch.compile`` traces them without graph breaks.
+``q_descale``, ``k_descale``, ``v_descale`` (forward only; on the GPU, Hopper's kernel); fp8 KV
+caches of :func:`flash_attn_with_kvcache` take ``k_scale`` and ``v_scale`` (vLLM's
+``fp8_e4m3``). Gradients flow through ``torch.autograd`` (fa4's backward); the functions are
+``torch.library`` custom ops with fake implementations, so ``torch.compile`` traces them without
+graph breaks.
 
 fa4's own: :func:`plan` (FA4Config, the SM100 planner, as a dict), :func:`combine` (the exact
 merge of split-KV partial results), :func:`flash_attn_backward` (the backward as a function),

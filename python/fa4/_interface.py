@@ -278,6 +278,9 @@ def flash_attn_with_kvcache(
     alibi_slopes=None,
     num_splits=0,
     return_softmax_lse=False,
+    *,
+    k_scale=None,
+    v_scale=None,
 ):
     """Decode over a KV cache, as FlashAttention's ``flash_attn_with_kvcache``.
 
@@ -290,6 +293,15 @@ def flash_attn_with_kvcache(
     changed. ``block_table`` and ``cache_seqlens`` are validated on the host: CPU tensors cost
     nothing, CUDA ones are copied (one synchronisation). ``num_splits`` 0 lets fa4's planner
     choose. Returns ``out``, or ``(out, softmax_lse)`` with ``return_softmax_lse``.
+
+    fp8 caches, as vLLM's ``kv_cache_dtype="fp8_e4m3"``: ``k_cache``/``v_cache``
+    ``torch.float8_e4m3fn`` (numpy: ``uint8`` e4m3 bytes or ml_dtypes' ``float8_e4m3fn``) with
+    ``k_scale``/``v_scale``: a float, or a float32 tensor (array) on the cache's device of one
+    element (vLLM's per-tensor scale) or ``(heads_kv,)`` (one per KV head); None is 1. A stored
+    value ``x`` of KV head ``h`` stands for ``k_scale[h] * x``. ``q``, ``k``, ``v`` and ``out``
+    are bfloat16, float16 or (CPU) float32; new rows are quantized into the cache as
+    ``k / k_scale[h]`` rounded to e4m3 (nearest, ties to even, saturating at +-448). The CPU
+    checks the scales (finite, > 0); the GPU does not read them back.
     """
     for name, val in (
         ("rotary_cos", rotary_cos),
@@ -310,9 +322,11 @@ def flash_attn_with_kvcache(
         raise ValueError(f"num_splits: expected an int >= 0, got {num_splits!r}")
     batch = q.shape[0]
     scale = _scale(scale, q)
+    scales = _fp8_cache(q, k_cache, v_cache, k_scale, v_scale)
     if kind == "torch":
         out, lse = _torch_ops().kvcache(
-            q, k_cache, v_cache, k, v, block_table, cache_seqlens, scale, causal, window, softcap, int(num_splits)
+            q, k_cache, v_cache, k, v, block_table, cache_seqlens, scale, causal, window, softcap, int(num_splits),
+            scales,
         )
         return (out, lse) if return_softmax_lse else out
     if block_table is None:
@@ -339,9 +353,30 @@ def flash_attn_with_kvcache(
         if len(seqlens) != batch:
             raise ValueError(f"cache_seqlens: {len(seqlens)} entries for a batch of {batch}")
     out, lse = _numpy.kvcache(
-        q, k_cache, v_cache, k, v, (table, max_blocks), seqlens, scale, causal, window, softcap, int(num_splits)
+        q, k_cache, v_cache, k, v, (table, max_blocks), seqlens, scale, causal, window, softcap, int(num_splits),
+        scales,
     )
     return (out, lse) if return_softmax_lse else out
+
+
+def _fp8_cache(q, k_cache, v_cache, k_scale, v_scale):
+    """For an fp8 (e4m3) cache, (k_scale, v_scale) as given (None: 1), checked by the torch or
+    numpy layer; for another cache None, and scales given with it are a ValueError naming them."""
+    if not _is_fp8(k_cache):
+        if _is_fp8(v_cache):
+            raise TypeError(f"v_cache: an fp8 cache holds K in fp8 too; k_cache is {k_cache.dtype}")
+        for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s is not None:
+                raise ValueError(f"{name}: scales are for an fp8 (float8_e4m3fn) cache; k_cache is {k_cache.dtype}")
+        return None
+    if not _is_fp8(v_cache):
+        raise TypeError(f"v_cache: k_cache is fp8 (e4m3), so v_cache must be too; got {v_cache.dtype}")
+    if _is_fp8(q):
+        raise TypeError(
+            "q: the queries over an fp8 cache are bfloat16, float16 or float32; float8_e4m3fn queries take "
+            "flash_attn_func and flash_attn_varlen_func"
+        )
+    return (1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale)
 
 
 def flash_attn_backward(

@@ -71,23 +71,44 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, window, softcap
     return _view(dq, q.dtype, q.shape), _view(dk, k.dtype, k.shape), _view(dv, v.dtype, v.shape)
 
 
-def kvcache(q, k_cache, v_cache, k, v, table, seqlens, scale, causal, window, softcap, num_splits, threads=0):
-    """Returns (out, lse); with k/v the new rows are written into k_cache/v_cache in place."""
-    dt = _same_dtype(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
+def kvcache(q, k_cache, v_cache, k, v, table, seqlens, scale, causal, window, softcap, num_splits, scales=None,
+            threads=0):
+    """Returns (out, lse); with k/v the new rows are written into k_cache/v_cache in place.
+    `scales`: (k_scale, v_scale) of an fp8 cache (uint8 e4m3 bytes or float8_e4m3fn), else None."""
     for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
         if k is not None and not c.flags.writeable:
             raise ValueError(f"{name}: read-only, but k and v are to be appended to it")
-    parts = _fa4.paged_cpu(
-        dt, _arg(q), _arg(k_cache), _arg(v_cache), table, seqlens,
-        None if k is None else _arg(k), None if v is None else _arg(v),
-        bool(causal), window, scale, softcap, num_splits, threads,
-    )
+    new = (None if k is None else _arg(k), None if v is None else _arg(v))
+    opts = (bool(causal), window, scale, softcap, num_splits, threads)
+    if scales is None:
+        dt = _same_dtype(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
+        parts = _fa4.paged_cpu(dt, _arg(q), _arg(k_cache), _arg(v_cache), table, seqlens, *new, *opts)
+    else:
+        dt = _same_dtype(q=q, k=k, v=v)
+        hkv = k_cache.shape[-2]
+        ks, vs = (kv_scale_bytes(n, s, hkv) for n, s in zip(("k_scale", "v_scale"), scales))
+        caches = (_arg(c.view(np.uint8)) for c in (k_cache, v_cache))
+        parts = _fa4.paged_fp8_cpu(dt, _arg(q), *caches, ks, vs, table, seqlens, *new, *opts)
     o, lse, kc, vc = parts
     if k is not None:
         k_cache[...] = _view(kc, k_cache.dtype, k_cache.shape)
         v_cache[...] = _view(vc, v_cache.dtype, v_cache.shape)
     o_shape = tuple(q.shape[:-1]) + (v_cache.shape[-1],)
     return _view(o, q.dtype, o_shape), _view(lse, np.float32, (q.shape[0], q.shape[2], q.shape[1]))
+
+
+def kv_scale_bytes(name, s, heads_kv):
+    """f32 bytes of `heads_kv` scales of an fp8 cache from a number or a float32 array of one
+    element (one scale for every head) or of ``(heads_kv,)``."""
+    if isinstance(s, (int, float, np.integer, np.floating)) and not isinstance(s, bool):
+        return np.full(heads_kv, s, np.float32).tobytes()
+    if not isinstance(s, np.ndarray):
+        raise ValueError(f"{name}: expected a float or a float32 numpy array, got {type(s).__name__}")
+    if s.dtype != np.float32:
+        raise ValueError(f"{name}: expected float32, got {s.dtype}")
+    if s.ndim > 1 or s.size not in (1, heads_kv):
+        raise ValueError(f"{name}: expected one value or (heads_kv,) = ({heads_kv},), got shape {s.shape}")
+    return np.broadcast_to(s.reshape(-1), (heads_kv,)).astype(np.float32).tobytes()
 
 
 def is_fp8(a):

@@ -1,5 +1,5 @@
-"""fa4 as torch.library custom ops: ``fa4::fwd``, ``fa4::fwd_fp8``, ``fa4::bwd`` and
-``fa4::kvcache``.
+"""fa4 as torch.library custom ops: ``fa4::fwd``, ``fa4::fwd_fp8``, ``fa4::bwd``,
+``fa4::kvcache`` and ``fa4::kvcache_fp8`` (an fp8 e4m3 cache with its ``k_scale``/``v_scale``).
 
 Each op has a fake (meta) implementation, so ``torch.compile`` traces it without a graph break,
 and ``fa4::fwd`` has an autograd formula (``fa4::bwd``). ``fa4::fwd_fp8`` (float8_e4m3fn inputs
@@ -249,6 +249,43 @@ def _fwd_backward(ctx, dout, dlse):
 torch.library.register_autograd("fa4::fwd", _fwd_backward, setup_context=_fwd_setup)
 
 
+def _paged_host_args(q, block_table, cache_seqlens):
+    """(table, cache_seqlens) of a paged call as the extension takes them: the table as int32
+    bytes and its width, the lengths as a list; wrong shapes are a ValueError naming them."""
+    b = q.shape[0]
+    if block_table.dim() != 2 or block_table.shape[0] != b:
+        raise ValueError(f"block_table: expected ({b}, max_blocks), got shape {tuple(block_table.shape)}")
+    if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != b:
+        raise ValueError(f"cache_seqlens: expected ({b},), got shape {tuple(cache_seqlens.shape)}")
+    # As int32 bytes: a Python list of a long table costs milliseconds a call.
+    bt = block_table.to("cpu")
+    if bt.dtype != torch.int32 and bt.numel() and (int(bt.max()) >= 2**31 or int(bt.min()) < -(2**31)):
+        raise ValueError("block_table: entries beyond int32")
+    table = (bt.to(torch.int32).contiguous().numpy().tobytes(), block_table.shape[1])
+    return table, _host_list(cache_seqlens)
+
+
+def _paged_outputs(q, v_cache):
+    """Fresh out and lse of a paged call on q's device."""
+    b, s, h, _ = q.shape
+    out = torch.empty((b, s, h, v_cache.shape[-1]), dtype=q.dtype, device=q.device)
+    return out, torch.empty((b, h, s), dtype=torch.float32, device=q.device)
+
+
+def _paged_dev_args(q, k_cache, v_cache, k_new, v_new):
+    """Device arguments of a paged CUDA call: q, the caches (last dimension contiguous, used in
+    place) and the new rows (made contiguous), and the tensors they point into, which the caller
+    holds until the call has been enqueued."""
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if c.stride(-1) != 1:
+            raise ValueError(f"{name}: its last dimension must be contiguous")
+    held = [_dev(t) for t in (q, k_cache, v_cache)]
+    held += [_dev(t.contiguous()) for t in (k_new, v_new) if t is not None]
+    args = [a for _, a in held]
+    new = args[3:] if k_new is not None else [None, None]
+    return args[0], args[1], args[2], new, [t for t, _ in held]
+
+
 @torch.library.custom_op("fa4::kvcache", mutates_args=("k_cache", "v_cache"))
 def _kvcache(
     q: torch.Tensor,
@@ -268,31 +305,12 @@ def _kvcache(
     _check_same(q=q, k_cache=k_cache, v_cache=v_cache, k=k_new, v=v_new)
     dt = _dtype("q", q)
     window = (window_left, window_right)
-    b, s, h, _ = q.shape
-    o_shape, lse_shape = (b, s, h, v_cache.shape[-1]), (b, h, s)
-    if block_table.dim() != 2 or block_table.shape[0] != b:
-        raise ValueError(f"block_table: expected ({b}, max_blocks), got shape {tuple(block_table.shape)}")
-    if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != b:
-        raise ValueError(f"cache_seqlens: expected ({b},), got shape {tuple(cache_seqlens.shape)}")
-    # As int32 bytes: a Python list of a long table costs milliseconds a call.
-    bt = block_table.to("cpu")
-    if bt.dtype != torch.int32 and bt.numel() and (int(bt.max()) >= 2**31 or int(bt.min()) < -(2**31)):
-        raise ValueError("block_table: entries beyond int32")
-    table = (bt.to(torch.int32).contiguous().numpy().tobytes(), block_table.shape[1])
-    cache_seqlens = _host_list(cache_seqlens)
+    table, cache_seqlens = _paged_host_args(q, block_table, cache_seqlens)
     if q.is_cuda:
-        out = torch.empty(o_shape, dtype=q.dtype, device=q.device)
-        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-        for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
-            if c.stride(-1) != 1:
-                raise ValueError(f"{name}: its last dimension must be contiguous")
-        new = [None, None]
-        for i, t in enumerate((k_new, v_new)):
-            if t is not None:
-                new[i] = _dev(t.contiguous())[1]
-        (q, qa) = _dev(q)
+        out, lse = _paged_outputs(q, v_cache)
+        qa, ka, va, new, _held = _paged_dev_args(q, k_cache, v_cache, k_new, v_new)
         _fa4.paged_cuda(
-            _index(q), _stream(q), dt, qa, _dev(k_cache)[1], _dev(v_cache)[1], _dev(out)[1], lse.data_ptr(),
+            _index(q), _stream(q), dt, qa, ka, va, _dev(out)[1], lse.data_ptr(),
             table, cache_seqlens, new[0], new[1], causal, window, softmax_scale, softcap, num_splits,
         )
         return out, lse
@@ -301,16 +319,74 @@ def _kvcache(
         None if k_new is None else _host(k_new), None if v_new is None else _host(v_new),
         causal, window, softmax_scale, softcap, num_splits, 0,
     )
+    return _paged_host_results(parts, q, k_cache, v_cache, k_new is not None)
+
+
+def _paged_host_results(parts, q, k_cache, v_cache, appended):
+    """(out, lse) of a paged CPU call; with `appended` the caches the extension returned are
+    copied back into k_cache and v_cache."""
     o, l, kc, vc = parts
-    if k_new is not None:
-        k_cache.copy_(_from_host(kc, k_cache.dtype, k_cache.shape))
-        v_cache.copy_(_from_host(vc, v_cache.dtype, v_cache.shape))
-    return _from_host(o, q.dtype, o_shape), _from_host(l, torch.float32, lse_shape)
+    if appended:
+        # As bytes of the caches' own dtype (numpy has no bfloat16 nor fp8).
+        for c, buf in ((k_cache, kc), (v_cache, vc)):
+            raw = torch.frombuffer(buf, dtype=torch.uint8).view(c.dtype).reshape(c.shape)
+            c.copy_(raw)
+    b, s, h, _ = q.shape
+    return _from_host(o, q.dtype, (b, s, h, v_cache.shape[-1])), _from_host(l, torch.float32, (b, h, s))
 
 
 @_kvcache.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k_new, v_new, block_table, cache_seqlens, softmax_scale,
                   causal, window_left, window_right, softcap, num_splits):
+    b, s, h, _ = q.shape
+    return q.new_empty((b, s, h, v_cache.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
+
+
+@torch.library.custom_op("fa4::kvcache_fp8", mutates_args=("k_cache", "v_cache"))
+def _kvcache_fp8(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+    k_new: Optional[torch.Tensor],
+    v_new: Optional[torch.Tensor],
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    softmax_scale: float,
+    causal: bool,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    _check_same(k_cache=k_cache, v_cache=v_cache)
+    _check_same(q=q, k=k_new, v=v_new)
+    if k_cache.device != q.device:
+        raise ValueError(f"k_cache: on {k_cache.device}, q on {q.device}")
+    dt = _dtype("q", q)
+    window = (window_left, window_right)
+    table, cache_seqlens = _paged_host_args(q, block_table, cache_seqlens)
+    if q.is_cuda:
+        out, lse = _paged_outputs(q, v_cache)
+        qa, ka, va, new, _held = _paged_dev_args(q, k_cache, v_cache, k_new, v_new)
+        scales = [(s.data_ptr(), s.numel()) for s in (k_scale, v_scale)]
+        _fa4.paged_fp8_cuda(
+            _index(q), _stream(q), dt, qa, ka, va, *scales, _dev(out)[1], lse.data_ptr(),
+            table, cache_seqlens, new[0], new[1], causal, window, softmax_scale, softcap, num_splits,
+        )
+        return out, lse
+    parts = _fa4.paged_fp8_cpu(
+        dt, _host(q), _host(k_cache), _host(v_cache), *(s.numpy().tobytes() for s in (k_scale, v_scale)),
+        table, cache_seqlens, None if k_new is None else _host(k_new), None if v_new is None else _host(v_new),
+        causal, window, softmax_scale, softcap, num_splits, 0,
+    )
+    return _paged_host_results(parts, q, k_cache, v_cache, k_new is not None)
+
+
+@_kvcache_fp8.register_fake
+def _kvcache_fp8_fake(q, k_cache, v_cache, k_scale, v_scale, k_new, v_new, block_table, cache_seqlens,
+                      softmax_scale, causal, window_left, window_right, softcap, num_splits):
     b, s, h, _ = q.shape
     return q.new_empty((b, s, h, v_cache.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
 
@@ -365,7 +441,27 @@ def backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, window, softcap
                 bool(causal), window[0], window[1], float(softcap), deterministic)
 
 
-def kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, scale, causal, window, softcap, num_splits):
+def _kv_scale(name, s, cache):
+    """An fp8 cache's scales as float32 ``(heads_kv,)`` on the cache's device, from a number or a
+    float32 tensor of one element (one scale for every head, vLLM's per-tensor form) or of
+    ``(heads_kv,)``. On CUDA this is device work on the current stream, no synchronisation."""
+    hkv = cache.shape[-2]
+    if isinstance(s, (int, float)) and not isinstance(s, bool):
+        return torch.full((hkv,), float(s), dtype=torch.float32, device=cache.device)
+    if not isinstance(s, torch.Tensor):
+        raise ValueError(f"{name}: expected a float or a float32 tensor, got {type(s).__name__}")
+    if s.dtype != torch.float32:
+        raise ValueError(f"{name}: expected float32, got {s.dtype}")
+    if s.device != cache.device:
+        raise ValueError(f"{name}: on {s.device}, the cache on {cache.device}")
+    if s.dim() > 1 or s.numel() not in (1, hkv):
+        raise ValueError(f"{name}: expected one value or (heads_kv,) = ({hkv},), got shape {tuple(s.shape)}")
+    return s.reshape(-1).expand(hkv).contiguous()
+
+
+def kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, scale, causal, window, softcap, num_splits,
+            scales=None):
+    """`scales`: (k_scale, v_scale) of an fp8 (float8_e4m3fn) cache, else None."""
     b = q.shape[0]
     if block_table is None:
         if k_cache.shape[0] != b:
@@ -383,5 +479,8 @@ def kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, scale, causal
         cache_seqlens = torch.as_tensor(cache_seqlens, dtype=torch.int32)
     if cache_seqlens.dtype.is_floating_point:
         raise TypeError(f"cache_seqlens: expected an int32 tensor, got {cache_seqlens.dtype}")
-    return _kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, float(scale), bool(causal),
-                    window[0], window[1], float(softcap), num_splits)
+    opts = (float(scale), bool(causal), window[0], window[1], float(softcap), num_splits)
+    if scales is None:
+        return _kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, *opts)
+    ks, vs = (_kv_scale(n, s, k_cache) for n, s in zip(("k_scale", "v_scale"), scales))
+    return _kvcache_fp8(q, k_cache, v_cache, ks, vs, k, v, block_table, cache_seqlens, *opts)

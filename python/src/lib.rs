@@ -17,17 +17,19 @@
 //!   fault in a kernel.
 //!
 //! fp8 (e4m3) inputs have entry points of their own ([`forward_fp8_cpu`], [`forward_fp8_cuda`]):
-//! they take the descales and the output dtype (`docs/attention.md`, "FP8 (e4m3) inputs").
+//! they take the descales and the output dtype (`docs/attention.md`, "FP8 (e4m3) inputs"). So
+//! do fp8 KV caches ([`paged_fp8_cpu`], [`paged_fp8_cuda`]): e4m3 pages with one scale per KV
+//! head, `k_scale` and `v_scale` (`docs/decode.md`, "An fp8 cache").
 
 use std::sync::Mutex;
 
 use cudarc::driver::{sys::CUstream, CudaContext};
 use fa4::backward::BackwardOptions;
 use fa4::cuda::backward::{BwdDeviceInputs, BwdDeviceOutputs};
-use fa4::cuda::decode::PagedTables;
+use fa4::cuda::decode::{DeviceKvScales, PagedTables};
 use fa4::cuda::fp8::DeviceDescales;
 use fa4::cuda::{CudaBackend, ForeignBuffer};
-use fa4::paged::{PagedCache, PagedKv, PagedOptions, PagedProblem};
+use fa4::paged::{KvScales, PagedCache, PagedKv, PagedOptions, PagedProblem};
 use fa4::tensor::Layout;
 use fa4::{Backend, DType, Descales, Element, Mask, Options, Problem, Tensor, TensorMut, F8E4M3};
 use half::{bf16, f16};
@@ -522,6 +524,100 @@ fn paged_cpu<'py>(
     Ok(parts.iter().map(|b| PyByteArray::new(py, b)).collect())
 }
 
+/// Paged decode on the CPU over an fp8 e4m3 cache: `k_cache`/`v_cache` are `(bytes, shape)` of
+/// e4m3 bytes, `k_scale`/`v_scale` f32 bytes of `heads_kv` entries (a stored byte of KV head `h`
+/// stands for `k_scale[h]` times its value), `q` and the new rows `k_new`/`v_new` of `dtype`.
+/// New rows are quantized with the scales into the caches at `cache_seqlens` first. Returns
+/// `(out, lse, k_cache, v_cache)` as [`paged_cpu`]'s.
+#[pyfunction]
+#[pyo3(signature = (dtype, q, k_cache, v_cache, k_scale, v_scale, block_table, cache_seqlens, k_new, v_new, causal, window, scale, softcap, num_splits, threads))]
+#[allow(clippy::too_many_arguments)]
+fn paged_fp8_cpu<'py>(
+    py: Python<'py>,
+    dtype: &str,
+    q: (Bound<'py, PyBytes>, Vec<usize>),
+    k_cache: (Bound<'py, PyBytes>, Vec<usize>),
+    v_cache: (Bound<'py, PyBytes>, Vec<usize>),
+    k_scale: Bound<'py, PyBytes>,
+    v_scale: Bound<'py, PyBytes>,
+    block_table: (Bound<'py, PyBytes>, usize),
+    cache_seqlens: Vec<i32>,
+    k_new: Option<(Bound<'py, PyBytes>, Vec<usize>)>,
+    v_new: Option<(Bound<'py, PyBytes>, Vec<usize>)>,
+    causal: bool,
+    window: (i64, i64),
+    scale: Option<f32>,
+    softcap: f32,
+    num_splits: usize,
+    threads: usize,
+) -> PyResult<Vec<Bound<'py, PyByteArray>>> {
+    let dt = dtype_of(dtype)?;
+    let attn = options(causal, window, scale, softcap)?;
+    let mut popts = PagedOptions::new(attn);
+    if num_splits > 0 {
+        popts = popts.num_splits(num_splits);
+    }
+    let table: Vec<i32> = elems(
+        "block_table",
+        block_table.0.as_bytes(),
+        block_table.0.as_bytes().len() / 4,
+    )?;
+    let max_pages = block_table.1;
+    let ks: Vec<f32> = elems("k_scale", k_scale.as_bytes(), k_scale.as_bytes().len() / 4)?;
+    let vs: Vec<f32> = elems("v_scale", v_scale.as_bytes(), v_scale.as_bytes().len() / 4)?;
+    let mut kc: Vec<F8E4M3> = elems("k_cache", k_cache.0.as_bytes(), numel(&k_cache.1))?;
+    let mut vc: Vec<F8E4M3> = elems("v_cache", v_cache.0.as_bytes(), numel(&v_cache.1))?;
+    let parts = by_dtype!(dt, T => {
+        let qd: Vec<T> = elems("q", q.0.as_bytes(), numel(&q.1))?;
+        let appended = match (&k_new, &v_new) {
+            (Some(kn), Some(vn)) => Some((
+                elems::<T>("k", kn.0.as_bytes(), numel(&kn.1))?,
+                elems::<T>("v", vn.0.as_bytes(), numel(&vn.1))?,
+                kn.1.clone(),
+            )),
+            (None, None) => None,
+            _ => return Err(PyValueError::new_err("invalid argument `v`: give k and v together")),
+        };
+        let mut o_shape = q.1.clone();
+        if let (Some(last), Some(dv)) = (o_shape.last_mut(), v_cache.1.last()) {
+            *last = *dv;
+        }
+        let mut od = vec![T::default(); numel(&o_shape)];
+        let mut lse = vec![0f32; q.1.iter().take(3).product::<usize>()];
+        let backend = cpu_backend(threads);
+        py.detach(|| -> fa4::Result<()> {
+            let kl = Layout::new("k_cache", &k_cache.1, None)?;
+            let vl = Layout::new("v_cache", &v_cache.1, None)?;
+            let scales = KvScales { k: &ks, v: &vs };
+            let mut seqlens = cache_seqlens.clone();
+            if let Some((kn, vn, shape)) = &appended {
+                let cache = PagedCache::new(&kl, &vl, &table, max_pages, &seqlens)?;
+                let (b, s) = new_rows(shape)?;
+                let cu: Vec<i32> = (0..=b).map(|i| (i * s) as i32).collect();
+                seqlens = fa4::paged::append_fp8(&cache, &mut kc, &mut vc, kn, vn, &cu, &scales)?;
+            }
+            let kv = PagedKv::new(
+                Tensor::new(&kc, &k_cache.1)?,
+                Tensor::new(&vc, &v_cache.1)?,
+                &table,
+                max_pages,
+                &seqlens,
+            )?;
+            let qt = Tensor::new(&qd, &q.1)?;
+            let mut ot = TensorMut::new(&mut od, &o_shape)?;
+            backend.forward_paged_fp8(&qt, &kv, &scales, None, &mut ot, Some(&mut lse), &popts)?;
+            Ok(())
+        })
+        .map_err(py_err_paged)?;
+        Ok::<_, PyErr>(vec![to_bytes(&od), to_bytes(&lse)])
+    })?;
+    let mut out: Vec<Bound<'py, PyByteArray>> =
+        parts.iter().map(|b| PyByteArray::new(py, b)).collect();
+    out.push(PyByteArray::new(py, &to_bytes(&kc)));
+    out.push(PyByteArray::new(py, &to_bytes(&vc)));
+    Ok(out)
+}
+
 /// `(batch, seqlen_new)` of new K/V rows `[batch, seqlen_new, heads_kv, dim]`.
 fn new_rows(shape: &[usize]) -> fa4::Result<(usize, usize)> {
     match shape {
@@ -1004,6 +1100,39 @@ struct PagedArgs<'a> {
     new: Option<(&'a DevArg, &'a DevArg)>,
 }
 
+/// New K/V rows on the device (`k_new` and `v_new` contiguous `[batch, seqlen_new, heads_kv,
+/// dim]`) and their offsets `cu_new`.
+fn new_rows_dev<T>(
+    cuda: &CudaBackend,
+    (kn, vn): (&DevArg, &DevArg),
+) -> fa4::Result<(ForeignBuffer<T>, ForeignBuffer<T>, Vec<i32>)> {
+    let (knl, vnl) = (layout("k", kn)?, layout("v", vn)?);
+    let (b, s) = new_rows(&kn.1)?;
+    for (name, l, a) in [("k", &knl, kn), ("v", &vnl, vn)] {
+        if l.strides != Layout::new(name, &a.1, None)?.strides {
+            return Err(fa4::Error::invalid(name, "new rows must be contiguous"));
+        }
+    }
+    let knb = foreign::<T>(cuda, "k", kn.0, extent(&knl))?;
+    let vnb = foreign::<T>(cuda, "v", vn.0, extent(&vnl))?;
+    let cu: Vec<i32> = (0..=b).map(|i| (i * s) as i32).collect();
+    Ok((knb, vnb, cu))
+}
+
+/// The index in `sb.tables` of the paged tables for `p`'s cache, made (and the oldest dropped
+/// past [`TABLES_PER_STREAM`]) when none matches.
+fn tables_for(sb: &mut StreamBackend, p: &PagedProblem) -> fa4::Result<usize> {
+    if let Some(i) = sb.tables.iter().position(|t| t.matches(p)) {
+        return Ok(i);
+    }
+    if sb.tables.len() >= TABLES_PER_STREAM {
+        sb.tables.remove(0);
+    }
+    let t = sb.cuda.paged_tables(p)?;
+    sb.tables.push(t);
+    Ok(sb.tables.len() - 1)
+}
+
 fn paged_dev<T: Element>(
     sb: &mut StreamBackend,
     a: &PagedArgs<'_>,
@@ -1016,18 +1145,9 @@ fn paged_dev<T: Element>(
     let mut vc = foreign::<T>(&cuda, "v_cache", a.v_cache.0, extent(&vl))?;
     let (table, max_pages) = (&a.block_table.0, a.block_table.1);
     let mut seqlens = a.cache_seqlens.to_vec();
-    if let Some((kn, vn)) = a.new {
+    if let Some(new) = a.new {
         let cache = PagedCache::new(&kl, &vl, table, max_pages, &seqlens)?;
-        let (knl, vnl) = (layout("k", kn)?, layout("v", vn)?);
-        let (b, s) = new_rows(&kn.1)?;
-        let knb = foreign::<T>(&cuda, "k", kn.0, extent(&knl))?;
-        let vnb = foreign::<T>(&cuda, "v", vn.0, extent(&vnl))?;
-        for (name, l, a) in [("k", &knl, kn), ("v", &vnl, vn)] {
-            if l.strides != Layout::new(name, &a.1, None)?.strides {
-                return Err(fa4::Error::invalid(name, "new rows must be contiguous"));
-            }
-        }
-        let cu: Vec<i32> = (0..=b).map(|i| (i * s) as i32).collect();
+        let (knb, vnb, cu) = new_rows_dev::<T>(&cuda, new)?;
         seqlens = cuda.append_paged(&cache, &mut kc, &mut vc, &knb, &vnb, &cu)?;
     }
     let cache = PagedCache::new(&kl, &vl, table, max_pages, &seqlens)?;
@@ -1036,22 +1156,120 @@ fn paged_dev<T: Element>(
     let qb = foreign::<T>(&cuda, "q", a.q.0, extent(&ql))?;
     let mut ob = foreign::<T>(&cuda, "out", a.out.0, extent(&ol))?;
     let mut lb = foreign::<f32>(&cuda, "softmax_lse", a.lse, p.lse_len())?;
-    let i = match sb.tables.iter().position(|t| t.matches(&p)) {
-        Some(i) => i,
-        None => {
-            if sb.tables.len() >= TABLES_PER_STREAM {
-                sb.tables.remove(0);
-            }
-            sb.tables.push(cuda.paged_tables(&p)?);
-            sb.tables.len() - 1
-        }
-    };
+    let i = tables_for(sb, &p)?;
     cuda.forward_paged_views(
         &p,
         &mut sb.tables[i],
         &qb,
         &kc,
         &vc,
+        &mut ob,
+        Some(&mut lb),
+        splits,
+    )?;
+    Ok(())
+}
+
+/// Paged decode on the GPU over an fp8 e4m3 cache: [`paged_cuda`]'s arguments with e4m3
+/// `k_cache`/`v_cache` and the scales `k_scale`/`v_scale` as `(address, length)` of f32 device
+/// arrays of `heads_kv` entries (not read back: each must be finite and > 0). New rows
+/// (`k_new`/`v_new`, of `dtype`) are quantized with the scales into the caches first.
+#[pyfunction]
+#[pyo3(signature = (device, stream, dtype, q, k_cache, v_cache, k_scale, v_scale, out, lse, block_table, cache_seqlens, k_new, v_new, causal, window, scale, softcap, num_splits))]
+#[allow(clippy::too_many_arguments)]
+fn paged_fp8_cuda<'py>(
+    py: Python<'py>,
+    device: usize,
+    stream: u64,
+    dtype: &str,
+    q: DevArg,
+    k_cache: DevArg,
+    v_cache: DevArg,
+    k_scale: DevDescale,
+    v_scale: DevDescale,
+    out: DevArg,
+    lse: u64,
+    block_table: (Bound<'py, PyBytes>, usize),
+    cache_seqlens: Vec<i32>,
+    k_new: Option<DevArg>,
+    v_new: Option<DevArg>,
+    causal: bool,
+    window: (i64, i64),
+    scale: Option<f32>,
+    softcap: f32,
+    num_splits: usize,
+) -> PyResult<()> {
+    let dt = dtype_of(dtype)?;
+    let opts = options(causal, window, scale, softcap)?;
+    let splits = (num_splits > 0).then_some(num_splits);
+    let table: Vec<i32> = elems(
+        "block_table",
+        block_table.0.as_bytes(),
+        block_table.0.as_bytes().len() / 4,
+    )?;
+    let block_table = (table, block_table.1);
+    py.detach(|| {
+        with_backend(device, stream, |sb| {
+            let a = PagedArgs {
+                q: &q,
+                k_cache: &k_cache,
+                v_cache: &v_cache,
+                out: &out,
+                lse,
+                block_table: &block_table,
+                cache_seqlens: &cache_seqlens,
+                new: match (&k_new, &v_new) {
+                    (Some(k), Some(v)) => Some((k, v)),
+                    (None, None) => None,
+                    _ => return Err(fa4::Error::invalid("v", "give k and v together")),
+                },
+            };
+            let scales = (k_scale, v_scale);
+            match dt {
+                DType::Bf16 => paged_fp8_dev::<bf16>(sb, &a, scales, &opts, splits),
+                DType::F16 => paged_fp8_dev::<f16>(sb, &a, scales, &opts, splits),
+                _ => Err(not_on_cuda(dt)),
+            }
+        })
+    })
+    .map_err(py_err_paged)
+}
+
+fn paged_fp8_dev<T: Element>(
+    sb: &mut StreamBackend,
+    a: &PagedArgs<'_>,
+    (k_scale, v_scale): (DevDescale, DevDescale),
+    opts: &Options,
+    splits: Option<usize>,
+) -> fa4::Result<()> {
+    let cuda = sb.cuda.clone();
+    let (kl, vl) = (layout("k_cache", a.k_cache)?, layout("v_cache", a.v_cache)?);
+    let mut kc = foreign::<F8E4M3>(&cuda, "k_cache", a.k_cache.0, extent(&kl))?;
+    let mut vc = foreign::<F8E4M3>(&cuda, "v_cache", a.v_cache.0, extent(&vl))?;
+    let ks = foreign::<f32>(&cuda, "k_scale", k_scale.0, k_scale.1)?;
+    let vs = foreign::<f32>(&cuda, "v_scale", v_scale.0, v_scale.1)?;
+    let scales = DeviceKvScales { k: &ks, v: &vs };
+    let (table, max_pages) = (&a.block_table.0, a.block_table.1);
+    let mut seqlens = a.cache_seqlens.to_vec();
+    if let Some(new) = a.new {
+        let cache = PagedCache::new(&kl, &vl, table, max_pages, &seqlens)?;
+        let (knb, vnb, cu) = new_rows_dev::<T>(&cuda, new)?;
+        seqlens = cuda.append_paged_fp8(&cache, &mut kc, &mut vc, &knb, &vnb, &cu, &scales)?;
+    }
+    let cache = PagedCache::new(&kl, &vl, table, max_pages, &seqlens)?;
+    let (ql, ol) = (layout("q", a.q)?, layout("out", a.out)?);
+    let p = PagedProblem::new(T::DTYPE, &ql, &ol, &cache, None, opts)?.with_fp8_cache();
+    let qb = foreign::<T>(&cuda, "q", a.q.0, extent(&ql))?;
+    let mut ob = foreign::<T>(&cuda, "out", a.out.0, extent(&ol))?;
+    let mut lb = foreign::<f32>(&cuda, "softmax_lse", a.lse, p.lse_len())?;
+    let i = tables_for(sb, &p)?;
+    cuda.forward_paged_fp8_device(
+        &p,
+        &mut sb.tables[i],
+        &qb,
+        &kc,
+        &vc,
+        &scales,
         &mut ob,
         Some(&mut lb),
         splits,
@@ -1121,11 +1339,13 @@ fn _fa4(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(forward_fp8_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(backward_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(paged_cpu, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_fp8_cpu, m)?)?;
     m.add_function(wrap_pyfunction!(combine, m)?)?;
     m.add_function(wrap_pyfunction!(forward_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(forward_fp8_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(backward_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(paged_cuda, m)?)?;
+    m.add_function(wrap_pyfunction!(paged_fp8_cuda, m)?)?;
     m.add_function(wrap_pyfunction!(plan, m)?)?;
     m.add_function(wrap_pyfunction!(build_info, m)?)?;
     m.add_function(wrap_pyfunction!(cuda_status, m)?)?;

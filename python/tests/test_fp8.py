@@ -305,3 +305,123 @@ def test_bad_fp8_arguments_are_named():
     cq = np.array([0, 3, 8], np.int32)
     with pytest.raises(ValueError, match="k_descale"):  # packed: (sequences, heads_kv) = (2, 2)
         fa4.flash_attn_varlen_func(q8[0], k8[0], k8[0], cq, cq, 5, 5, k_descale=np.ones((8, 2), np.float32), **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# fp8 KV caches (vLLM's kv_cache_dtype="fp8_e4m3"): e4m3 pages, one scale per KV head
+# ---------------------------------------------------------------------------------------------
+
+
+def quantize_cache(x):
+    """docs/decode.md's cache quantization: per KV head the largest magnitude over the whole
+    cache gives scale = amax / 448, and x / scale (an f32 division) rounds to e4m3. x is
+    (pages, page_size, heads_kv, d) float32; returns (uint8 bytes, float32 scales (heads_kv,))."""
+    amax = np.abs(x).max(axis=(0, 1, 3))
+    scales = np.where(amax > 0, amax / np.float32(E4M3_MAX), 1).astype(np.float32)
+    return encode(x / scales[None, None, :, None]), scales
+
+
+def gather(cache, table, i, n):
+    """Sequence i's first n rows of a paged cache, (n, heads_kv, d)."""
+    page = cache.shape[1]
+    rows = [cache[table[i, j // page], j % page] for j in range(n)]
+    return np.stack(rows) if rows else np.zeros((0,) + cache.shape[2:], cache.dtype)
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_fp8_kvcache_with_append_matches_the_oracle(page):
+    """The float64 oracle over the cache's dequantized values, the new rows quantized by the
+    test's own codec: f32 queries see f32 arithmetic only (err < 2e-5), and the bytes the append
+    writes are the codec's, byte for byte."""
+    rng = np.random.default_rng(page + 40)
+    b, hq, hk, d, dv, blocks, new = 3, 8, 2, 64, 32, 5, 2
+    lens = np.array([page * 2 - 1, 0, page * blocks - new], np.int32)
+    num_pages = b * blocks + 1
+    k8, ks = quantize_cache(draw(rng, (num_pages, page, hk, d), outliers=False) * np.float32([1, 6])[:, None])
+    v8, vs = quantize_cache(draw(rng, (num_pages, page, hk, dv), outliers=False))
+    table = rng.permutation(num_pages)[: b * blocks].reshape(b, blocks).astype(np.int32)
+    q = draw(rng, (b, new, hq, d), outliers=False)
+    kn, vn = draw(rng, (b, new, hk, d), outliers=False), draw(rng, (b, new, hk, dv), outliers=False)
+    old = [(gather(k8, table, i, lens[i]), gather(v8, table, i, lens[i])) for i in range(b)]
+    out, lse = fa4.flash_attn_with_kvcache(q, k8, v8, k=kn, v=vn, cache_seqlens=lens, block_table=table,
+                                           causal=True, return_softmax_lse=True, k_scale=ks, v_scale=vs)
+    assert out.shape == (b, new, hq, dv) and out.dtype == np.float32 and lse.shape == (b, hq, new)
+    kn8, vn8 = encode(kn / ks[None, None, :, None]), encode(vn / vs[None, None, :, None])
+    for i in range(b):
+        # The appended rows are the codec's bytes, where cache_seqlens said.
+        assert np.array_equal(gather(k8, table, i, lens[i] + new)[lens[i]:], kn8[i])
+        assert np.array_equal(gather(v8, table, i, lens[i] + new)[lens[i]:], vn8[i])
+        kk = decode(np.concatenate([old[i][0], kn8[i]])) * ks[None, :, None]
+        vv = decode(np.concatenate([old[i][1], vn8[i]])) * vs[None, :, None]
+        ro, rl = reference(q[i : i + 1], kk[None], vv[None], causal=True)
+        assert np.abs(out[i] - ro[0]).max() < 2e-5
+        assert np.abs(lse[i] - rl[0]).max() < 2e-5
+
+
+def test_fp8_kvcache_scales_scalar_per_head_or_default():
+    """A float, a one-element array and a (heads_kv,) array of equal values are the same scale;
+    None is 1. fp16 queries give fp16 O, within the fp16 rounding of the float64 oracle."""
+    rng = np.random.default_rng(50)
+    b, hq, hk, d, page = 2, 4, 2, 64, 16
+    kc, _ = quantize_cache(draw(rng, (b, page, hk, d), outliers=False))
+    vc, _ = quantize_cache(draw(rng, (b, page, hk, d), outliers=False))
+    q = draw(rng, (b, 1, hq, d), outliers=False).astype(np.float16)
+    lens = np.array([page, 5], np.int32)
+    outs = [
+        fa4.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, k_scale=ks, v_scale=vs)
+        for ks, vs in (
+            (0.03, 0.5),
+            (np.float32([0.03]), np.full(1, 0.5, np.float32)),
+            (np.full(hk, 0.03, np.float32), np.float32(0.5)),
+        )
+    ]
+    assert outs[0].dtype == np.float16
+    assert all(np.array_equal(outs[0], o) for o in outs[1:])
+    for i, n in enumerate(lens):
+        ro, _ = reference(q[i : i + 1], decode(kc[i : i + 1, :n]) * 0.03, decode(vc[i : i + 1, :n]) * 0.5)
+        atol = np.abs(ro.astype(np.float16).astype(np.float64) - ro).max()
+        assert np.abs(outs[0][i].astype(np.float64) - ro[0]).max() <= 2 * atol + 1e-4
+    ones = fa4.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+    assert np.array_equal(ones, fa4.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, k_scale=1.0, v_scale=1.0))
+
+
+def test_fp8_kvcache_takes_ml_dtypes_float8():
+    ml_dtypes = ml_dtypes_or_skip()
+    rng = np.random.default_rng(51)
+    kc, ks = quantize_cache(draw(rng, (2, 16, 2, 32), outliers=False))
+    vc, vs = quantize_cache(draw(rng, (2, 16, 2, 32), outliers=False))
+    q = draw(rng, (2, 1, 4, 32), outliers=False).astype(ml_dtypes.bfloat16)
+    f8 = [c.view(ml_dtypes.float8_e4m3fn) for c in (kc, vc)]
+    out = fa4.flash_attn_with_kvcache(q, *f8, k_scale=ks, v_scale=vs)
+    assert out.dtype == ml_dtypes.bfloat16
+    same = fa4.flash_attn_with_kvcache(q, kc, vc, k_scale=ks, v_scale=vs)
+    assert np.array_equal(out.view(np.uint16), same.view(np.uint16))
+
+
+def test_bad_fp8_kvcache_arguments_are_named():
+    rng = np.random.default_rng(52)
+    kc, ks = quantize_cache(draw(rng, (2, 16, 2, 32), outliers=False))
+    q = draw(rng, (2, 1, 4, 32), outliers=False)
+    f32 = decode(kc).astype(np.float32)
+    cases = [
+        (dict(k_scale=np.ones(3, np.float32)), ValueError, "k_scale"),        # neither 1 nor heads_kv
+        (dict(v_scale=np.ones((2, 1), np.float32)), ValueError, "v_scale"),   # not 1-D
+        (dict(k_scale=ks.astype(np.float64)), ValueError, "k_scale"),         # dtype
+        (dict(v_scale=[1.0, 1.0]), ValueError, "v_scale"),                    # not an array
+        (dict(k_scale=np.float32([1, 0])), ValueError, "`k_scale`"),          # not > 0 (fa4's check)
+        (dict(v_scale=float("inf")), ValueError, "`v_scale`"),
+    ]
+    for kw, exc, name in cases:
+        with pytest.raises(exc, match=name):
+            fa4.flash_attn_with_kvcache(q, kc, kc, **kw)
+    with pytest.raises(ValueError, match="k_scale"):  # scales with a float cache
+        fa4.flash_attn_with_kvcache(q, f32, f32, k_scale=ks)
+    with pytest.raises(TypeError, match="v_cache"):
+        fa4.flash_attn_with_kvcache(q, kc, f32)
+    with pytest.raises(TypeError, match="v_cache"):
+        fa4.flash_attn_with_kvcache(q, f32, kc)
+    with pytest.raises(TypeError, match="flash_attn_func"):  # e4m3 queries
+        fa4.flash_attn_with_kvcache(encode(q), kc, kc)
+    with pytest.raises(TypeError, match="k"):  # new rows in another dtype than q's
+        fa4.flash_attn_with_kvcache(q, kc, kc, k=q[:, :, :2].astype(np.float16), v=q[:, :, :2],
+                                    cache_seqlens=np.array([3, 3], np.int32))

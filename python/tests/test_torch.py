@@ -243,6 +243,103 @@ def test_fp8_errors_name_the_argument():
 
 
 # ---------------------------------------------------------------------------------------------
+# fp8 KV caches (vLLM's kv_cache_dtype="fp8_e4m3"): docs/decode.md, "An fp8 cache"
+# ---------------------------------------------------------------------------------------------
+
+
+def quantize_cache_fp8(x):
+    """A (pages, page_size, heads_kv, d) cache with one scale per KV head: scale = amax / 448 over
+    the head's elements, x / scale rounded to e4m3. Returns (float8_e4m3fn cache, float32 scales)."""
+    amax = x.float().abs().amax(dim=(0, 1, 3))
+    s = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    return (x.float() / s[None, None, :, None]).to(torch.float8_e4m3fn), s
+
+
+def fp8_kvcache_case(device, dtype, page, d, seed):
+    """Decode with an append over a paged fp8 cache on `device`: the appended bytes are torch's
+    quantization of the new rows (f32 division, nearest e4m3), and O passes the GPU rule against
+    the float64 evaluation of the dequantized keys and values."""
+    b, hq, hk, new, blocks = 3, 8, 2, 2, 5
+    g = torch.Generator().manual_seed(seed)
+    lens = [page * 2 - 1, 0, page * blocks - new]
+    num_pages = b * blocks + 1
+    kc, ks = quantize_cache_fp8(torch.randn(num_pages, page, hk, d, generator=g) * torch.tensor([1.0, 6.0])[:, None])
+    vc, vs = quantize_cache_fp8(torch.randn(num_pages, page, hk, d, generator=g))
+    table = torch.randperm(num_pages, generator=g)[: b * blocks].view(b, blocks).to(torch.int32)
+    q = torch.randn(b, new, hq, d, generator=g).to(dtype)
+    kn, vn = ((torch.randn(b, new, hk, d, generator=g) * 0.5).to(dtype) for _ in range(2))
+    kc, ks, vc, vs, q, kn, vn = (t.to(device) for t in (kc, ks, vc, vs, q, kn, vn))
+
+    def gather(cache, i, n):  # sequence i's first n rows, through bytes (indexing takes no fp8)
+        idx = torch.arange(n)
+        rows = cache.view(torch.uint8)[table[i, idx // page].long().to(device), (idx % page).to(device)]
+        return rows.view(torch.float8_e4m3fn)
+
+    old = [(gather(kc, i, lens[i]), gather(vc, i, lens[i])) for i in range(b)]
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    out = fa4.flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=seqlens, block_table=table, causal=True,
+                                      k_scale=ks, v_scale=vs)
+    assert out.dtype == dtype and out.device == q.device and out.shape == (b, new, hq, d)
+    kn8, vn8 = ((x.float() / s[None, None, :, None]).to(torch.float8_e4m3fn) for x, s in ((kn, ks), (vn, vs)))
+    for i in range(b):
+        for cache, rows in ((kc, kn8), (vc, vn8)):
+            got = gather(cache, i, lens[i] + new)[lens[i] :]
+            assert torch.equal(got.view(torch.uint8), rows[i].view(torch.uint8))
+        kk = torch.cat([old[i][0], kn8[i]]).double() * ks.double()[:, None]
+        vv = torch.cat([old[i][1], vn8[i]]).double() * vs.double()[:, None]
+        ref = attention_ref(q[i : i + 1], kk[None], vv[None], causal=True)
+        plain = attention_ref(q[i : i + 1], kk[None].to(dtype), vv[None].to(dtype), causal=True, upcast=False)
+        check(out[i : i + 1], ref, plain)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_cpu_fp8_kvcache_with_append(dtype):
+    fp8_kvcache_case("cpu", dtype, 16, 64, seed=30)
+
+
+def test_cpu_fp8_kvcache_scales_and_compile():
+    """vLLM's per-tensor scale (a 0-d tensor), a float and a (heads_kv,) tensor of equal values
+    are one scale; the op traces under torch.compile without graph breaks."""
+    g = torch.Generator().manual_seed(31)
+    kc, _ = quantize_cache_fp8(torch.randn(2, 16, 2, 32, generator=g))
+    vc, _ = quantize_cache_fp8(torch.randn(2, 16, 2, 32, generator=g))
+    q = torch.randn(2, 1, 4, 32, generator=g).to(torch.bfloat16)
+    lens = torch.tensor([16, 5], dtype=torch.int32)
+    run = lambda ks, vs: fa4.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, k_scale=ks, v_scale=vs)
+    want = run(torch.tensor(0.02), torch.tensor([0.5]))
+    assert torch.equal(want, run(0.02, 0.5))
+    assert torch.equal(want, run(torch.full((2,), 0.02), torch.full((2,), 0.5)))
+    f = torch.compile(lambda q, kc, vc, ks, vs: fa4.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, k_scale=ks,
+                                                                            v_scale=vs).float(),
+                      backend="aot_eager", fullgraph=True)
+    assert torch.equal(f(q, kc, vc, torch.tensor(0.02), torch.tensor([0.5])), want.float())
+
+
+def test_fp8_kvcache_errors_name_the_argument():
+    g = torch.Generator().manual_seed(32)
+    kc, ks = quantize_cache_fp8(torch.randn(2, 16, 2, 32, generator=g))
+    q = torch.randn(2, 1, 4, 32, generator=g).to(torch.bfloat16)
+    for kw, name in (
+        (dict(k_scale=torch.ones(3)), "k_scale"),
+        (dict(v_scale=torch.ones(2, 1)), "v_scale"),
+        (dict(k_scale=ks.double()), "k_scale"),
+        (dict(v_scale=ks.numpy()), "v_scale"),
+        (dict(k_scale=torch.tensor([1.0, 0.0])), "`k_scale`"),
+        (dict(v_scale=float("nan")), "`v_scale`"),
+    ):
+        with pytest.raises(ValueError, match=name):
+            fa4.flash_attn_with_kvcache(q, kc, kc, **kw)
+    kb = kc.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="k_scale"):
+        fa4.flash_attn_with_kvcache(q, kb, kb, k_scale=ks)
+    with pytest.raises(TypeError, match="v_cache"):
+        fa4.flash_attn_with_kvcache(q, kc, kb)
+    with pytest.raises(TypeError, match="k"):
+        fa4.flash_attn_with_kvcache(q, kc, kc, k=q[:, :, :2].half(), v=q[:, :, :2], cache_seqlens=3)
+
+
+# ---------------------------------------------------------------------------------------------
 # CUDA tensors
 # ---------------------------------------------------------------------------------------------
 
@@ -494,3 +591,30 @@ def test_cuda_fp8_errors_name_the_argument():
     q8.requires_grad_()
     with pytest.raises(ValueError, match="no backward for fp8"):
         fa4.flash_attn_func(q8, k8, v8).float().sum().backward()
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("page", [16, 64])
+def test_cuda_fp8_kvcache_with_append(page, dtype):
+    """The GPU's fp8 decode kernels and append: torch's bytes, the GPU rule; the CPU on the same
+    cache and rows gives the same appended bytes."""
+    out = fp8_kvcache_case("cuda", dtype, page, 128, seed=page)
+    cpu = fp8_kvcache_case("cpu", dtype, page, 128, seed=page)
+    assert (out.cpu().double() - cpu.double()).abs().max() < 0.05
+
+
+@cuda
+def test_cuda_fp8_kvcache_scales_stay_on_the_device():
+    g = torch.Generator().manual_seed(33)
+    kc, ks = quantize_cache_fp8(torch.randn(2, 16, 2, 128, generator=g))
+    q = torch.randn(2, 1, 4, 128, generator=g).to(torch.bfloat16)
+    kc, ks, q = kc.cuda(), ks.cuda(), q.cuda()
+    with pytest.raises(ValueError, match="k_scale"):
+        fa4.flash_attn_with_kvcache(q, kc, kc, k_scale=ks.cpu())
+    with pytest.raises(ValueError, match="q"):  # the GPU kernels take 16-bit queries
+        fa4.flash_attn_with_kvcache(q.float(), kc, kc, k_scale=ks, v_scale=ks)
+    a = fa4.flash_attn_with_kvcache(q, kc, kc, k_scale=torch.tensor(0.03, device="cuda"), v_scale=0.5)
+    b = fa4.flash_attn_with_kvcache(q, kc, kc, k_scale=torch.full((2,), 0.03, device="cuda"),
+                                    v_scale=torch.full((2,), 0.5, device="cuda"))
+    assert torch.equal(a, b)

@@ -1,5 +1,6 @@
 //! `fa4 plan`: the planners from the command line: SM100 (FA4Config, the default) or the
-//! Hopper plan (`--arch sm90`), which also says which kernel the problem gets and why.
+//! Hopper plan (`--arch sm90`; with `--dtype fp8` the e4m3 kernel's, with its Vᵀ pass), which
+//! also says which kernel the problem gets and why.
 
 use clap::{Args, ValueEnum};
 
@@ -55,7 +56,8 @@ pub struct PlanArgs {
     #[arg(long)]
     varlen: bool,
     /// Query rows per sequence (`--arch sm90`: the tiles and launch a problem of this length
-    /// gets; without it, the head dim's first-choice tiles).
+    /// gets; without it, the head dim's first-choice tiles). With `--dtype fp8` also the keys,
+    /// which size the Vᵀ scratch.
     #[arg(long)]
     seqlen: Option<usize>,
     /// Print the machine-readable form (the seed's names) instead of the report.
@@ -83,6 +85,12 @@ pub fn run(args: PlanArgs) -> Result<()> {
         ));
     }
     if args.backward.wanted() {
+        if args.dtype == DType::Fp8E4M3 {
+            return Err(Error::invalid(
+                "--dtype",
+                "fp8 inputs have no backward (the fp8 forward is for inference); --backward plans bf16, fp16 or f32",
+            ));
+        }
         return plan_backward::run(&args);
     }
     // `--causal` also picks the Hopper forward's tiles (d64 takes the dynamic schedule).
@@ -334,6 +342,12 @@ fn run_sm90(args: &PlanArgs) -> Result<()> {
     if depth_v == 0 {
         return Err(Error::invalid("--depth-v", "must be at least 1"));
     }
+    if args.seqlen == Some(0) {
+        return Err(Error::invalid("--seqlen", "must be at least 1"));
+    }
+    if args.dtype == DType::Fp8E4M3 {
+        return run_sm90_fp8(args, &arch, depth, depth_v);
+    }
     let dispatch = sm90::dispatch(
         &arch,
         sm90::Features {
@@ -347,10 +361,7 @@ fn run_sm90(args: &PlanArgs) -> Result<()> {
         },
     );
     // A problem the Hopper kernel does not cover still gets an answer: which kernel, and why.
-    let plan = match args.seqlen {
-        Some(0) => return Err(Error::invalid("--seqlen", "must be at least 1")),
-        sq => Sm90Plan::with_dims(&arch, depth, depth_v, size, sq).ok(),
-    };
+    let plan = Sm90Plan::with_dims(&arch, depth, depth_v, size, args.seqlen).ok();
     let plan = plan.map(|p| {
         if args.varlen {
             p.for_varlen(&arch, args.seqlen)
@@ -379,6 +390,101 @@ fn run_sm90(args: &PlanArgs) -> Result<()> {
             ),
             None => println!("no Hopper plan for head_dim {depth}, {}", args.dtype),
         }
+        println!(
+            "  kernel for this problem: {} ({})",
+            dispatch.kernel, dispatch.reason
+        );
+    }
+    Ok(())
+}
+
+/// `fa4 plan --arch sm90 --dtype fp8`: the e4m3 kernel's launch as [`sm90::fp8::plan_fp8`] plans
+/// it for a problem of one head whose sequences have `--seqlen` query rows and keys (without it,
+/// a length at which every tile entry is allowed, as the 16-bit plan's first choice), and the
+/// Vᵀ pass it runs first. What the kernel does not take is an error naming the flag: fp8 inputs
+/// have no other GPU kernel to fall back to.
+fn run_sm90_fp8(
+    args: &PlanArgs,
+    arch: &fa4::arch::GpuArch,
+    depth: usize,
+    depth_v: usize,
+) -> Result<()> {
+    use fa4::problem::{Options, Problem};
+    use fa4::tensor::Layout;
+
+    // The kernel's rows are int32 TMA coordinates (`plan_fp8` checks 2^30 rows).
+    const MAX_ROWS: usize = (i32::MAX / 2) as usize;
+    let len = match args.seqlen {
+        Some(n) if n > MAX_ROWS => {
+            return Err(Error::invalid(
+                "--seqlen",
+                format!("{n} rows exceed the fp8 Hopper kernel's TMA coordinate range (2^30)"),
+            ))
+        }
+        Some(n) => n,
+        None => sm90::ANY_LENGTH,
+    };
+    // Covered head dims that are multiples of 8 but not 16 pass the kernel's own check, then fail
+    // on a contiguous tensor's strides: say so in terms of the head dim.
+    if sm90::fp8::fp8_padded_head_dim(depth).is_some() && !depth.is_multiple_of(16) {
+        return Err(Error::invalid(
+            "--depth",
+            format!(
+                "head_dim {depth}: the fp8 Hopper kernel loads Q and K rows through TMA maps, whose strides are multiples of 16 bytes, so contiguous e4m3 Q and K take multiples of 16"
+            ),
+        ));
+    }
+    let flag = |e: Error| match e {
+        Error::InvalidArgument { name, reason } => {
+            let flag = match name.as_str() {
+                "q" => "--depth",
+                "v" => "--depth-v",
+                "k" | "cu_seqlens_q" => "--seqlen",
+                _ => return Error::InvalidArgument { name, reason },
+            };
+            Error::invalid(flag, reason)
+        }
+        e => e,
+    };
+    let shape = |d: usize| -> Vec<usize> {
+        if args.varlen {
+            vec![len, 1, d]
+        } else {
+            vec![1, len, 1, d]
+        }
+    };
+    let (qk, v) = (
+        Layout::new("q", &shape(depth), None).map_err(flag)?,
+        Layout::new("v", &shape(depth_v), None).map_err(flag)?,
+    );
+    let cu = [0, len as i32];
+    let cu = args.varlen.then_some(&cu[..]);
+    let mut opts = Options::new();
+    if args.backward.causal {
+        opts = opts.causal();
+    }
+    let p = Problem::new_fp8(DType::Bf16, &qk, &qk, &v, &v, cu, cu, &opts).map_err(flag)?;
+    let f = sm90::fp8::plan_fp8(&p, arch, "sm_90a", None).map_err(flag)?;
+    let plan = Sm90Plan::for_fp8(arch, &f, args.seqlen);
+    let dispatch = sm90::Dispatch {
+        kernel: fa4::config::KernelKind::Sm90,
+        reason: format!(
+            "a Hopper GPU, fp8 e4m3 inputs, head dim {}: the Hopper kernel's e4m3 variant, after the Vᵀ pass",
+            sm90::Dims {
+                qk: depth,
+                v: depth_v
+            }
+        ),
+    };
+    if args.json {
+        let mut v = serde_json::to_value(&plan).expect("plain data serializes");
+        v["dispatch"] = serde_json::to_value(&dispatch).expect("plain data serializes");
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&v).expect("plain data serializes")
+        );
+    } else {
+        println!("{plan}");
         println!(
             "  kernel for this problem: {} ({})",
             dispatch.kernel, dispatch.reason

@@ -371,6 +371,10 @@ mod tests {
             "#define FA4_VT_PARAMS_SIZE {}",
             super::VT_PARAMS_SIZE
         )));
+        // `vt_smem_bytes`, which `fa4 plan` reports, mirrors the pass's one shared array.
+        assert_eq!(crate::config::sm90::fp8::vt_smem_bytes(64), 128 * 68);
+        assert!(vt.contains("constexpr int ROW_BYTES = O_DIM + 4;"));
+        assert!(vt.contains("rows[VT_CHUNK * ROW_BYTES]"));
         let exact = crate::cuda::compile::EXACT_SRC;
         assert!(exact.contains(&format!(
             "#define FA4_EXACT_FP8_PARAMS_SIZE {}",

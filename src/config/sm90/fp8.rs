@@ -21,6 +21,13 @@ pub const VT_THREADS: usize = 256;
 /// Vᵀ columns per CTA of the Vᵀ pass (`VT_CHUNK`).
 pub const VT_CHUNK: usize = 128;
 
+/// Static shared memory of a Vᵀ pass CTA: [`VT_CHUNK`] staged V rows of `dim_v` bytes and one
+/// more word each (`ROW_BYTES` in `vt_fp8.cu`: rows whose keys differ mod 32 fall in different
+/// banks).
+pub fn vt_smem_bytes(dim_v: usize) -> usize {
+    VT_CHUNK * (dim_v + 4)
+}
+
 /// The e4m3 tile width of Q's and K's head dim: the next multiple of 128 (whole 128-byte slabs),
 /// for multiples of 8 in 8..=256 (the Vᵀ pass reads V in 8-byte words); `None` otherwise.
 pub fn fp8_padded_head_dim(d: usize) -> Option<usize> {

@@ -1,5 +1,5 @@
 //! The Hopper plan as a reader sees it (`fa4 plan --arch sm90`): tiles, the role table,
-//! registers and shared memory.
+//! registers and shared memory, and for e4m3 inputs the Vᵀ pass and its scratch.
 
 use super::*;
 
@@ -20,13 +20,24 @@ pub struct Role {
 /// the prelude emits as `Role` and `role_of(warp)` ([`KernelSpec::prelude`]) and the report
 /// prints.
 pub fn roles(tiles: &Tiles, dims: impl Into<Dims>) -> Vec<Role> {
+    roles_elem(tiles, dims, 2)
+}
+
+/// [`roles`] for operands of `elem_bytes` (1: the e4m3 kernel, whose ring holds K and Vᵀ and
+/// whose P is scaled by 2^8 into e4m3 before P·V).
+pub fn roles_elem(tiles: &Tiles, dims: impl Into<Dims>, elem_bytes: usize) -> Vec<Role> {
     let padded = dims.into();
+    let (v, softmax) = if elem_bytes == 1 {
+        ("Vᵀ", "softmax (P × 2^8 in e4m3)")
+    } else {
+        ("V", "softmax")
+    };
     let mut roles = vec![Role {
         warpgroup: 0,
         role: "producer",
         work: format!(
-            "one thread issues TMA loads: each tile's Q ({} slot(s)), then K and V into a {}-stage ring",
-            tiles.q_stages(padded),
+            "one thread issues TMA loads: each tile's Q ({} slot(s)), then K and {v} into a {}-stage ring",
+            tiles.q_stages_elem(padded, elem_bytes),
             tiles.stages
         ),
         registers: tiles.producer_regs,
@@ -36,7 +47,7 @@ pub fn roles(tiles: &Tiles, dims: impl Into<Dims>) -> Vec<Role> {
             warpgroup: w + 1,
             role: "consumer",
             work: format!(
-                "query rows {}..{}: wgmma S = Q·Kᵀ (64×{}), softmax, wgmma O += P·V (64×{})",
+                "query rows {}..{}: wgmma S = Q·Kᵀ (64×{}), {softmax}, wgmma O += P·V (64×{})",
                 w * ROWS_PER_CONSUMER,
                 (w + 1) * ROWS_PER_CONSUMER,
                 tiles.block_n,
@@ -46,6 +57,50 @@ pub fn roles(tiles: &Tiles, dims: impl Into<Dims>) -> Vec<Role> {
         });
     }
     roles
+}
+
+/// The e4m3 kernel's Vᵀ pass ([`fp8::VT_ENTRY`], launched before the forward on its stream) and
+/// the scratch of one call, per (sequence, KV head): the Vᵀ buffer's columns and the gathered
+/// descales ([`fp8::Fp8Plan`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct VtPlan {
+    /// The pass's entry point in the forward's module.
+    pub entry: &'static str,
+    /// Threads per CTA.
+    pub threads: usize,
+    /// Vᵀ columns (keys) per CTA: one CTA per chunk and KV head.
+    pub chunk: usize,
+    /// Static shared memory per CTA ([`fp8::vt_smem_bytes`]).
+    pub smem_bytes: usize,
+    /// Rows of Vᵀ per KV head: the problem's head_dim_v.
+    pub rows: usize,
+    /// Each sequence's keys are padded with zero columns to a multiple of this (the key block).
+    pub key_block: usize,
+    /// Vᵀ columns of one sequence of the planned length (`None`: no length given).
+    pub seq_cols: Option<usize>,
+    /// Vᵀ bytes per (sequence, KV head): `rows × seq_cols` (`None`: no length given).
+    pub vt_bytes: Option<usize>,
+    /// Bytes per (sequence, KV head) of the gathered descales (Q's, K's and V's, f32).
+    pub descale_bytes: usize,
+}
+
+impl VtPlan {
+    /// The pass of an e4m3 spec, its scratch sized for one sequence of `keys` keys.
+    pub fn new(spec: &KernelSpec, keys: Option<usize>) -> VtPlan {
+        let key_block = spec.tiles.block_n;
+        let seq_cols = keys.map(|n| n.next_multiple_of(key_block));
+        VtPlan {
+            entry: fp8::VT_ENTRY,
+            threads: fp8::VT_THREADS,
+            chunk: fp8::VT_CHUNK,
+            smem_bytes: fp8::vt_smem_bytes(spec.dim_v),
+            rows: spec.dim_v,
+            key_block,
+            seq_cols,
+            vt_bytes: seq_cols.map(|c| c * spec.dim_v),
+            descale_bytes: 3 * std::mem::size_of::<f32>(),
+        }
+    }
 }
 
 /// The Hopper plan for a head dim and dtype: tiles, roles and budgets.
@@ -86,6 +141,9 @@ pub struct Sm90Plan {
     pub slab_maps: (bool, bool),
     /// Planned for a varlen batch (the longest sequence's query blocks for every sequence).
     pub varlen: bool,
+    /// e4m3 inputs ([`Sm90Plan::for_fp8`]): the Vᵀ pass and its scratch; absent for 16-bit ones.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub fp8: Option<VtPlan>,
 }
 
 impl Sm90Plan {
@@ -187,6 +245,37 @@ impl Sm90Plan {
             tma_box: (padded.qk / SWIZZLE_ELEMS, tiles.block_n),
             slab_maps: (false, false),
             varlen: false,
+            fp8: None,
+        }
+    }
+
+    /// The e4m3 kernel's launch ([`fp8::plan_fp8`]) as a reader sees it: its tiles, roles and
+    /// budgets for 1-byte operands (Q and K in 128-element slabs, V read as Vᵀ), and the Vᵀ pass
+    /// with the scratch of one sequence of `keys` keys (`None`: per key only).
+    pub fn for_fp8(arch: &GpuArch, f: &fp8::Fp8Plan, keys: Option<usize>) -> Sm90Plan {
+        let spec = &f.plan.spec;
+        let (dims, tiles) = (spec.dims(), spec.tiles);
+        let smem = tiles.smem_elem(dims, spec.elem_bytes());
+        Sm90Plan {
+            arch: arch.name,
+            head_dim: spec.dim,
+            head_dim_v: spec.dim_v,
+            padded_head_dim: dims.qk,
+            padded_head_dim_v: dims.v,
+            block_m: tiles.block_m(),
+            tiles,
+            threads: tiles.threads(),
+            roles: roles_elem(&tiles, dims, spec.elem_bytes()),
+            smem,
+            smem_total: smem.total(),
+            smem_limit: arch.max_smem_per_block() as usize,
+            accumulator_regs: tiles.accumulator_regs_elem(dims, spec.elem_bytes()),
+            launch_regs: tiles.launch_regs(arch),
+            tma_box: (dims.qk / FP8_SLAB_ELEMS, tiles.block_n),
+            // V reaches the forward as Vᵀ (a map over the scratch) and O is stored plainly.
+            slab_maps: (spec.slab_maps_qk(), false),
+            varlen: spec.varlen,
+            fp8: Some(VtPlan::new(spec, keys)),
         }
     }
 
@@ -239,15 +328,23 @@ impl Sm90Plan {
 
 /// A sequence length long enough that every tile entry's minimum key count is met (the plan of
 /// an unknown length).
-const ANY_LENGTH: usize = 1 << 20;
+pub const ANY_LENGTH: usize = 1 << 20;
 
 impl fmt::Display for Sm90Plan {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let t = &self.tiles;
-        writeln!(f, "Hopper (sm_90a) forward plan for {}", self.arch)?;
+        let vt = self.fp8.as_ref();
+        match vt {
+            Some(_) => writeln!(
+                f,
+                "Hopper (sm_90a) e4m3 forward plan for {}: Q, K and V e4m3 (k32 wgmma), O bf16 or fp16",
+                self.arch
+            )?,
+            None => writeln!(f, "Hopper (sm_90a) forward plan for {}", self.arch)?,
+        }
         writeln!(
             f,
-            "  head_dim {} (compiled for {}), tile {}×{} (query rows × keys), {} K/V stages",
+            "  head_dim {} (compiled for {}), tile {}×{} (query rows × keys), {} K/{} stages",
             Dims {
                 qk: self.head_dim,
                 v: self.head_dim_v
@@ -258,7 +355,8 @@ impl fmt::Display for Sm90Plan {
             },
             self.block_m,
             t.block_n,
-            t.stages
+            t.stages,
+            if vt.is_some() { "Vᵀ" } else { "V" }
         )?;
         writeln!(
             f,
@@ -295,8 +393,15 @@ impl fmt::Display for Sm90Plan {
         let s = &self.smem;
         writeln!(
             f,
-            "  shared memory: Q {} + K {} + V {} + barriers {} + alignment {} = {} of {} bytes",
-            s.q, s.k, s.v, s.barriers, s.align_slack, self.smem_total, self.smem_limit
+            "  shared memory: Q {} + K {} + {} {} + barriers {} + alignment {} = {} of {} bytes",
+            s.q,
+            s.k,
+            if vt.is_some() { "Vᵀ" } else { "V" },
+            s.v,
+            s.barriers,
+            s.align_slack,
+            self.smem_total,
+            self.smem_limit
         )?;
         let maps = |slab: bool| {
             if slab {
@@ -305,14 +410,43 @@ impl fmt::Display for Sm90Plan {
                 "a 5-D map, one box per tile"
             }
         };
-        writeln!(
-            f,
-            "  TMA: {} slab(s) of 64 columns (128-byte swizzle) per Q/K tile, {} rows per K/V box; Q/K: {}; V/O: {}",
-            self.tma_box.0,
-            self.tma_box.1,
-            maps(self.slab_maps.0),
-            maps(self.slab_maps.1)
-        )?;
+        match vt {
+            Some(vt) => {
+                writeln!(
+                    f,
+                    "  TMA: {} slab(s) of {FP8_SLAB_ELEMS} columns (128-byte swizzle) per Q/K tile, {} rows per K box; Q/K: {}; Vᵀ: a 3-D map over the scratch, boxes of {} rows × {FP8_SLAB_ELEMS} keys; O: stored from registers",
+                    self.tma_box.0,
+                    self.tma_box.1,
+                    maps(self.slab_maps.0),
+                    vt.rows
+                )?;
+                writeln!(
+                    f,
+                    "  Vᵀ pass ({}, before the forward on its stream): one CTA of {} threads per ({}-key chunk, KV head), {} bytes of static shared memory; writes V transposed (8-bit wgmma operands are K-major only) and gathers the descales",
+                    vt.entry, vt.threads, vt.chunk, vt.smem_bytes
+                )?;
+                match (vt.seq_cols, vt.vt_bytes) {
+                    (Some(cols), Some(bytes)) => writeln!(
+                        f,
+                        "  scratch per (sequence, KV head): Vᵀ {} rows × {cols} columns (the keys padded with zeros to {}-key blocks) = {bytes} bytes, descales {} bytes",
+                        vt.rows, vt.key_block, vt.descale_bytes
+                    )?,
+                    _ => writeln!(
+                        f,
+                        "  scratch per (sequence, KV head): Vᵀ {} bytes per key (the keys padded with zeros to {}-key blocks), descales {} bytes",
+                        vt.rows, vt.key_block, vt.descale_bytes
+                    )?,
+                }
+            }
+            None => writeln!(
+                f,
+                "  TMA: {} slab(s) of 64 columns (128-byte swizzle) per Q/K tile, {} rows per K/V box; Q/K: {}; V/O: {}",
+                self.tma_box.0,
+                self.tma_box.1,
+                maps(self.slab_maps.0),
+                maps(self.slab_maps.1)
+            )?,
+        }
         let on = |b: bool| if b { "on" } else { "off" };
         writeln!(
             f,

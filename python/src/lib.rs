@@ -470,12 +470,7 @@ fn paged_cpu<'py>(
     if num_splits > 0 {
         popts = popts.num_splits(num_splits);
     }
-    let table: Vec<i32> = elems(
-        "block_table",
-        block_table.0.as_bytes(),
-        block_table.0.as_bytes().len() / 4,
-    )?;
-    let block_table = (table, block_table.1);
+    let block_table = block_table_arg(&block_table)?;
     let parts = by_dtype!(dt, T => {
         let qd: Vec<T> = elems("q", q.0.as_bytes(), numel(&q.1))?;
         let mut kc: Vec<T> = elems("k_cache", k_cache.0.as_bytes(), numel(&k_cache.1))?;
@@ -557,12 +552,7 @@ fn paged_fp8_cpu<'py>(
     if num_splits > 0 {
         popts = popts.num_splits(num_splits);
     }
-    let table: Vec<i32> = elems(
-        "block_table",
-        block_table.0.as_bytes(),
-        block_table.0.as_bytes().len() / 4,
-    )?;
-    let max_pages = block_table.1;
+    let (table, max_pages) = block_table_arg(&block_table)?;
     let ks: Vec<f32> = elems("k_scale", k_scale.as_bytes(), k_scale.as_bytes().len() / 4)?;
     let vs: Vec<f32> = elems("v_scale", v_scale.as_bytes(), v_scale.as_bytes().len() / 4)?;
     let mut kc: Vec<F8E4M3> = elems("k_cache", k_cache.0.as_bytes(), numel(&k_cache.1))?;
@@ -1057,12 +1047,7 @@ fn paged_cuda<'py>(
     let dt = dtype_of(dtype)?;
     let opts = options(causal, window, scale, softcap)?;
     let splits = (num_splits > 0).then_some(num_splits);
-    let table: Vec<i32> = elems(
-        "block_table",
-        block_table.0.as_bytes(),
-        block_table.0.as_bytes().len() / 4,
-    )?;
-    let block_table = (table, block_table.1);
+    let block_table = block_table_arg(&block_table)?;
     py.detach(|| {
         with_backend(device, stream, |sb| {
             let a = PagedArgs {
@@ -1073,11 +1058,7 @@ fn paged_cuda<'py>(
                 lse,
                 block_table: &block_table,
                 cache_seqlens: &cache_seqlens,
-                new: match (&k_new, &v_new) {
-                    (Some(k), Some(v)) => Some((k, v)),
-                    (None, None) => None,
-                    _ => return Err(fa4::Error::invalid("v", "give k and v together")),
-                },
+                new: new_pair(&k_new, &v_new)?,
             };
             match dt {
                 DType::Bf16 => paged_dev::<bf16>(sb, &a, &opts, splits),
@@ -1087,6 +1068,25 @@ fn paged_cuda<'py>(
         })
     })
     .map_err(py_err_paged)
+}
+
+/// A block table as the Python side passes it: int32 bytes and the row width (pages per
+/// sequence).
+fn block_table_arg(bt: &(Bound<'_, PyBytes>, usize)) -> PyResult<(Vec<i32>, usize)> {
+    let bytes = bt.0.as_bytes();
+    Ok((elems("block_table", bytes, bytes.len() / 4)?, bt.1))
+}
+
+/// The new K/V rows, both or neither.
+fn new_pair<'a>(
+    k: &'a Option<DevArg>,
+    v: &'a Option<DevArg>,
+) -> fa4::Result<Option<(&'a DevArg, &'a DevArg)>> {
+    match (k, v) {
+        (Some(k), Some(v)) => Ok(Some((k, v))),
+        (None, None) => Ok(None),
+        _ => Err(fa4::Error::invalid("v", "give k and v together")),
+    }
 }
 
 struct PagedArgs<'a> {
@@ -1202,12 +1202,7 @@ fn paged_fp8_cuda<'py>(
     let dt = dtype_of(dtype)?;
     let opts = options(causal, window, scale, softcap)?;
     let splits = (num_splits > 0).then_some(num_splits);
-    let table: Vec<i32> = elems(
-        "block_table",
-        block_table.0.as_bytes(),
-        block_table.0.as_bytes().len() / 4,
-    )?;
-    let block_table = (table, block_table.1);
+    let block_table = block_table_arg(&block_table)?;
     py.detach(|| {
         with_backend(device, stream, |sb| {
             let a = PagedArgs {
@@ -1218,11 +1213,7 @@ fn paged_fp8_cuda<'py>(
                 lse,
                 block_table: &block_table,
                 cache_seqlens: &cache_seqlens,
-                new: match (&k_new, &v_new) {
-                    (Some(k), Some(v)) => Some((k, v)),
-                    (None, None) => None,
-                    _ => return Err(fa4::Error::invalid("v", "give k and v together")),
-                },
+                new: new_pair(&k_new, &v_new)?,
             };
             let scales = (k_scale, v_scale);
             match dt {

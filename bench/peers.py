@@ -37,6 +37,17 @@ Passes:
              flash_attn_with_kvcache, and cudnn_expanded: SDPA cuDNN on K/V already repeated to
              32 heads (a diagnostic, never the best peer). One table per page size; the
              contiguous peers are timed once per shape, in the same rounds as every page size.
+    decode-fp8 the decode shapes and pages over an fp8 (e4m3) cache, in µs per call (the bytes
+             differ between the caches, so a rate would mislead): fa4 (named "fa4 fp8") through
+             flash_attn_with_kvcache over a paged float8_e4m3fn cache with k_scale and v_scale,
+             float32 (heads_kv,) (vLLM's form: a stored value x stands for scale · x), quantized
+             from standard normal bf16 draws with scale = amax / 448 per KV head; fa4_bf16 (fa4's
+             own column, never the best peer) over the paged bf16 cache of the dequantized values,
+             through the same block tables; SDPA cuDNN (enable_gqa=True) and FA3's
+             flash_attn_with_kvcache on a contiguous bf16 cache, as the decode pass. Each row
+             also prints the goals' ratios of times: fa4 fp8 / fa4 bf16 (at most 0.55) and cuDNN
+             / fa4 fp8 (at least 1.8); the JSON names them under "ratios" (perf_table.py's
+             columns). Tables decode_fp8_p16, _p64, _p256, _p1.
     ncu-table RAW.csv LABELS.json   kernel-only durations (below).
     lengths [--seed S]   the --varlen batch's lengths, comma-separated: `fa4 bench --backend
              cuda [--backward] --lengths "$(python3 bench/peers.py lengths)"` times the same
@@ -65,10 +76,12 @@ Method, the same for every library:
 - FLOPs: 2·sq·sk·(d + d_v) per head and sequence (4·b·h·sq·sk·d), halved for causal; varlen
   sums over its sequences and counts a causal mask's allowed pairs exactly; backward 2.5 ×
   the forward. Decode: bytes read, K and V of every cached key plus Q and O, in TB/s;
+  decode-fp8: µs per call;
 - before timing, fa4's output on each shape is compared with a float32 SDPA (math backend)
   reference on a slice (batch 0, up to 4 heads, 256 query rows; the backward also dQ, dK, dV
-  of head 0; fp8: the dequantized inputs, and FlashAttention-3's and cuDNN's outputs too): one
-  line, `max|Δ|` against `max|ref|`, a sanity check, not a test.
+  of head 0; fp8: the dequantized inputs, and FlashAttention-3's and cuDNN's outputs too;
+  decode: sequence 0, every head; decode-fp8: the cache dequantized in float32, fa4 fp8's and
+  fa4 bf16's outputs): one line, `max|Δ|` against `max|ref|`, a sanity check, not a test.
 
 A library that raises on a shape gets null and a one-line note; the run goes on.
 
@@ -76,6 +89,7 @@ A library that raises on a shape gets null and a one-line note; the run goes on.
     python3 bench/peers.py bwd [--head-dims] [--varlen] [--no-grid]
     python3 bench/peers.py fp8
     python3 bench/peers.py decode [--pages 16,64,256,1]
+    python3 bench/peers.py decode-fp8 [--pages 16,64,256,1]
       common: [--only fa4,cudnn,...] [--quick] [--rounds 9] [--calls 10] [--warmup 3]
               [--seed 0] [--json DIR] [--budget SECONDS] [--no-head-start]
               [--fa4-env NAME=KEY=VALUE[,KEY=VALUE]] (one more fa4 column with that environment
@@ -85,13 +99,16 @@ A library that raises on a shape gets null and a one-line note; the run goes on.
 
 --json DIR writes one file per table, DIR/<id>.json (fwd_grid, fwd_headdims, fwd_gqa,
 fwd_varlen, fwd_fp8, bwd_grid, bwd_headdims, bwd_varlen, decode_p16, decode_p64, decode_p256,
-decode_p1), in the schema
+decode_p1, decode_fp8_p16, decode_fp8_p64, decode_fp8_p256, decode_fp8_p1), in the schema
 bench/plot_perf.py reads (docs/data/<id>.json): id, title, date, gpu, driver, versions, method,
-unit, higher_is_better, libs, lib_names, rows of {case, values, spread, rounds (ms per call)}.
+unit, higher_is_better, libs, lib_names, rows of {case, values, spread, rounds (ms per call)};
+decode-fp8's tables have unit "µs per call", higher_is_better false, and "ratios".
 
 Expected on an H200 (9 rounds of 10 calls; estimated from the per-call times in docs/perf.md,
 input generation and warm-ups): fwd grid about 1 min, with --extras about 2 more; bwd about
-2 min; decode with the four page sizes about 1.5 min; fp8 about 2 min (18 shapes, four
+2 min; decode with the four page sizes about 1.5 min; decode-fp8 about as long (ten columns
+against twelve, plus the quantization and fa4's NVRTC compiles of the e4m3-cache decode kernels
+on first use, cached on disk); fp8 about 2 min (18 shapes, four
 columns, plus fa4's NVRTC compiles of the e4m3 kernels on first use, cached on disk, and
 cuDNN's graph builds); plus FlashAttention-4 CuTe's JIT compiles
 on first use (seconds per kernel; its disk cache is turned on,
@@ -146,9 +163,15 @@ PASS_LIBS = {
     "bwd": ("fa4", "cudnn", "fa2", "fa4cute"),
     "fp8": ("fa4", "fa3", "cudnn_fp8", "fa4_bf16"),
     "decode": ("fa4", "cudnn", "fa2", "fa3", "fa4cute", "cudnn_expanded"),
+    "decode-fp8": ("fa4", "cudnn", "fa3", "fa4_bf16"),
 }
 E4M3_MAX = 448.0  # the largest finite e4m3 value
 OWN_TARGET = 1.8  # fa4's fp8 forward over its bf16 one: the speed-up the fp8 kernel aims at
+# The fp8 cache's goals in decode, as times per call: fa4 over the e4m3 cache in at most 0.55 ×
+# its time over the bf16 cache (the bytes halve), and cuDNN on the bf16 cache at least 1.8 × fa4's
+# fp8 time. (name, numerator column, denominator column, bound, True: at most / False: at least)
+DECODE_FP8_GOALS = (("fa4 fp8 / fa4 bf16", "fa4", "fa4_bf16", 0.55, True),
+                    ("cuDNN bf16 / fa4 fp8", "cudnn", "fa4", 1.8, False))
 VARLEN_LIBS = ("fa4", "fa3", "fa4cute")  # SDPA has no ragged form
 
 
@@ -209,8 +232,9 @@ class DecodeCase:
     def bytes(self):
         return decode_bytes([self.keys] * self.batch, self.heads_q, self.heads_kv, self.d)
 
-    def kv_bytes(self):
-        return decode_bytes([self.keys] * self.batch, self.heads_q, self.heads_kv, self.d, seqlen_q=0)
+    def kv_bytes(self, elem=2):
+        """Bytes of the cached K and V: `elem` bytes an element (1: an fp8 cache)."""
+        return decode_bytes([self.keys] * self.batch, self.heads_q, self.heads_kv, self.d, seqlen_q=0, elem=elem)
 
 
 def causal_pairs(sq, sk):
@@ -394,13 +418,36 @@ def run_rounds(names, rounds, one_round, note=print):
     return {n: v for n, v in got.items() if n not in failed and v}
 
 
+class Ratio:
+    """A goal column: per row, column `num`'s value over column `den`'s (for a time unit, their
+    times), held to `bound`: at most it (`at_most`) or at least. Written to the table's JSON as
+    {name, num, den, at_most | at_least}, which perf_table.py renders as a column."""
+
+    def __init__(self, name, num, den, bound, at_most):
+        self.name, self.num, self.den, self.bound, self.at_most = name, num, den, bound, at_most
+
+    def met(self, q):
+        return q <= self.bound if self.at_most else q >= self.bound
+
+    def label(self):
+        """The console's header: "fa4/fa4_bf16 ≤0.55"."""
+        return f"{self.num}/{self.den} {'≤' if self.at_most else '≥'}{self.bound:g}"
+
+    def json(self):
+        return {"name": self.name, "num": self.num, "den": self.den,
+                ("at_most" if self.at_most else "at_least"): self.bound}
+
+
 class Table:
     """One output table: the libraries' columns and one row per case. `own` names a column of
-    fa4's own (fa4_bf16) whose time each row divides by fa4's: fa4's speed-up over itself."""
+    fa4's own (fa4_bf16) whose time each row divides by fa4's: fa4's speed-up over itself.
+    `ratios` (Ratio) are goal columns; `names` overrides the run's names of some columns (fa4 is
+    "fa4 fp8" in decode-fp8); `higher_is_better` is False for a time unit."""
 
-    def __init__(self, tid, title, unit, libs, own=None):
+    def __init__(self, tid, title, unit, libs, own=None, ratios=(), names=None, higher_is_better=True):
         self.id, self.title, self.unit, self.libs = tid, title, unit, list(libs)
         self.own = own
+        self.ratios, self.names, self.higher_is_better = list(ratios), dict(names or {}), higher_is_better
         self.rows = []
 
     def add(self, label, results, metric):
@@ -434,12 +481,15 @@ class Table:
                 summary["verdict"], summary["spread"] = verdict(st["fa4"], st[best])
         if self.own in st and "fa4" in st:
             summary["own"] = st[self.own]["median"] / st["fa4"]["median"]
+        summary["ratios"] = {r.name: metric(st[r.num]["median"]) / metric(st[r.den]["median"])
+                             for r in self.ratios if r.num in st and r.den in st}
         row["_summary"] = summary
         self.rows.append(row)
         return row
 
     def header(self):
         own = f" {'fa4/' + self.own:>13}" if self.own else ""
+        own += "".join(f" {r.label():>20}" for r in self.ratios)
         return (f"{'case':<22}" + "".join(f"{lib:>16}" for lib in self.libs)
                 + f"  {'best':>9} {'fa4/best':>8} verdict{own}  host µs/call")
 
@@ -460,19 +510,26 @@ class Table:
         own = ""
         if self.own:
             own = f" {s['own']:>12.2f}x" if "own" in s else f" {'-':>13}"
+        for r in self.ratios:
+            q = s["ratios"].get(r.name)
+            own += f" {'-':>20}" if q is None else f" {q:>18.3f} {'✓' if r.met(q) else '✗'}"
         return (f"{row['case']:<22}" + "".join(cells)
                 + f"  {best:>9} {ratio:>8} {s.get('verdict', '-'):<7}{own}  {hosts}")
 
     def json(self, meta):
         """The table in plot_perf.py's schema; `meta`: date, gpu, driver, versions, method,
         lib_names."""
-        return {
+        names = {**meta["lib_names"], **self.names}
+        out = {
             "id": self.id, "title": self.title, "date": meta["date"], "gpu": meta["gpu"],
             "driver": meta["driver"], "versions": meta["versions"], "method": meta["method"],
-            "unit": self.unit, "higher_is_better": True, "libs": self.libs,
-            "lib_names": {lib: meta["lib_names"].get(lib, lib) for lib in self.libs},
-            "rows": [{k: r[k] for k in ("case", "values", "spread", "rounds")} for r in self.rows],
+            "unit": self.unit, "higher_is_better": self.higher_is_better, "libs": self.libs,
+            "lib_names": {lib: names.get(lib, lib) for lib in self.libs},
         }
+        if self.ratios:
+            out["ratios"] = [r.json() for r in self.ratios]
+        out["rows"] = [{k: r[k] for k in ("case", "values", "spread", "rounds")} for r in self.rows]
+        return out
 
 
 def write_tables(tables, directory, meta):
@@ -493,14 +550,18 @@ def method_line(a):
     sleep = ("after a GPU sleep that lets the host queue them (GPU time; host time per call "
              "printed apart)" if a.head_start else "(host path included: no head start)")
     if a.pass_ == "fp8":
-        return (f"bench/peers.py fp8: one process, one stream; e4m3 inputs quantized per (batch, KV head) from "
-                f"standard normal draws; fa4 and FlashAttention-3 with those descales and bf16 O, cuDNN through "
-                f"cudnn-frontend's graph API (built once per shape) with per-tensor descales and fp8 O, fa4 bf16 on "
-                f"the dequantized values; {a.warmup} warm-up calls; a round = one CUDA event pair around "
-                f"{a.calls} back-to-back calls {sleep}; {a.rounds} rounds, round r starting at library r; "
-                f"median round; spread = IQR/median; inputs rotated over more than {ROTATE_L2}x L2")
-    return (f"bench/peers.py: one process, one stream, cuDNN and FlashAttention-2 through PyTorch SDPA; "
-            f"{a.warmup} warm-up calls; a round = one CUDA event pair around "
+        what = ("bench/peers.py fp8: one process, one stream; e4m3 inputs quantized per (batch, KV head) from "
+                "standard normal draws; fa4 and FlashAttention-3 with those descales and bf16 O, cuDNN through "
+                "cudnn-frontend's graph API (built once per shape) with per-tensor descales and fp8 O, fa4 bf16 on "
+                "the dequantized values")
+    elif a.pass_ == "decode-fp8":
+        what = ("bench/peers.py decode-fp8: one process, one stream; fa4 over a paged e4m3 cache quantized from "
+                "standard normal bf16 draws with one scale per KV head (amax / 448), fa4 bf16 over the paged bf16 "
+                "cache of the dequantized values, cuDNN through PyTorch SDPA (enable_gqa) and FlashAttention-3 on "
+                "a contiguous bf16 cache")
+    else:
+        what = "bench/peers.py: one process, one stream, cuDNN and FlashAttention-2 through PyTorch SDPA"
+    return (f"{what}; {a.warmup} warm-up calls; a round = one CUDA event pair around "
             f"{a.calls} back-to-back calls {sleep}; {a.rounds} rounds, round r starting at library r; "
             f"median round; spread = IQR/median; inputs rotated over more than {ROTATE_L2}x L2")
 
@@ -1092,6 +1153,46 @@ def check_fp8(m, case, s, out, name, per_tensor=False):
     return check_line(name, [("O", out[0, r0:r0 + r, hs].transpose(0, 1), ref)])
 
 
+# ---- decode ---------------------------------------------------------------------------------
+
+
+def contiguous_decode_fn(m, name, q, seqlens):
+    """f((k, v)) → out: a peer's decode of q (batch, 1, heads_q, d) on a contiguous bf16 cache,
+    k and v (batch, heads_kv, keys, d) (SDPA's layout; FlashAttention-3 reads them as (batch,
+    keys, heads_kv, d) views)."""
+    qt = q.transpose(1, 2)  # (b, heads, 1, d) for SDPA
+    if name in ("cudnn", "fa2"):
+        return lambda kv: m.F.scaled_dot_product_attention(qt, kv[0], kv[1], enable_gqa=True)
+    if name == "cudnn_expanded":
+        return lambda kv: m.F.scaled_dot_product_attention(qt, kv[0], kv[1])
+    if name == "fa3":
+        return lambda kv: first(m.fa3.flash_attn_with_kvcache(
+            q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), cache_seqlens=seqlens, num_splits=0))
+    raise ValueError(f"no contiguous decode for {name}")
+
+
+def fp8_cache(t, rows, heads_kv, d):
+    """One K or V of a paged fp8 cache: `rows` rows (heads_kv, d) of standard normal bf16 draws
+    quantized with one scale per KV head, amax / 448 (quantize_e4m3's rule; vLLM's k_scale: a
+    stored value x stands for scale · x). Returns (float8_e4m3fn (rows, heads_kv, d), float32
+    scales (heads_kv,))."""
+    x8, scale = quantize_e4m3(t, t.randn(1, rows, heads_kv, d, device="cuda", dtype=t.bfloat16), heads_kv)
+    return x8.view(rows, heads_kv, d), scale.reshape(heads_kv)
+
+
+def dequantized_cache(x8, scale, dtype):
+    """fp8_cache's values (rows, heads_kv, d) in `dtype`: the stored values times their scales."""
+    return dequantize_e4m3(x8.unsqueeze(0), scale.unsqueeze(0), dtype).squeeze(0)
+
+
+def gathered_fp8(t, x8, pages, page):
+    """One sequence's keys (keys, heads_kv, d) of a paged fp8 cache (rows, heads_kv, d), through
+    its row of the block table `pages` (int64), as float8_e4m3fn. Gathered as bytes: no index
+    kernel for float8 types is assumed."""
+    h, d = x8.shape[-2:]
+    return x8.view(t.uint8).view(-1, page, h, d)[pages].reshape(-1, h, d).view(t.float8_e4m3fn)
+
+
 class DeadContext(Exception):
     """The CUDA context took a sticky error (an illegal address, a trap): the run stops, and
     the tables so far are still written."""
@@ -1320,7 +1421,6 @@ class Runner:
                 print(f"  inputs: {one_line(ex)}", flush=True)
                 self.recover()
                 continue
-            qt = q.transpose(1, 2)  # (b, heads, 1, d) for SDPA
 
             def make_call(col):
                 name, _, page = col.partition("@")
@@ -1338,14 +1438,8 @@ class Runner:
                     return rotating(pools, lambda kv: first(m.fa4cute.flash_attn_varlen_func(
                         q, kv[0].view(-1, p, hkv, d), kv[1].view(-1, p, hkv, d), seqused_k=seqlens,
                         page_table=tables_[p])))
-                if name in ("cudnn", "fa2"):
-                    return rotating(cont, lambda kv: m.F.scaled_dot_product_attention(qt, kv[0], kv[1], enable_gqa=True))
-                if name == "cudnn_expanded":
-                    return rotating(expanded, lambda kv: m.F.scaled_dot_product_attention(qt, kv[0], kv[1]))
-                if name == "fa3":
-                    return rotating(cont, lambda kv: first(m.fa3.flash_attn_with_kvcache(
-                        q, kv[0].transpose(1, 2), kv[1].transpose(1, 2), cache_seqlens=seqlens, num_splits=0)))
-                raise ValueError(col)
+                return rotating(expanded if name == "cudnn_expanded" else cont,
+                                contiguous_decode_fn(m, name, q, seqlens))
             live = self.prepare(cols, make_call, case.label)
             self.gqa_memory(live, case)
             for col in [c for c in live if c.startswith("fa4@")]:
@@ -1361,14 +1455,102 @@ class Runner:
                     print(f"  check {col}: {one_line(ex)}", flush=True)
                     self.recover()
             results = self.time(live, case.label)
-            if not self.a.profile:
-                for p, table in tables.items():
-                    res = {lib: results[f"{lib}@{p}"] if f"{lib}@{p}" in results else results.get(lib)
-                           for lib in table.libs}
-                    row = table.add(case.label, {k: v for k, v in res.items() if v},
-                                    lambda ms: case.bytes() / (ms * 1e-3) / 1e12)
-                    print(f"{p:<5}{table.line(row)}", flush=True)
+            self.page_rows(tables, case.label, results, lambda ms: case.bytes() / (ms * 1e-3) / 1e12)
             del pools, cont, expanded, live, tables_
+            self.recover()
+
+    def page_rows(self, tables, label, results, metric):
+        """One row per page size's table from the rounds of columns NAME@PAGE (that page's) and
+        NAME (shared by every page size), printed (not with --profile)."""
+        if self.a.profile:
+            return
+        for p, table in tables.items():
+            res = {lib: results[f"{lib}@{p}"] if f"{lib}@{p}" in results else results.get(lib)
+                   for lib in table.libs}
+            row = table.add(label, {k: v for k, v in res.items() if v}, metric)
+            print(f"{p:<5}{table.line(row)}", flush=True)
+
+    def decode_fp8(self, tables, cases):
+        """`tables`: {page: Table}; per shape, every page size's fa4 column over a paged e4m3
+        cache and fa4_bf16 over the paged bf16 cache of its dequantized values (the same block
+        tables), and the contiguous bf16 peers, in the same rounds. Values in µs per call."""
+        m, t = self.m, self.m.torch
+        pages = list(tables)
+        names = m.available(PASS_LIBS["decode-fp8"])
+        per_page = [n for n in names if m.family(n) in ("fa4", "fa4_bf16")]
+        shared = [n for n in names if n not in per_page]
+        cols = [f"{n}@{p}" for p in pages for n in per_page] + shared
+        hq, hkv, d = DECODE_HEADS[0], DECODE_HEADS[1], DECODE_D
+        print(f"\n== decode-fp8, pages {', '.join(map(str, pages))}: bf16 queries, {hq}/{hkv} heads, d{d}, one "
+              f"query row; fa4 over an e4m3 cache (a scale per KV head), fa4_bf16 over its dequantized values in "
+              f"bf16, peers over a contiguous bf16 cache; µs per call (lower is better)\n"
+              f"{'page':<5}{tables[pages[0]].header()}", flush=True)
+        g = hq // hkv
+        kw = dict(device="cuda", dtype=t.bfloat16)
+        for i, case in enumerate(cases, 1):
+            if self.over_budget():
+                print(f"budget of {self.a.budget} s spent: {len(cases) - i + 1} shapes left out", flush=True)
+                break
+            self.progress(i, len(cases), case.label)
+            b, sk = case.batch, case.keys
+            # The fp8 cache is half the bytes: more copies of it span the same L2s.
+            n8, n16 = copies_for(case.kv_bytes(elem=1), self.l2), copies_for(case.kv_bytes(), self.l2)
+            try:
+                t.manual_seed(self.a.seed)
+                q = t.randn(b, 1, hq, d, **kw)
+                pools = []  # per copy (k8, v8, k_scale, v_scale): K and V of b · sk rows, their scales
+                for _ in range(n8):
+                    (k8, ks), (v8, vs) = fp8_cache(t, b * sk, hkv, d), fp8_cache(t, b * sk, hkv, d)
+                    pools.append((k8, v8, ks, vs))
+                wide = [(dequantized_cache(k8, ks, t.bfloat16), dequantized_cache(v8, vs, t.bfloat16))
+                        for k8, v8, ks, vs in pools[:n16]] if "fa4_bf16" in per_page else []
+                tables_ = {p: t.randperm(b * sk // p, device="cuda").to(t.int32).view(b, sk // p) for p in pages}
+                seqlens = t.full((b,), sk, device="cuda", dtype=t.int32)
+                cont = [(t.randn(b, hkv, sk, d, **kw), t.randn(b, hkv, sk, d, **kw)) for _ in range(n16)] \
+                    if shared else []
+            except Exception as ex:
+                print(f"  inputs: {one_line(ex)}", flush=True)
+                self.recover()
+                continue
+
+            def make_call(col):
+                name, _, page = col.partition("@")
+                fam = m.family(name)
+                if fam in ("fa4", "fa4_bf16"):
+                    # The block table and lengths on the CPU, as in the decode pass (no synchronisation).
+                    p = int(page)
+                    table_h, seqlens_h = tables_[p].cpu(), seqlens.cpu()
+                    if fam == "fa4_bf16":
+                        return rotating(wide, lambda kv: m.fa4.flash_attn_with_kvcache(
+                            q, kv[0].view(-1, p, hkv, d), kv[1].view(-1, p, hkv, d), cache_seqlens=seqlens_h,
+                            block_table=table_h))
+                    return rotating(pools, lambda kv: m.fa4.flash_attn_with_kvcache(
+                        q, kv[0].view(-1, p, hkv, d), kv[1].view(-1, p, hkv, d), cache_seqlens=seqlens_h,
+                        block_table=table_h, k_scale=kv[2], v_scale=kv[3]))
+                return rotating(cont, contiguous_decode_fn(m, name, q, seqlens))
+            live = self.prepare(cols, make_call, case.label)
+            self.gqa_memory(live, case)
+            for p in pages:
+                checked = [(what, col) for what, col in (("fa4 fp8 O", f"fa4@{p}"), ("fa4 bf16 O", f"fa4_bf16@{p}"))
+                           if col in live]
+                if not checked:
+                    continue
+                try:
+                    # Sequence 0's keys through the table, dequantized in float32: the reference of both.
+                    k8, v8, ks, vs = pools[0]
+                    rows = tables_[p][0].long()
+                    kf, vf = (gathered_fp8(t, x8, rows, p).float() * sc[None, :, None]
+                              for x8, sc in ((k8, ks), (v8, vs)))
+                    ref = reference(m, q[0].transpose(0, 1), kf.transpose(0, 1).repeat_interleave(g, 0),
+                                    vf.transpose(0, 1).repeat_interleave(g, 0), False, 1, sk)
+                    pairs = [(what, make_call(col)()[0].transpose(0, 1), ref) for what, col in checked]
+                    print(check_line(f"page {p}, against the dequantized cache", pairs), flush=True)
+                except Exception as ex:
+                    print(f"  check page {p}: {one_line(ex)}", flush=True)
+                    self.recover()
+            results = self.time(live, case.label)
+            self.page_rows(tables, case.label, results, lambda ms: ms * 1e3)
+            del pools, wide, cont, live, tables_
             self.recover()
 
     def gqa_memory(self, live, case):
@@ -1404,7 +1586,7 @@ def driver_version():
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = ap.add_subparsers(dest="pass_", required=True, metavar="fwd|bwd|fp8|decode|ncu-table")
+    sub = ap.add_subparsers(dest="pass_", required=True, metavar="fwd|bwd|fp8|decode|decode-fp8|ncu-table")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--only", help="comma-separated libraries: " + ",".join(LIB_ORDER))
     common.add_argument("--quick", action="store_true", help="fewer shapes, 5 rounds")
@@ -1434,8 +1616,10 @@ def parse_args(argv=None):
                    help="ragged lengths (mean 2k, 1..8k) from --seed, beside the same tokens at fixed length")
     b.add_argument("--no-grid", dest="grid", action="store_false", help="the head dims and varlen only")
     sub.add_parser("fp8", parents=[common], help="the forward grid with fp8 (e4m3) inputs")
-    dp = sub.add_parser("decode", parents=[common], help="paged decode")
-    dp.add_argument("--pages", default=",".join(map(str, DECODE_PAGES)), help="page sizes")
+    for name, what in (("decode", "paged decode"),
+                       ("decode-fp8", "paged decode over an fp8 (e4m3) cache, µs per call")):
+        dp = sub.add_parser(name, parents=[common], help=what)
+        dp.add_argument("--pages", default=",".join(map(str, DECODE_PAGES)), help="page sizes")
     ln = sub.add_parser("lengths", help="print the varlen batch's lengths (for fa4 bench --lengths)")
     ln.add_argument("--seed", type=int, default=0)
     nt = sub.add_parser("ncu-table", help="kernel-only durations from a profiled --profile run")
@@ -1458,7 +1642,7 @@ def parse_args(argv=None):
         a.env_columns = parse_env_columns(a.fa4_env)
     except ValueError as ex:
         ap.error(str(ex))
-    if a.pass_ == "decode":
+    if a.pass_ in ("decode", "decode-fp8"):
         try:
             a.pages = [int(x) for x in a.pages.split(",")]
         except ValueError:
@@ -1515,6 +1699,23 @@ def tables_for(a, env_names):
     return out
 
 
+def decode_tables(a, env_names):
+    """{page: Table} of the decode and decode-fp8 passes, one table per page size."""
+    libs = list(PASS_LIBS[a.pass_]) + env_names
+    keys = lambda p: f"{p} key" + ("s" if p > 1 else "")
+    if a.pass_ == "decode":
+        return {p: Table(f"decode_p{p}", f"Decode, bf16, 32/8 heads, d128, one query row, pages of {keys(p)} "
+                         "(peers on a contiguous cache)", "TB/s", libs)
+                for p in a.pages}
+    # Times, not TB/s: the fp8 cache is half the bytes of the others.
+    return {p: Table(f"decode_fp8_p{p}", f"Decode over an fp8 e4m3 cache, bf16 queries, 32/8 heads, d128, one query "
+                     f"row, pages of {keys(p)} (fa4 fp8: the e4m3 cache, a scale per KV head; fa4 bf16: its "
+                     "dequantized values in bf16; peers on a contiguous bf16 cache)", "µs per call", libs,
+                     ratios=[Ratio(*g) for g in DECODE_FP8_GOALS], names={"fa4": "fa4 fp8"},
+                     higher_is_better=False)
+            for p in a.pages}
+
+
 def main(argv=None):
     a = parse_args(argv)
     if a.pass_ == "ncu-table":
@@ -1536,13 +1737,10 @@ def main(argv=None):
     r = Runner(a, m)
     tables = []
     try:
-        if a.pass_ == "decode":
-            lib_cols = list(PASS_LIBS["decode"]) + env_names
-            by_page = {p: Table(f"decode_p{p}", f"Decode, bf16, 32/8 heads, d128, one query row, pages of {p} key"
-                                + ("s" if p > 1 else "") + " (peers on a contiguous cache)", "TB/s", lib_cols)
-                       for p in a.pages}
+        if a.pass_ in ("decode", "decode-fp8"):
+            by_page = decode_tables(a, env_names)
             tables = list(by_page.values())
-            r.decode(by_page, decode_cases(a.quick))
+            (r.decode if a.pass_ == "decode" else r.decode_fp8)(by_page, decode_cases(a.quick))
         else:
             for table, cases, kind in tables_for(a, env_names):
                 tables.append(table)
@@ -1573,7 +1771,8 @@ def geomean(xs):
 
 def summarise(table):
     """The table's geomean of fa4 / best peer and its verdict counts, one line; with an own
-    column, a second line: fa4's speed-up over it."""
+    column, a second line: fa4's speed-up over it; per goal column (Ratio), a line: its geomean
+    and the cases that meet the goal."""
     ratios = [r["_summary"]["ratio"] for r in table.rows if "ratio" in r["_summary"]]
     if ratios:
         v = [r["_summary"].get("verdict") for r in table.rows]
@@ -1584,6 +1783,12 @@ def summarise(table):
     if own:
         print(f"{table.id}: fa4 / {table.own} geomean {geomean(own):.3f}x over {len(own)} cases (min {min(own):.2f}, "
               f"max {max(own):.2f}); at least {OWN_TARGET}x on {sum(x >= OWN_TARGET for x in own)}", flush=True)
+    for g in table.ratios:
+        qs = [r["_summary"]["ratios"][g.name] for r in table.rows if g.name in r["_summary"]["ratios"]]
+        if qs:
+            print(f"{table.id}: {g.name} geomean {geomean(qs):.3f} over {len(qs)} cases (min {min(qs):.3f}, max "
+                  f"{max(qs):.3f}); {'at most' if g.at_most else 'at least'} {g.bound:g} on "
+                  f"{sum(g.met(q) for q in qs)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,19 @@ Schema (one file per table; the measurement drivers write the same):
      "unit": "TFLOP/s", "higher_is_better": true,
      "libs": ["fa4", "cudnn", ...],     column order; "fa4" is ours, every other one a peer
      "lib_names": {"fa4": "fa4", "cudnn": "cuDNN 9.19", ...},
+     "ratios": [{"name": "fa4 fp8 / fa4 bf16", "num": "fa4", "den": "fa4_bf16",
+                 "at_most": 0.55}, ...],         optional goal columns (below)
      "rows": [{"case": "d64 1k", "values": {"fa4": 401.0, "cudnn": null, ...},
                "spread": {"fa4": 0.012, ...},            optional, relative to the median
                "rounds": {"fa4": [0.71, 0.70, ...], ...}}]}   optional, ms per call per round
 
 A value is null where a library does not run a case (or was not measured there). Other fields
 are carried along and not read.
+
+A goal column (`ratios`) is one library's value over another's per row (for a time unit, the
+ratio of their times), with at most one bound, `at_most` or `at_least`: the goal it is held to.
+It follows the verdict in the markdown table, bold where the goal is met, and the caption gives
+its range, geomean and the cases that meet the goal (bench/peers.py decode-fp8 writes two).
 
 Not every column is a peer: fa4's own extra columns (a build or environment timed beside the
 default, whose name in `lib_names` starts with "fa4") and diagnostics (`cudnn_expanded`, cuDNN
@@ -94,6 +101,22 @@ def validate(t, where="table"):
         bad("`lib_names` must name exactly the libraries of `libs`")
     if not all(isinstance(v, str) and v for v in names.values()):
         bad("`lib_names` values must be non-empty strings")
+    if "ratios" in t and not isinstance(t["ratios"], list):
+        bad("`ratios` must be a list")
+    for i, g in enumerate(t.get("ratios", [])):
+        at = f"ratios[{i}]"
+        if not isinstance(g, dict) or not isinstance(g.get("name"), str) or not g["name"]:
+            bad(f"{at}: needs a `name` string")
+        for k in ("num", "den"):
+            if g.get(k) not in libs:
+                bad(f"{at}.{k} must name a library of `libs`, not {g.get(k)!r}")
+        if g["num"] == g["den"]:
+            bad(f"{at}: `num` and `den` are the same library")
+        bounds = [k for k in ("at_most", "at_least") if k in g]
+        if len(bounds) > 1:
+            bad(f"{at}: give `at_most` or `at_least`, not both")
+        if bounds and not (_is_num(g[bounds[0]]) and g[bounds[0]] > 0):
+            bad(f"{at}.{bounds[0]} must be a positive number")
     if not isinstance(t["rows"], list) or not t["rows"]:
         bad("`rows` must be a non-empty list")
     seen = set()
@@ -211,6 +234,24 @@ def summary(t):
     return out
 
 
+def goal_ratio(row, g):
+    """A goal column's value in a row: num's value over den's, or None without both."""
+    a, b = value(row, g["num"]), value(row, g["den"])
+    return None if a is None or b is None else a / b
+
+
+def goal_met(g, q):
+    """Whether ratio `q` meets the goal column's bound (True where it has none)."""
+    if "at_most" in g:
+        return q <= g["at_most"]
+    return q >= g["at_least"] if "at_least" in g else True
+
+
+def goal_text(g):
+    """"≤ 0.55", "≥ 1.8" or "" (no bound)."""
+    return f"≤ {g['at_most']:g}" if "at_most" in g else f"≥ {g['at_least']:g}" if "at_least" in g else ""
+
+
 def decimals(t):
     """Decimals to print the table's values with: as many as its most precise value has (≤ 3)."""
     d = 0
@@ -228,15 +269,17 @@ def _fmt(v, d):
 
 def markdown(t, caption=True):
     """The table as markdown: one row per case, a column per library, the best peer and fa4's ratio
-    to it (and the verdict where spreads are given), with a caption naming date, GPU, versions and
-    method."""
+    to it (and the verdict where spreads are given), then the goal columns, with a caption naming
+    date, GPU, versions and method."""
     d, libs, names = decimals(t), t["libs"], t["lib_names"]
     with_spread = any("spread" in r for r in t["rows"])
     with_verdict = any(verdict(t, r) is not None for r in t["rows"])
+    goals = t.get("ratios", [])
     q_head = "fa4 / best peer" if t["higher_is_better"] else "best peer / fa4"
-    head = ["case"] + [names[x] for x in libs] + ["best peer", q_head] + (["verdict"] if with_verdict else [])
+    head = (["case"] + [names[x] for x in libs] + ["best peer", q_head] + (["verdict"] if with_verdict else [])
+            + [g["name"] + (f" (goal {goal_text(g)})" if goal_text(g) else "") for g in goals])
     lines = ["| " + " | ".join(head) + " |",
-             "|---|" + "---:|" * len(libs) + "---|---:|" + ("---|" if with_verdict else "")]
+             "|---|" + "---:|" * len(libs) + "---|---:|" + ("---|" if with_verdict else "") + "---:|" * len(goals)]
     for r in t["rows"]:
         cells = [r["case"]]
         for x in libs:
@@ -250,6 +293,10 @@ def markdown(t, caption=True):
         cells.append("–" if q is None else (f"**{q:.2f}**" if q >= 1.005 else f"{q:.2f}"))
         if with_verdict:
             cells.append(verdict(t, r) or "–")
+        for g in goals:
+            gq = goal_ratio(r, g)
+            bold = gq is not None and goal_text(g) and goal_met(g, gq)
+            cells.append("–" if gq is None else (f"**{gq:.2f}**" if bold else f"{gq:.2f}"))
         lines.append("| " + " | ".join(cells) + " |")
     table = "\n".join(lines) + "\n"
     if not caption:
@@ -258,7 +305,8 @@ def markdown(t, caption=True):
 
 
 def caption_text(t):
-    """One paragraph: the title, date, GPU and driver, versions, method and unit."""
+    """One paragraph: the title, date, GPU and driver, versions, method and unit, fa4 against the
+    best peer and each goal column's range."""
     where = ", ".join(x for x in (t["gpu"], t["driver"] and f"driver {t['driver']}") if x)
     vers = ", ".join(f"{VERSION_NAMES.get(k, k)} {v}" for k, v in t["versions"].items() if v)
     s = summary(t)
@@ -274,6 +322,15 @@ def caption_text(t):
         parts.append(f"fa4 against the best peer: {s['min']:.2f}–{s['max']:.2f}, geomean "
                      f"{s['geomean']:.2f}; ahead on {s['ahead']} of {s['n']} cases, behind on "
                      f"{s['behind']} (bold: ahead).")
+    for g in t.get("ratios", []):
+        qs = [q for q in (goal_ratio(r, g) for r in t["rows"]) if q is not None]
+        if not qs:
+            continue
+        text = (f"{g['name']}: {min(qs):.2f}–{max(qs):.2f}, geomean "
+                f"{math.exp(sum(map(math.log, qs)) / len(qs)):.2f}")
+        if goal_text(g):
+            text += f"; goal {goal_text(g)} met on {sum(goal_met(g, q) for q in qs)} of {len(qs)} (bold: met)"
+        parts.append(text + ".")
     return _wrap(" ".join(parts))
 
 

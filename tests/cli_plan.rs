@@ -244,6 +244,31 @@ fn sm90_plan_reports_roles_budgets_and_the_kernel_choice() {
             &["plan", "--arch", "sm90", "--depth", "64", "--seqlen", "0"][..],
             "--seqlen",
         ),
+        // Past the Hopper kernels' int32 TMA coordinates (2^30 rows): no plan, not a wrap.
+        (
+            &[
+                "plan",
+                "--arch",
+                "sm90",
+                "--depth",
+                "64",
+                "--seqlen",
+                "1073741824",
+            ][..],
+            "--seqlen",
+        ),
+        (
+            &[
+                "plan",
+                "--arch",
+                "sm90",
+                "--depth",
+                "128",
+                "--seqlen",
+                "18446744073709551615",
+            ][..],
+            "--seqlen",
+        ),
     ] {
         let (code, out, err) = fa4(args);
         assert_eq!(code, 2, "{args:?}: {out}");

@@ -14,6 +14,10 @@ mod decode_plan;
 #[path = "plan_backward.rs"]
 mod plan_backward;
 
+/// The most rows (`--seqlen`) a Hopper forward plans: its TMA coordinates and row arithmetic are
+/// int32, and `config::sm90` refuses past 2^30.
+const HOPPER_MAX_ROWS: usize = (i32::MAX / 2) as usize;
+
 /// Which planner to run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum PlanArch {
@@ -345,6 +349,14 @@ fn run_sm90(args: &PlanArgs) -> Result<()> {
     if args.seqlen == Some(0) {
         return Err(Error::invalid("--seqlen", "must be at least 1"));
     }
+    // Both Hopper forwards address rows by int32 TMA coordinates (`config::sm90` refuses past
+    // 2^30 rows): a longer sequence has no plan, whatever the dtype.
+    if let Some(n) = args.seqlen.filter(|&n| n > HOPPER_MAX_ROWS) {
+        return Err(Error::invalid(
+            "--seqlen",
+            format!("{n} rows exceed the Hopper kernel's TMA coordinate range (2^30)"),
+        ));
+    }
     if args.dtype == DType::Fp8E4M3 {
         return run_sm90_fp8(args, &arch, depth, depth_v);
     }
@@ -412,18 +424,8 @@ fn run_sm90_fp8(
     use fa4::problem::{Options, Problem};
     use fa4::tensor::Layout;
 
-    // The kernel's rows are int32 TMA coordinates (`plan_fp8` checks 2^30 rows).
-    const MAX_ROWS: usize = (i32::MAX / 2) as usize;
-    let len = match args.seqlen {
-        Some(n) if n > MAX_ROWS => {
-            return Err(Error::invalid(
-                "--seqlen",
-                format!("{n} rows exceed the fp8 Hopper kernel's TMA coordinate range (2^30)"),
-            ))
-        }
-        Some(n) => n,
-        None => sm90::ANY_LENGTH,
-    };
+    // Past HOPPER_MAX_ROWS the caller refused --seqlen.
+    let len = args.seqlen.unwrap_or(sm90::ANY_LENGTH);
     // Covered head dims that are multiples of 8 but not 16 pass the kernel's own check, then fail
     // on a contiguous tensor's strides: say so in terms of the head dim.
     if sm90::fp8::fp8_padded_head_dim(depth).is_some() && !depth.is_multiple_of(16) {

@@ -18,8 +18,10 @@ Passes:
     bwd      the grid's backward only: torch.autograd.grad(out, (q, k, v), dout) on a forward
              recorded once outside the timed region (retain_graph); fa4, cudnn, fa2, fa4cute;
              --head-dims: d 32/40/80/96/112/160/192 at batch 4 × 4096 (bwd_headdims);
+             --gqa: the fwd pass's GQA shapes, causal and not (bwd_gqa; SDPA with
+               enable_gqa=True, fa4 and fa4cute given K and V of 8 heads);
              --varlen: the fwd pass's ragged batch and fixed-length rows (bwd_varlen; fa4 and
-               fa4cute).
+               fa4cute); --extras: all three; --no-grid: the extras only.
     fp8      the grid's shapes with fp8 (e4m3) inputs (table fwd_fp8): Q, K, V quantized from
              standard normal draws per (batch, KV head) as docs/attention.md says, descales
              float32 (batch, heads_kv). fa4 (flash_attn_func with float8_e4m3fn inputs and
@@ -78,15 +80,17 @@ Method, the same for every library:
   the forward. Decode: bytes read, K and V of every cached key plus Q and O, in TB/s;
   decode-fp8: µs per call;
 - before timing, fa4's output on each shape is compared with a float32 SDPA (math backend)
-  reference on a slice (batch 0, up to 4 heads, 256 query rows; the backward also dQ, dK, dV
-  of head 0; fp8: the dequantized inputs, and FlashAttention-3's and cuDNN's outputs too;
-  decode: sequence 0, every head; decode-fp8: the cache dequantized in float32, fa4 fp8's and
-  fa4 bf16's outputs): one line, `max|Δ|` against `max|ref|`, a sanity check, not a test.
+  reference on a slice (batch 0, up to 4 heads, 256 query rows; the backward: O, dQ, dK, dV
+  over the whole sequence of KV head 0 and the query heads of its group, so that with GQA dK
+  and dV sum query heads 0..3, the reference's through enable_gqa; fp8: the dequantized
+  inputs, and FlashAttention-3's and cuDNN's outputs too; decode: sequence 0, every head;
+  decode-fp8: the cache dequantized in float32, fa4 fp8's and fa4 bf16's outputs): one line,
+  `max|Δ|` against `max|ref|`, a sanity check, not a test.
 
 A library that raises on a shape gets null and a one-line note; the run goes on.
 
     python3 bench/peers.py fwd [--extras | --head-dims --gqa --varlen] [--no-grid]
-    python3 bench/peers.py bwd [--head-dims] [--varlen] [--no-grid]
+    python3 bench/peers.py bwd [--extras | --head-dims --gqa --varlen] [--no-grid]
     python3 bench/peers.py fp8
     python3 bench/peers.py decode [--pages 16,64,256,1]
     python3 bench/peers.py decode-fp8 [--pages 16,64,256,1]
@@ -98,15 +102,17 @@ A library that raises on a shape gets null and a one-line note; the run goes on.
               cudaProfilerStart/Stop, each followed by a marker kernel, for Nsight Compute)
 
 --json DIR writes one file per table, DIR/<id>.json (fwd_grid, fwd_headdims, fwd_gqa,
-fwd_varlen, fwd_fp8, bwd_grid, bwd_headdims, bwd_varlen, decode_p16, decode_p64, decode_p256,
-decode_p1, decode_fp8_p16, decode_fp8_p64, decode_fp8_p256, decode_fp8_p1), in the schema
-bench/plot_perf.py reads (docs/data/<id>.json): id, title, date, gpu, driver, versions, method,
-unit, higher_is_better, libs, lib_names, rows of {case, values, spread, rounds (ms per call)};
+fwd_varlen, fwd_fp8, bwd_grid, bwd_headdims, bwd_gqa, bwd_varlen, decode_p16, decode_p64,
+decode_p256, decode_p1, decode_fp8_p16, decode_fp8_p64, decode_fp8_p256, decode_fp8_p1), in the
+schema bench/plot_perf.py reads (docs/data/<id>.json): id, title, date, gpu, driver, versions,
+method, unit, higher_is_better, libs, lib_names, rows of {case, values, spread, rounds (ms per
+call)};
 decode-fp8's tables have unit "µs per call", higher_is_better false, and "ratios".
 
 Expected on an H200 (9 rounds of 10 calls; estimated from the per-call times in docs/perf.md,
 input generation and warm-ups): fwd grid about 1 min, with --extras about 2 more; bwd about
-2 min; decode with the four page sizes about 1.5 min; decode-fp8 about as long (ten columns
+2 min, its --gqa about 1 more (six shapes, each twice the work of the d128 grid's at its
+seqlen); decode with the four page sizes about 1.5 min; decode-fp8 about as long (ten columns
 against twelve, plus the quantization and fa4's NVRTC compiles of the e4m3-cache decode kernels
 on first use, cached on disk); fp8 about 2 min (18 shapes, four
 columns, plus fa4's NVRTC compiles of the e4m3 kernels on first use, cached on disk, and
@@ -317,10 +323,13 @@ def headdim_cases(quick, dv_cases=True):
     return out
 
 
-def gqa_cases(quick):
+def gqa_cases(quick, causals=(True,)):
+    """32 query / 8 KV heads, d128, 16k tokens per seqlen and mask (the forward's table is causal
+    only, the backward's both)."""
     hq, hkv = GQA_HEADS
     seqlens = (4096,) if quick else GQA_SEQLENS
-    return [Case(f"{hq}/{hkv} {kilo(s)} causal", GQA_D, hq, hkv, [(s, s)] * (TOKENS // s), True) for s in seqlens]
+    return [Case(f"{hq}/{hkv} {kilo(s)}{' causal' if c else ''}", GQA_D, hq, hkv, [(s, s)] * (TOKENS // s), c)
+            for s in seqlens for c in causals]
 
 
 def varlen_cases(seed, quick):
@@ -923,14 +932,17 @@ def rotating(sets, f):
 
 def reference(m, q, k, v, causal, sq, sk):
     """float32 SDPA (math backend) of one slice: q (H, R, d) of rows ending at sq (causal) or
-    starting at 0, k/v (H, sk, d); a causal mask aligned at the bottom right."""
+    starting at 0, k/v (H_kv, sk, d) with H_kv dividing H (fewer: enable_gqa, query head h reads
+    KV head h // (H / H_kv), and the gradients of K and V sum over the group); a causal mask
+    aligned at the bottom right."""
     t = m.torch
     mask = None
     if causal:
         rows = t.arange(sq - q.shape[1], sq, device="cuda")
         mask = t.arange(sk, device="cuda")[None, :] <= (rows[:, None] + sk - sq)
     with m.sdpa_kernel([m.SDPBackend.MATH]):
-        return m.F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+        return m.F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                enable_gqa=q.shape[0] != k.shape[0])
 
 
 def check_line(name, pairs):
@@ -965,26 +977,25 @@ def check_fwd(m, case, s, out):
 
 def check_bwd(m, case, s, out, grads):
     """fa4's gradients against float32 autograd through the reference, batch 0 (varlen:
-    sequence 0), head 0."""
+    sequence 0), KV head 0 and the query heads of its group (0 .. heads_q / heads_kv − 1; head 0
+    alone without GQA), so that dK and dV are the sums over the group on both sides."""
     t = m.torch
     sq, sk = case.seqs[0]
+    group = case.heads_q // case.heads_kv
+    heads = {"q": group, "k": 1, "v": 1, "do": group}
     if case.varlen:
         # Packed (total, heads, d): sequence 0's rows, as a batch of one.
         rows = {"q": sq, "k": sk, "v": sk, "do": sq}
         view = lambda x, name: x[:rows[name]].unsqueeze(0)
     else:
         view = lambda x, name: x
-    q, k, v = (view(s[x], x)[0:1, :, 0:1].detach().float().transpose(1, 2).contiguous().requires_grad_()
-               for x in ("q", "k", "v"))
-    ref = reference(m, q[0], k[0], v[0], case.causal, sq, sk)
-    do = view(s["do"], "do")[0:1, :, 0:1].float().transpose(1, 2)[0]
-    rq, rk, rv = t.autograd.grad(ref, (q, k, v), do)
-    if case.varlen:
-        out, grads = view(out, "do"), [view(g, x) for g, x in zip(grads, ("q", "k", "v"))]
-    pick = lambda g: g[0:1, :, 0:1].transpose(1, 2)[0]
-    return check_line("fa4 bwd", [("O", out[0:1, :, 0:1].transpose(1, 2)[0], ref),
-                                  ("dQ", pick(grads[0]), rq[0]), ("dK", pick(grads[1]), rk[0]),
-                                  ("dV", pick(grads[2]), rv[0])])
+    # (heads, seqlen, d) of batch 0: the group's query heads (q, do, O, dQ) or KV head 0 (k, v, dK, dV).
+    pick = lambda x, name: view(x, name)[0, :, :heads[name]].transpose(0, 1)
+    q, k, v = (pick(s[x], x).detach().float().contiguous().requires_grad_() for x in ("q", "k", "v"))
+    ref = reference(m, q, k, v, case.causal, sq, sk)
+    rq, rk, rv = t.autograd.grad(ref, (q, k, v), pick(s["do"], "do").float())
+    return check_line("fa4 bwd", [("O", pick(out, "do"), ref), ("dQ", pick(grads[0], "q"), rq),
+                                  ("dK", pick(grads[1], "k"), rk), ("dV", pick(grads[2], "v"), rv)])
 
 
 # ---- fp8 ------------------------------------------------------------------------------------
@@ -1609,12 +1620,14 @@ def parse_args(argv=None):
     f.add_argument("--varlen", action="store_true", help="ragged lengths (mean 2k, 1..8k) from --seed")
     f.add_argument("--extras", action="store_true", help="--head-dims --gqa --varlen")
     f.add_argument("--no-grid", dest="grid", action="store_false", help="the extras only")
-    b = sub.add_parser("bwd", parents=[common], help="backward grid")
+    b = sub.add_parser("bwd", parents=[common], help="backward grid and extras")
     b.add_argument("--head-dims", action="store_true",
                    help="d 32/80/96/112/160/192 at 4×4096 (d_v = d: fa4's backward needs it)")
+    b.add_argument("--gqa", action="store_true", help="32/8 heads d128 2k/4k/8k, causal and not")
     b.add_argument("--varlen", action="store_true",
                    help="ragged lengths (mean 2k, 1..8k) from --seed, beside the same tokens at fixed length")
-    b.add_argument("--no-grid", dest="grid", action="store_false", help="the head dims and varlen only")
+    b.add_argument("--extras", action="store_true", help="--head-dims --gqa --varlen")
+    b.add_argument("--no-grid", dest="grid", action="store_false", help="the extras only")
     sub.add_parser("fp8", parents=[common], help="the forward grid with fp8 (e4m3) inputs")
     for name, what in (("decode", "paged decode"),
                        ("decode-fp8", "paged decode over an fp8 (e4m3) cache, µs per call")):
@@ -1650,7 +1663,7 @@ def parse_args(argv=None):
         for p in a.pages:
             if p < 1 or any(k % p for _, k in DECODE_SHAPES):
                 ap.error(f"--pages: {p} must divide every shape's key count")
-    if a.pass_ == "fwd" and a.extras:
+    if a.pass_ in ("fwd", "bwd") and a.extras:
         a.head_dims = a.gqa = a.varlen = True
     return a
 
@@ -1689,6 +1702,9 @@ def tables_for(a, env_names):
             out.append((Table("bwd_headdims", f"Backward, bf16, other head dims, batch {HEADDIM_BATCH} × "
                               f"{HEADDIM_SEQLEN}, heads 2048 // d (FLOPs 2.5 × forward)", "TFLOP/s", libs("bwd")),
                         headdim_cases(a.quick, dv_cases=False), "bwd"))
+        if a.gqa:
+            out.append((Table("bwd_gqa", "Backward, bf16, GQA 32/8 heads, d128, 16k tokens (FLOPs 2.5 × forward)",
+                              "TFLOP/s", libs("bwd")), gqa_cases(a.quick, causals=(False, True)), "bwd"))
         if a.varlen:
             vl = [n for n in libs("bwd") if n in VARLEN_LIBS or n in env_names]
             lengths = varlen_lengths(a.seed)

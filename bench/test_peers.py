@@ -93,6 +93,21 @@ class Counts(unittest.TestCase):
         self.assertEqual((g.heads_q, g.heads_kv, g.batch, g.causal), (32, 8, 8, True))
         self.assertEqual(g.flops(), 4.0 * 8 * 32 * 2048 ** 2 * 128 / 2)
 
+    def test_backward_gqa_cases_time_both_masks(self):
+        # The forward's table is causal only; the backward's has both masks per seqlen.
+        self.assertEqual([c.label for c in peers.gqa_cases(False)],
+                         ["32/8 2k causal", "32/8 4k causal", "32/8 8k causal"])
+        cs = peers.gqa_cases(False, causals=(False, True))
+        self.assertEqual([c.label for c in cs], ["32/8 2k", "32/8 2k causal", "32/8 4k", "32/8 4k causal",
+                                                 "32/8 8k", "32/8 8k causal"])
+        self.assertEqual([(c.batch, c.seqlen_q, c.heads_q, c.heads_kv, c.d, c.causal) for c in cs[4:]],
+                         [(2, 8192, 32, 8, 128, False), (2, 8192, 32, 8, 128, True)])
+        # FLOPs count the query heads: 4 · 2 · 32 · 8192² · 128 = 2199023255552, backward 2.5 × that.
+        self.assertEqual(cs[4].flops(), 2199023255552.0)
+        self.assertEqual(cs[5].flops(), 2199023255552.0 / 2)
+        self.assertEqual(cs[4].flops() * peers.BWD_FACTOR, 5497558138880.0)
+        self.assertEqual([c.label for c in peers.gqa_cases(True, causals=(False, True))], ["32/8 4k", "32/8 4k causal"])
+
     def test_causal_pairs_match_counting(self):
         for sq in range(1, 7):
             for sk in range(1, 7):
@@ -316,6 +331,8 @@ class Cli(unittest.TestCase):
         a = peers.parse_args(["fwd", "--extras"])
         self.assertEqual((a.rounds, a.calls, a.head_dims, a.gqa, a.varlen, a.grid), (9, 10, True, True, True, True))
         self.assertEqual(peers.parse_args(["bwd", "--quick"]).rounds, 5)
+        a = peers.parse_args(["bwd", "--extras"])
+        self.assertEqual((a.head_dims, a.gqa, a.varlen, a.grid), (True, True, True, True))
         self.assertEqual(peers.parse_args(["decode", "--pages", "16,1"]).pages, [16, 1])
         for argv, msg in ((["fwd", "--only", "fa4,cudnnn"], "unknown cudnnn"),
                           (["decode", "--pages", "48"], "--pages: 48"),
@@ -338,6 +355,14 @@ class Cli(unittest.TestCase):
         ts = peers.tables_for(a, [])
         self.assertEqual([t.id for t, _, _ in ts], ["bwd_varlen"])
         self.assertEqual(ts[0][0].libs, ["fa4", "fa4cute"])
+        a = peers.parse_args(["bwd", "--extras", "--no-grid", "--quick"])
+        ts = peers.tables_for(a, [])
+        self.assertEqual([(t.id, kind) for t, _, kind in ts],
+                         [("bwd_headdims", "bwd"), ("bwd_gqa", "bwd"), ("bwd_varlen", "bwd")])
+        self.assertEqual(ts[1][0].libs, ["fa4", "cudnn", "fa2", "fa4cute"])  # SDPA with enable_gqa
+        self.assertEqual([c.label for c in ts[1][1]], ["32/8 4k", "32/8 4k causal"])
+        a = peers.parse_args(["bwd", "--gqa"])
+        self.assertEqual([t.id for t, _, _ in peers.tables_for(a, [])], ["bwd_grid", "bwd_gqa"])
 
 
 class FakeTensor:

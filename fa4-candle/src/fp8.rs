@@ -13,10 +13,9 @@ use candle::{CpuStorage, DType, Layout, Result, Shape, Tensor};
 use half::bf16;
 
 use fa4::problem::Problem;
-use fa4::tensor::Layout as Fa4Layout;
 use fa4::{Backend, Descales, Options, F8E4M3};
 
-use crate::op::{cpu_view, fa4_err, fa4_layout, fa4_options};
+use crate::op::{cpu_view, fa4_err, fa4_options, Fa4Views};
 use crate::AttnOptions;
 
 /// The descales of [`attention_fp8`]: f32 tensors `[batch, heads_kv]` on `q`'s device, `None`
@@ -119,18 +118,19 @@ impl Fa4Fp8 {
         kl: &Layout,
         vl: &Layout,
     ) -> Result<(Problem, Shape)> {
-        let (q, k, v) = (
-            fa4_layout("q", ql)?,
-            fa4_layout("k", kl)?,
-            fa4_layout("v", vl)?,
-        );
-        let mut out_dims = ql.dims().to_vec();
-        let last = out_dims.len() - 1;
-        out_dims[last] = *vl.dims().last().unwrap_or(&0);
-        let o = Fa4Layout::new("out", &out_dims, None).map_err(fa4_err)?;
-        let p = Problem::new_fp8(fa4::DType::Bf16, &q, &k, &v, &o, None, None, &self.opts)
-            .map_err(fa4_err)?;
-        Ok((p, Shape::from(out_dims)))
+        let x = Fa4Views::new(ql, kl, vl)?;
+        let p = Problem::new_fp8(
+            fa4::DType::Bf16,
+            &x.q,
+            &x.k,
+            &x.v,
+            &x.o,
+            None,
+            None,
+            &self.opts,
+        )
+        .map_err(fa4_err)?;
+        Ok((p, x.o_shape))
     }
 }
 

@@ -59,6 +59,31 @@ pub(crate) fn fa4_layout(name: &str, l: &Layout) -> Result<Fa4Layout> {
     Fa4Layout::new(name, dims, Some(strides)).map_err(fa4_err)
 }
 
+/// fa4 views of Q, K and V, and O's contiguous layout (Q's shape with V's last dimension), the
+/// four layouts of a problem on candle's buffers.
+pub(crate) struct Fa4Views {
+    pub(crate) q: Fa4Layout,
+    pub(crate) k: Fa4Layout,
+    pub(crate) v: Fa4Layout,
+    pub(crate) o: Fa4Layout,
+    pub(crate) o_shape: Shape,
+}
+
+impl Fa4Views {
+    pub(crate) fn new(ql: &Layout, kl: &Layout, vl: &Layout) -> Result<Self> {
+        let mut out_dims = ql.dims().to_vec();
+        let last = out_dims.len() - 1;
+        out_dims[last] = *vl.dims().last().unwrap_or(&0);
+        Ok(Self {
+            q: fa4_layout("q", ql)?,
+            k: fa4_layout("k", kl)?,
+            v: fa4_layout("v", vl)?,
+            o: Fa4Layout::new("out", &out_dims, None).map_err(fa4_err)?,
+            o_shape: Shape::from(out_dims),
+        })
+    }
+}
+
 /// The varlen boundaries, read to the host and checked against the packed tensors.
 #[derive(Debug, Clone)]
 pub(crate) struct HostSeqlens {
@@ -250,19 +275,12 @@ impl AttnOp for Fa4Attn {
         kl: &Layout,
         vl: &Layout,
     ) -> Result<(Problem, Shape)> {
-        let (q, k, v) = (
-            fa4_layout("q", ql)?,
-            fa4_layout("k", kl)?,
-            fa4_layout("v", vl)?,
-        );
-        let mut out_dims = ql.dims().to_vec();
-        let last = out_dims.len() - 1;
-        out_dims[last] = *vl.dims().last().unwrap_or(&0);
-        let o = Fa4Layout::new("out", &out_dims, None).map_err(fa4_err)?;
+        let x = Fa4Views::new(ql, kl, vl)?;
         let cu_q = self.seqlens.as_ref().map(|s| s.q.as_slice());
         let cu_k = self.seqlens.as_ref().map(|s| s.k.as_slice());
-        let p = Problem::new(dtype, &q, &k, &v, &o, cu_q, cu_k, &self.opts).map_err(fa4_err)?;
-        Ok((p, Shape::from(out_dims)))
+        let p =
+            Problem::new(dtype, &x.q, &x.k, &x.v, &x.o, cu_q, cu_k, &self.opts).map_err(fa4_err)?;
+        Ok((p, x.o_shape))
     }
 
     fn lse_slot(&self) -> Option<&LseSlot> {

@@ -42,7 +42,9 @@
 #                        bulk copies (auto) and the split kernel (plain, causal, fp16 queries);
 #                        `bwd-sm90`: nine Hopper backward problems, seven of them walking more
 #                        steps than the ring has stages, three at head dims narrower than the
-#                        tiles, two in the shared-keys form (d256, d192); `sm90-tiles`: the Hopper forward's
+#                        tiles, two in the shared-keys form (d256, d192); `bwd-sm90-det`: its
+#                        deterministic mode on four (d64 GQA causal, d128 window softcap, d96,
+#                        d256 GQA causal), on 2 persistent CTAs; `sm90-tiles`: the Hopper forward's
 #                        longest-first, TMA-store and cross-tile switches; `sm90-dims`: the
 #                        Hopper forward at head dims off 64/128/256 and d_v < d_qk;
 #                        `sm90-dynamic`: its dynamic schedule, fixed-length and varlen;
@@ -211,6 +213,10 @@ bwd-sm90|bwd-sm90-d40-causal-gqa|FA4_BWD_KERNEL=sm90|run --backend cuda --backwa
 bwd-sm90|bwd-sm90-d96-window|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype fp16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 2 --heads-kv 1 --head-dim 96 --window 80,20 --softcap 8
 bwd-sm90|bwd-sm90-d256-causal-gqa|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype bf16 --batch 2 --seqlen-q 150 --seqlen-k 190 --heads-q 4 --heads-kv 2 --head-dim 256 --causal
 bwd-sm90|bwd-sm90-d192-window|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype fp16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 2 --heads-kv 1 --head-dim 192 --window 80,20 --softcap 8
+bwd-sm90-det|bwd-sm90-det-d64-gqa|FA4_BWD_KERNEL=sm90 FA4_BWD_SM90_CTAS=2|run --backend cuda --backward --deterministic --dtype bf16 --batch 2 --seqlen-q 150 --seqlen-k 190 --heads-q 4 --heads-kv 2 --head-dim 64 --causal
+bwd-sm90-det|bwd-sm90-det-d128-window|FA4_BWD_KERNEL=sm90 FA4_BWD_SM90_CTAS=2|run --backend cuda --backward --deterministic --dtype fp16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 2 --heads-kv 1 --head-dim 128 --window 80,20 --softcap 8
+bwd-sm90-det|bwd-sm90-det-d96-256|FA4_BWD_KERNEL=sm90 FA4_BWD_SM90_CTAS=2|run --backend cuda --backward --deterministic --dtype bf16 --batch 1 --seqlen-q 256 --seqlen-k 256 --heads-q 2 --heads-kv 2 --head-dim 96
+bwd-sm90-det|bwd-sm90-det-d256-causal-gqa|FA4_BWD_KERNEL=sm90 FA4_BWD_SM90_CTAS=2|run --backend cuda --backward --deterministic --dtype bf16 --batch 2 --seqlen-q 150 --seqlen-k 190 --heads-q 4 --heads-kv 2 --head-dim 256 --causal
 sm90-tiles|sm90-tiles-longest-first|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,1,0,0
 sm90-tiles|sm90-tiles-tma-store|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,1,0
 sm90-tiles|sm90-tiles-cross-tile|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,0,1
@@ -241,7 +247,7 @@ san_lane() {
     local fam name envs args plain t0 rc secs tool
     mkdir -p "$out/sanitize"
     for fam in $families; do
-        san_cases | grep -q "^$fam|" || { note san "sanitize $fam" FAIL 0 "unknown family (sm80 sm90 decode decode-fp8 backward bwd-sm90 sm90-tiles sm90-dims sm90-dynamic sm90-fp8)"; continue; }
+        san_cases | grep -q "^$fam|" || { note san "sanitize $fam" FAIL 0 "unknown family (sm80 sm90 decode decode-fp8 backward bwd-sm90 bwd-sm90-det sm90-tiles sm90-dims sm90-dynamic sm90-fp8)"; continue; }
         while IFS='|' read -r _ name envs args; do
             if [ -n "${FA4_CHECK_CASES:-}" ] && ! [[ " $FA4_CHECK_CASES " == *" $name "* ]]; then continue; fi
             plain=$out/sanitize/$name-plain.txt

@@ -39,12 +39,12 @@ fn precompile() -> Result<(), Box<dyn std::error::Error>> {
     let head_dims = [8, 40, 64, 80, 96, 112, 128, 136, 192, 248, 256];
     for case in fa4::check::grad::grad_matrix(&dtypes, &head_dims) {
         let p = case.problem()?;
-        if let Ok(plan) = bwd_sm90::plan(&p, &h200, "sm_90") {
-            hopper.push(plan.spec);
-            rows.push(plan.pre.0);
-            rows.push(plan.convert.0);
-        }
         for det in [false, true] {
+            if let Ok(plan) = bwd_sm90::plan(&p, &h200, "sm_90", det) {
+                hopper.push(plan.spec);
+                rows.push(plan.pre.0);
+                rows.push(plan.convert.0);
+            }
             if let Ok(plan) = bwd::plan(&p, &h200, "sm_90", det, None) {
                 rows.extend(plan.launches.iter().map(|l| l.0));
             }

@@ -514,7 +514,21 @@ fn backward_plan_names_its_family_and_plans_packed_batches() {
     let (f, v) = family(&["--depth", "192", "--causal"]);
     assert_eq!(f, "sm90", "{v}");
     assert_eq!(v["padded_head_dim"], 256);
-    assert_eq!(family(&["--depth", "128", "--deterministic"]).0, "sm80");
+    // The deterministic mode runs the Hopper kernel too, with the same launches.
+    let (f, v) = family(&["--depth", "128", "--deterministic"]);
+    assert_eq!(f, "sm90", "{v}");
+    assert_eq!(v["launches"][2]["kernel"], "convert", "{v}");
+    assert!(
+        v["dq_accumulation"]
+            .as_str()
+            .unwrap()
+            .contains("fixed order of key blocks"),
+        "{v}"
+    );
+    assert!(
+        v["kernels"].as_str().unwrap().contains("deterministic"),
+        "{v}"
+    );
     assert_eq!(family(&["--arch", "sm80", "--depth", "64"]).0, "sm80");
     assert_eq!(family(&["--arch", "cpu", "--depth", "64"]).0, "cpu");
     // Packed: 3 sequences of 500 x 700, their launches over the longest.
@@ -604,13 +618,17 @@ fn backward_plan_lists_the_launches_their_tiles_and_grids() {
         "f32 per row, head and column"
     );
     assert_eq!(v["workspace_bytes"]["d"], 1024 * 8 * 4);
-    assert_eq!(v["other_mode"]["launches"][2]["kernel"], "dq");
+    // The other mode on sm90 runs the Hopper kernel with the same launches.
+    assert_eq!(v["other_mode"]["launches"][2]["kernel"], "convert");
 
-    // Deterministic: dq replaces convert (64 rows per CTA), no accumulator.
+    // Deterministic on the Ampere-class kernels (sm80): dq replaces convert (64 rows per
+    // CTA), no accumulator.
     let d = json(&[
         "plan",
         "--backward",
         "--deterministic",
+        "--arch",
+        "sm80",
         "--depth",
         "128",
         "--heads-kv",
@@ -688,7 +706,7 @@ fn backward_plan_report_explains_the_choices() {
         "fa4_bwd_convert",
         "red.global.add.v2.f32",
         "cp.reduce.async.bulk",
-        "with --deterministic: main skips dQ and fa4_bwd_dq",
+        "with --deterministic: the Hopper main kernel adds dQ in a fixed order",
         "tiles:",
         "softcap 30",
     ] {

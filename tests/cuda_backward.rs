@@ -223,9 +223,9 @@ fn hopper_backward_on_long_problems_passes_the_rule_as_the_ampere_one() {
     }
 }
 
-/// What the Hopper backward does not cover is an error naming the argument when it is forced,
-/// and runs the Ampere-class backward by default (the deterministic mode); d256 (the
-/// shared-keys form) and a varlen batch are covered, by default too.
+/// The Hopper backward covers d256 (the shared-keys form), varlen batches and the deterministic
+/// mode, by default and forced; what it does not cover (fp8) is an error naming the argument
+/// when it is forced.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn hopper_backward_refusals_name_the_argument_and_auto_falls_back() {
@@ -234,17 +234,12 @@ fn hopper_backward_refusals_name_the_argument_and_auto_falls_back() {
     let fixed = fixed_inputs::<bf16>([1, 64, 64, 2, 2, 256], Mask::Causal, None, 1);
     let plan = cuda.plan_backward_sm90(&fixed.p, false).unwrap().unwrap();
     assert_eq!((plan.spec.head_dim, plan.spec.block_n()), (256, 64));
-    assert_eq!(
-        arg_of(forced.plan_backward_sm90(&fixed.p, true).unwrap_err()),
-        "deterministic"
-    );
+    let det = forced.plan_backward_sm90(&fixed.p, true).unwrap().unwrap();
+    assert!(det.spec.tiles.deterministic);
     let d128 = fixed_inputs::<bf16>([1, 64, 64, 2, 2, 128], Mask::Causal, None, 1);
     assert!(cuda.plan_backward_sm90(&d128.p, false).unwrap().is_some());
-    assert!(cuda.plan_backward_sm90(&d128.p, true).unwrap().is_none());
-    assert_eq!(
-        arg_of(forced.plan_backward_sm90(&d128.p, true).unwrap_err()),
-        "deterministic"
-    );
+    let det = cuda.plan_backward_sm90(&d128.p, true).unwrap().unwrap();
+    assert!(det.spec.tiles.deterministic && det.spec.tiles.producer_regs == 40);
     let varlen = inputs::<bf16>(128, Mask::Causal, None, 2);
     assert!(
         cuda.plan_backward_sm90(&varlen.p, false)
@@ -253,12 +248,11 @@ fn hopper_backward_refusals_name_the_argument_and_auto_falls_back() {
             .spec
             .varlen
     );
-    assert!(cuda.plan_backward_sm90(&varlen.p, true).unwrap().is_none());
+    assert!(cuda.plan_backward_sm90(&varlen.p, true).unwrap().is_some());
     let g = backward(&Backend::Cuda(cuda.clone()), &varlen, false);
     judge(&varlen, &g, "auto on varlen (Hopper)");
-    // The default on a refused one: the Ampere-class backward, passing the rule.
     let g = backward(&Backend::Cuda(cuda.clone()), &varlen, true);
-    judge(&varlen, &g, "auto on varlen, deterministic (Ampere-class)");
+    judge(&varlen, &g, "auto on varlen, deterministic (Hopper)");
 }
 
 /// The Hopper kernel, forced, on ragged varlen batches (GQA 8/2, a sequence without queries,
@@ -519,13 +513,49 @@ fn deterministic_mode_gives_the_same_bits_and_passes_the_rule() {
         judge(&x, &a, &format!("deterministic d{d} {mask:?}"));
         let c = backward(&backend, &x, false);
         judge(&x, &c, &format!("atomic d{d} {mask:?}"));
-        // dK and dV take no atomics in either mode of the Ampere-class kernels (which the
-        // deterministic mode runs): the same bits.
-        let c = backward(&ampere, &x, false);
+        // dK and dV take no atomics in either mode (the Hopper kernel computes them the same
+        // way in both; only the order of dQ's adds differs): the same bits.
         assert_eq!(
             bits(&[a[1].clone(), a[2].clone(), Vec::new()]),
-            bits(&[c[1].clone(), c[2].clone(), Vec::new()])
+            bits(&[c[1].clone(), c[2].clone(), Vec::new()]),
+            "d{d} {mask:?}: dK, dV of the two modes"
         );
+        // The Ampere-class deterministic mode passes the rule too.
+        judge(
+            &x,
+            &backward(&ampere, &x, true),
+            &format!("sm80 deterministic d{d} {mask:?}"),
+        );
+    }
+    // The Hopper deterministic mode on ragged varlen batches with GQA, at every tile width
+    // and narrower head dims, causal and windowed: the same bits twice, within the rule.
+    for (d, mask) in [
+        (64, Mask::Causal),
+        (
+            96,
+            Mask::Window {
+                left: Some(70),
+                right: Some(0),
+            },
+        ),
+        (128, Mask::None),
+        (192, Mask::Causal),
+        (
+            256,
+            Mask::Window {
+                left: Some(40),
+                right: Some(90),
+            },
+        ),
+    ] {
+        let x = inputs::<bf16>(d, mask, None, 11 + d as u64);
+        let a = backward(&backend, &x, true);
+        assert_eq!(
+            bits(&a),
+            bits(&backward(&backend, &x, true)),
+            "varlen d{d} {mask:?}"
+        );
+        judge(&x, &a, &format!("deterministic varlen d{d} {mask:?}"));
     }
     let x = inputs::<f16>(128, Mask::Causal, None, 7);
     let a = backward(&backend, &x, true);
@@ -645,54 +675,57 @@ fn unsupported_problems_are_errors_naming_the_argument() {
 }
 
 /// A small problem in both modes, for the sanitizers (memcheck, racecheck, synccheck): causal
-/// GQA 4/2 over a varlen batch with a zero-length sequence and lengths off the block sizes.
+/// GQA 4/2 over a varlen batch with a zero-length sequence and lengths off the block sizes, at
+/// the three tile widths (run with `FA4_BWD_SM90_CTAS=2`, the CTAs walk several tiles).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn small_problem_for_the_sanitizers() {
     let backend = Backend::Cuda(gpu());
     let (cq, ck) = (vec![0, 17, 17, 150], vec![0, 65, 66, 190]);
-    let ql = Layout::new("q", &[150, 4, 64], None).unwrap();
-    let kl = Layout::new("k", &[190, 2, 64], None).unwrap();
-    let p = Problem::new(
-        DType::Bf16,
-        &ql,
-        &kl,
-        &kl,
-        &ql,
-        Some(&cq),
-        Some(&ck),
-        &Options::new().causal(),
-    )
-    .unwrap();
-    let mut rng = StdRng::seed_from_u64(5);
-    let mut fill = |n: usize| {
-        let mut x = vec![bf16::ZERO; n];
-        random_fill(&mut rng, &mut x, 64, 1.0);
-        x
-    };
-    let (q, k, v, d_out) = (
-        fill(150 * 4 * 64),
-        fill(190 * 2 * 64),
-        fill(190 * 2 * 64),
-        fill(150 * 4 * 64),
-    );
-    let mut o = vec![bf16::NAN; q.len()];
-    let mut lse = vec![f32::NAN; p.lse_len()];
-    Backend::Cpu
-        .run(&p, &q, &k, &v, &mut o, Some(&mut lse))
+    for d in [64, 128, 256] {
+        let ql = Layout::new("q", &[150, 4, d], None).unwrap();
+        let kl = Layout::new("k", &[190, 2, d], None).unwrap();
+        let p = Problem::new(
+            DType::Bf16,
+            &ql,
+            &kl,
+            &kl,
+            &ql,
+            Some(&cq),
+            Some(&ck),
+            &Options::new().causal(),
+        )
         .unwrap();
-    let x = Inputs {
-        p,
-        cu: (cq, ck),
-        q,
-        k,
-        v,
-        o,
-        lse,
-        d_out,
-    };
-    for det in [false, true] {
-        let g = backward(&backend, &x, det);
-        judge(&x, &g, &format!("small, deterministic {det}"));
+        let mut rng = StdRng::seed_from_u64(5);
+        let mut fill = |n: usize| {
+            let mut x = vec![bf16::ZERO; n];
+            random_fill(&mut rng, &mut x, d, 1.0);
+            x
+        };
+        let (q, k, v, d_out) = (
+            fill(150 * 4 * d),
+            fill(190 * 2 * d),
+            fill(190 * 2 * d),
+            fill(150 * 4 * d),
+        );
+        let mut o = vec![bf16::NAN; q.len()];
+        let mut lse = vec![f32::NAN; p.lse_len()];
+        Backend::Cpu
+            .run(&p, &q, &k, &v, &mut o, Some(&mut lse))
+            .unwrap();
+        let x = Inputs {
+            p,
+            cu: (cq.clone(), ck.clone()),
+            q,
+            k,
+            v,
+            o,
+            lse,
+            d_out,
+        };
+        for det in [false, true] {
+            let g = backward(&backend, &x, det);
+            judge(&x, &g, &format!("small d{d}, deterministic {det}"));
+        }
     }
 }

@@ -58,6 +58,10 @@ pub struct GradArgs {
     /// Where dV is written (float32 .npy, V's shape); needs --do.
     #[arg(long, value_name = "DV.npy", help_heading = "Backward")]
     dv: Option<PathBuf>,
+    /// The deterministic backward: dQ summed in a fixed order, the same bits on every run
+    /// (needs --backward or --do).
+    #[arg(long, help_heading = "Backward")]
+    deterministic: bool,
 }
 
 impl GradArgs {
@@ -68,6 +72,12 @@ impl GradArgs {
 
     /// Checks the flags against the kind of run (`files`: inputs from .npy files).
     pub fn validate(&self, files: bool) -> Result<()> {
+        if self.deterministic && !self.wanted() {
+            return Err(Error::invalid(
+                "--deterministic",
+                "asks for the deterministic backward: give --backward (or --do on files)",
+            ));
+        }
         let outputs = [
             ("--dq", self.dq.is_some()),
             ("--dk", self.dk.is_some()),
@@ -110,6 +120,7 @@ impl GradArgs {
             ("--dq", self.dq.is_some()),
             ("--dk", self.dk.is_some()),
             ("--dv", self.dv.is_some()),
+            ("--deterministic", self.deterministic),
         ]
         .into_iter()
         .find(|&(_, given)| given)
@@ -202,6 +213,7 @@ pub fn compute<T: Element>(
     f: &Forward<'_, T>,
     backend: &Backend,
     d_out: Vec<T>,
+    grad: &GradArgs,
 ) -> Result<Grads<T>> {
     let p = f.p;
     let mut dq = vec![T::NAN; f.q.len()];
@@ -209,7 +221,7 @@ pub fn compute<T: Element>(
     let mut dv = vec![T::NAN; f.v.len()];
     let cu = fa4::check::grad::cu_seqlens(p);
     let cu_ref = cu.as_ref().map(|(a, b)| (a.as_slice(), b.as_slice()));
-    let opts: BackwardOptions = attention_options(p).into();
+    let opts = BackwardOptions::new(attention_options(p)).deterministic(grad.deterministic);
     let t0 = Instant::now();
     fa4::check::grad::run_backward(
         backend,

@@ -105,13 +105,18 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         }
         PlanArch::Sm80 | PlanArch::Sm90 => {
             let gpu = Gpu::of(arch);
-            let plan =
-                |det: bool| bwd::plan(&p, &gpu.arch, gpu.target, det, None).map_err(flag_error);
-            let (this, other) = (plan(b.deterministic)?, plan(!b.deterministic)?);
+            // Where the Hopper kernel covers the problem it runs both modes, with the row
+            // kernels of the non-deterministic plan (pre, then convert).
+            let rows_det = |det: bool| det && gpu.family(&p, det) != "sm90";
+            let plan = |det: bool| {
+                bwd::plan(&p, &gpu.arch, gpu.target, rows_det(det), None).map_err(flag_error)
+            };
+            let det = b.deterministic;
+            let (this, other) = (plan(det)?, plan(!det)?);
             if args.json {
-                println!("{}", pretty(&gpu_json(&gpu, &p, &this, &other)));
+                println!("{}", pretty(&gpu_json(&gpu, &p, &this, &other, det)));
             } else {
-                print_gpu(&gpu, &p, &this, &other);
+                print_gpu(&gpu, &p, &this, &other, det);
             }
             Ok(())
         }
@@ -252,8 +257,8 @@ impl Gpu {
     /// on an sm90 target, else `sm80` (the Ampere-class kernels).
     fn family(&self, p: &Problem, deterministic: bool) -> &'static str {
         let hopper = self.flag == "sm90"
-            && fa4::config::bwd_sm90::uncovered(p, &self.arch, deterministic).is_none()
-            && fa4::config::bwd_sm90::plan(p, &self.arch, self.target).is_ok();
+            && fa4::config::bwd_sm90::uncovered(p, &self.arch).is_none()
+            && fa4::config::bwd_sm90::plan(p, &self.arch, self.target, deterministic).is_ok();
         if hopper {
             "sm90"
         } else {
@@ -268,11 +273,11 @@ impl Gpu {
         if self.flag != "sm90" {
             return ampere.to_string();
         }
-        match fa4::config::bwd_sm90::uncovered(p, &self.arch, deterministic) {
+        match fa4::config::bwd_sm90::uncovered(p, &self.arch) {
             Some((_, why)) => {
                 format!("{ampere} run: the Hopper backward does not cover this problem ({why})")
             }
-            None => match fa4::config::bwd_sm90::plan(p, &self.arch, self.target) {
+            None => match fa4::config::bwd_sm90::plan(p, &self.arch, self.target, deterministic) {
                 Ok(h) => format!(
                     "the Hopper backward (kernels/bwd_sm90: a TMA producer warpgroup, two consumer \
                      warpgroups, wgmma) replaces launch 2 below with {}: {} persistent CTAs \
@@ -280,7 +285,8 @@ impl Gpu {
                      counter, {} threads, {} B shared memory; launches 1 and 3 are as listed, \
                      except that launch 1 covers {} (grid \
                      {}x{}x{}) and writes D and LSE·log2e padded to them ({} B in place of the D \
-                     workspace below, the tile counter included), which the Hopper kernel \
+                     workspace below, the tile counter and a semaphore per query block included), which the \
+                     Hopper kernel \
                      bulk-copies per step, and zeroes a dQ accumulator of {} B laid out in 64 x \
                      64 tiles over those rows, which it adds to tile by tile {}, and launch 3 \
                      reads those tiles whole, 32 rows per \
@@ -331,7 +337,7 @@ impl Gpu {
         }
         let ampere =
             "red.global.add.v2.f32 (one vector reduction per pair of f32, sm_90 and later)";
-        match fa4::config::bwd_sm90::plan(p, &self.arch, self.target) {
+        match fa4::config::bwd_sm90::plan(p, &self.arch, self.target, false) {
             Ok(h) if fa4::config::bwd_sm90::shared_keys(h.spec.head_dim) => format!(
                 "red.global.add.v4.f32 of 64 x 64 tiles from registers (the Hopper main \
                  kernel at tiles of {}; the Ampere-class one: {ampere})",
@@ -458,9 +464,15 @@ fn describe(p: &Problem) -> String {
     )
 }
 
-fn print_gpu(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) {
+/// The Hopper kernel's deterministic mode, for the reports.
+const HOPPER_DET: &str = "the Hopper main kernel adds dQ in a fixed order of key blocks, from \
+    the last down (a semaphore per query block; to head dim 128 producer warp 1 takes the turns \
+    and bulk reduce-adds both consumers' tiles, in the shared-keys form each consumer waits for \
+    its own), with the same launches";
+
+fn print_gpu(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan, det: bool) {
     let main = &this.launches[1].0;
-    let det = main.deterministic;
+    let hopper = gpu.family(p, det) == "sm90";
     println!(
         "backward plan, --arch {} ({}, {} SMs, {} B of shared memory per block), NVRTC target {}",
         gpu.flag,
@@ -480,7 +492,13 @@ fn print_gpu(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) {
         )
     };
     println!("  kernels    {}{padded}", gpu.family_note(p, det));
-    if det {
+    if det && hopper {
+        println!(
+            "  dQ         deterministic: {HOPPER_DET}, into an f32 accumulator ({} B): the same \
+             bits on every run",
+            this.accum_len * 4
+        );
+    } else if det {
         println!(
             "  dQ         deterministic: no accumulator and no atomics; the dq kernel sums each \
              element in one thread in a fixed order: the same bits on every run"
@@ -495,7 +513,7 @@ fn print_gpu(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) {
     }
     println!("  launches   one stream, in order:");
     for (i, (s, grid)) in this.launches.iter().enumerate() {
-        let (what, warps) = role(s, det);
+        let (what, warps) = role(s, main.deterministic);
         println!("    {}. {:<16} {what}", i + 1, s.entry());
         println!(
             "       {:<16} {warps}, {} threads; grid {} x {} x {} ({}) = {} CTAs; {} B shared \
@@ -516,7 +534,7 @@ fn print_gpu(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) {
     println!(
         "  workspace  D: {} B (f32 per query row and head){}",
         this.dpsum_len * 4,
-        if det {
+        if main.deterministic {
             String::new()
         } else {
             format!("; dQ accumulator: {} B", this.accum_len * 4)
@@ -524,7 +542,17 @@ fn print_gpu(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) {
     );
     let last = &other.launches[2].0;
     let grid = other.launches[2].1;
-    if det {
+    if hopper && det {
+        println!(
+            "  without --deterministic: the Hopper main kernel adds dQ as its tiles come, without \
+             turns (the same launches): dQ's bits may differ run to run"
+        );
+    } else if hopper {
+        println!(
+            "  with --deterministic: {HOPPER_DET}: the same bits on every run; measured cost in \
+             docs/backward.md"
+        );
+    } else if det {
         println!(
             "  without --deterministic: main also adds dS·K into an f32 accumulator ({} B) by \
              {}, and {} converts it ({} warps, grid {} x {} x {}) in place of dq: faster where \
@@ -555,7 +583,13 @@ fn print_gpu(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) {
     println!("  compile key of main: {main}");
 }
 
-fn gpu_json(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) -> serde_json::Value {
+fn gpu_json(
+    gpu: &Gpu,
+    p: &Problem,
+    this: &BwdPlan,
+    other: &BwdPlan,
+    det: bool,
+) -> serde_json::Value {
     let launch = |det: bool, (s, g): &(BwdSpec, (u32, u32, u32))| {
         let (what, warps) = role(s, det);
         let (block_m, block_n) = match s.kernel {
@@ -580,7 +614,13 @@ fn gpu_json(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) -> serde_js
         })
     };
     let main = &this.launches[1].0;
-    let det = main.deterministic;
+    let hopper = gpu.family(p, det) == "sm90";
+    let dq_accumulation = match (det, hopper) {
+        (true, true) => format!("deterministic: {HOPPER_DET}"),
+        (true, false) => "deterministic".to_string(),
+        (false, _) => gpu.reduction(p),
+    };
+    let (rows_det, other_rows_det) = (main.deterministic, other.launches[1].0.deterministic);
     serde_json::json!({
         "arch": gpu.flag,
         "gpu": gpu.arch.name,
@@ -590,12 +630,12 @@ fn gpu_json(gpu: &Gpu, p: &Problem, this: &BwdPlan, other: &BwdPlan) -> serde_js
         "family": gpu.family(p, det),
         "kernels": gpu.family_note(p, det),
         "deterministic": det,
-        "dq_accumulation": if det { "deterministic".to_string() } else { gpu.reduction(p) },
-        "launches": this.launches.iter().map(|l| launch(det, l)).collect::<Vec<_>>(),
+        "dq_accumulation": dq_accumulation,
+        "launches": this.launches.iter().map(|l| launch(rows_det, l)).collect::<Vec<_>>(),
         "workspace_bytes": { "d": this.dpsum_len * 4, "dq_accumulator": this.accum_len * 4 },
         "other_mode": {
             "deterministic": !det,
-            "launches": other.launches.iter().map(|l| launch(!det, l)).collect::<Vec<_>>(),
+            "launches": other.launches.iter().map(|l| launch(other_rows_det, l)).collect::<Vec<_>>(),
             "workspace_bytes": { "d": other.dpsum_len * 4, "dq_accumulator": other.accum_len * 4 },
         },
     })

@@ -416,7 +416,7 @@ fn random_typed<T: Element>(
     if grad.wanted() {
         let f = job.forward(&done);
         let d_out = super::backward::random_d_out(&job.p, seed);
-        let grads = super::backward::compute(&f, &backend, d_out)?;
+        let grads = super::backward::compute(&f, &backend, d_out, grad)?;
         if !grads.report(&f, &[], policy) {
             return Ok(ExitCode::from(1));
         }
@@ -664,6 +664,7 @@ fn files_typed<T: Element>(
             &job.forward(&done),
             &backend,
             d_out,
+            grad,
         )?),
         None => None,
     };

@@ -13,6 +13,14 @@
 //! warpgroup's shared buffer and each warp adds its 16 rows with one bulk reduce-add (TMA) to
 //! the f32 accumulator, which for this kernel is laid out in those tiles ([`Plan::base`]'s
 //! `accum_len` covers the padded rows).
+//!
+//! The deterministic mode ([`Tiles::deterministic`]) is the same kernel with dQ added in a fixed
+//! order: each (KV head, sequence)'s key blocks are handed out from the last, and key block n
+//! adds to a query block's rows when a semaphore per query block (after the tile counter in the
+//! D workspace, zeroed by `pre`) says that every later key block that sees those rows has added.
+//! To head dim 128 warp 1 of the producer warpgroup takes the turns and the bulk reduce-adds
+//! (the consumers hand it their tiles through named barriers); in the shared-keys form each
+//! consumer waits for its turn itself.
 
 use std::fmt;
 
@@ -76,14 +84,27 @@ pub const WORK_BYTES: usize = 2 * 128;
 /// Named barriers of the kernel, in id order (id 0 is `__syncthreads`).
 /// `STATS_FREE0`/`1`/`2`: the consumers have read a stage's row statistics (producer warp 0
 /// syncs before the stage's next bulk copies; one per stage of a ring of 2 or 3).
-pub const NAMED_BARRIERS: [&str; 6] = [
+/// `DQ_FULL0`/`1`, `DQ_EMPTY0`/`1` (deterministic, to head dim 128): consumer warpgroup c's dQ
+/// tile is in its buffer / the dQ writer warp has read it out. `DQ_TURN0`/`1` (deterministic,
+/// shared keys): consumer warpgroup c's own wait for its turn and its release.
+pub const NAMED_BARRIERS: [&str; 12] = [
     "SYNC_ALL",
     "DS_READY",
     "CLEANED",
     "STATS_FREE0",
     "STATS_FREE1",
     "STATS_FREE2",
+    "DQ_FULL0",
+    "DQ_FULL1",
+    "DQ_EMPTY0",
+    "DQ_EMPTY1",
+    "DQ_TURN0",
+    "DQ_TURN1",
 ];
+/// The deterministic mode's notes from the consumers to the dQ writer warp (to head dim 128),
+/// two of 32 bytes: where a step's dQ tiles go, their semaphore and the turn they wait for,
+/// after the work slots.
+pub const DQ_INFO_BYTES: usize = 64;
 /// A consumer warpgroup's dQ tile (64 × 64 f32): the unit of its shared buffer, of the bulk
 /// reduce-add and of the accumulator's layout.
 pub const DQ_TILE_BYTES: usize = 64 * 64 * 4;
@@ -99,6 +120,9 @@ pub struct Tiles {
     pub producer_regs: u32,
     /// `setmaxnreg` target of each consumer warpgroup.
     pub consumer_regs: u32,
+    /// The deterministic mode: dQ added in a fixed order of key blocks (a semaphore per query
+    /// block); to head dim 128 through the dQ writer warp, which needs [`DQ_INFO_BYTES`].
+    pub deterministic: bool,
 }
 
 impl Tiles {
@@ -131,6 +155,11 @@ impl Tiles {
             + self.stages * stats
             + barriers
             + WORK_BYTES
+            + if self.deterministic && !shared_keys(head_dim) {
+                DQ_INFO_BYTES
+            } else {
+                0
+            }
             + TILE_ALIGN
     }
 
@@ -205,13 +234,17 @@ fn dq_col_groups(block_m: usize, head_dim: usize) -> usize {
 /// Registers: 24 for the producer, 240 for each consumer, as FlashAttention-3's backward:
 /// 128 · (24 + 2 · 240) = 64512 of the 65536. No variant spills (`tests/nvrtc_compile.rs`)
 /// once the CTA's work description lives in shared memory; 32 + 2 · 232 spilled 40 bytes in
-/// the d128 softcap consumers.
-pub fn tiles(head_dim: usize) -> Tiles {
+/// the d128 softcap consumers. The deterministic mode to head dim 128 (`deterministic`) gives
+/// the producer warpgroup 40 (its warp 1 is the dQ writer: at 24 the producer warp spilled
+/// beside it) and each consumer 232 (its dQ goes to the writer, not to its own bulk copies).
+pub fn tiles(head_dim: usize, deterministic: bool) -> Tiles {
+    let writer = deterministic && !shared_keys(head_dim);
     Tiles {
         block_m: if head_dim == 64 { 128 } else { 64 },
         stages: if head_dim == 128 { 3 } else { 2 },
-        producer_regs: 24,
-        consumer_regs: 240,
+        producer_regs: if writer { 40 } else { 24 },
+        consumer_regs: if writer { 232 } else { 240 },
+        deterministic,
     }
 }
 
@@ -274,6 +307,7 @@ impl Spec {
             .flag("HAS_WINDOW", self.window)
             .flag("HAS_SOFTCAP", self.softcap)
             .flag("VARLEN", self.varlen)
+            .flag("DETERMINISTIC", t.deterministic)
             .flag("LAZY_RESCALE", false)
             .define("FA4_SMEM_BYTES", self.smem_bytes())
             .roles(&[
@@ -377,7 +411,7 @@ impl fmt::Display for Spec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "bwd sm90 {} {} d{}{} {}x{} {}+{}x{} regs{}{}{}",
+            "bwd sm90 {} {} d{}{} {}x{} {}+{}x{} regs{}{}{}{}",
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
             self.dim,
@@ -394,17 +428,18 @@ impl fmt::Display for Spec {
             if self.window { " window" } else { "" },
             if self.softcap { " softcap" } else { "" },
             if self.varlen { " varlen" } else { "" },
+            if self.tiles.deterministic {
+                " deterministic"
+            } else {
+                ""
+            },
         )
     }
 }
 
 /// Why the Hopper backward does not cover a problem on `arch` (the argument to blame and the
 /// reason), or `None`. What it refuses runs the Ampere-class backward.
-pub fn uncovered(
-    p: &Problem,
-    arch: &GpuArch,
-    deterministic: bool,
-) -> Option<(&'static str, String)> {
+pub fn uncovered(p: &Problem, arch: &GpuArch) -> Option<(&'static str, String)> {
     if arch.family != Family::Hopper {
         return Some(("device", format!("{} is not a Hopper GPU", arch.name)));
     }
@@ -419,12 +454,6 @@ pub fn uncovered(
                 p.head_dim(),
                 p.head_dim_v()
             ),
-        ));
-    }
-    if deterministic {
-        return Some((
-            "deterministic",
-            "the Hopper backward adds dQ with atomics; the deterministic mode runs the Ampere-class one".into(),
         ));
     }
     // A TMA map may not have an empty dimension: a fixed-length batch's every sequence, a
@@ -514,8 +543,13 @@ pub fn stats_layout(p: &Problem, block_m: usize) -> (usize, usize) {
 /// Plans the Hopper backward of a validated problem, or says (an error naming the argument)
 /// why it does not cover it. `target` is the device's NVRTC target (`sm_90`): the row kernels
 /// compile for it, the main kernel for its architecture-specific form (`sm_90a`).
-pub fn plan(p: &Problem, arch: &GpuArch, target: &'static str) -> Result<Plan> {
-    if let Some((arg, why)) = uncovered(p, arch, false) {
+pub fn plan(
+    p: &Problem,
+    arch: &GpuArch,
+    target: &'static str,
+    deterministic: bool,
+) -> Result<Plan> {
+    if let Some((arg, why)) = uncovered(p, arch) {
         return Err(Error::invalid(arg, why));
     }
     let base = bwd::plan(p, arch, target, false, None)?;
@@ -545,7 +579,7 @@ pub fn plan(p: &Problem, arch: &GpuArch, target: &'static str) -> Result<Plan> {
             ),
         ));
     }
-    let tiles = tiles(head_dim);
+    let tiles = tiles(head_dim, deterministic);
     tiles.check(head_dim)?;
     let spec = Spec {
         target: if target == "sm_90" { "sm_90a" } else { target },
@@ -593,8 +627,10 @@ pub fn plan(p: &Problem, arch: &GpuArch, target: &'static str) -> Result<Plan> {
         return Err(too_many());
     }
     let mut base = base;
-    // D and LSE·log2e, then the main kernel's tile counter (4 floats: 16-byte alignment kept).
-    base.dpsum_len = 2 * per_head * p.heads_q() + 4;
+    // D and LSE·log2e, then the main kernel's tile counter (4 floats: 16-byte alignment kept),
+    // then the deterministic mode's semaphores, one per padded query block (`pre` zeroes them
+    // whatever the mode).
+    base.dpsum_len = 2 * per_head * p.heads_q() + 4 + per_head * p.heads_q() / tiles.block_m;
     // The accumulator in 64 × 64 tiles over the padded rows (the kernel's reduce-adds cover
     // whole tiles; `pre` zeroes and `convert` reads that layout when `stats_rows` > 0).
     base.accum_len = per_head * p.heads_q() * head_dim;
@@ -638,7 +674,13 @@ mod tests {
     #[test]
     fn planned_tiles_fit_the_h100_and_its_register_file() {
         for d in HEAD_DIMS {
-            let p = plan(&problem(d, Options::new().causal()), &arch::H100, "sm_90").unwrap();
+            let p = plan(
+                &problem(d, Options::new().causal()),
+                &arch::H100,
+                "sm_90",
+                false,
+            )
+            .unwrap();
             let s = &p.spec;
             s.tiles.check(d).unwrap();
             assert!(s.smem_bytes() <= 232_448, "{s}: {} B", s.smem_bytes());
@@ -666,7 +708,11 @@ mod tests {
             let m = s.tiles.block_m;
             assert_eq!(p.stats_rows, 300usize.div_ceil(m) * m);
             assert!(p.stats_rows >= 300 && p.stats_rows < 300 + m);
-            assert_eq!(p.base.dpsum_len, 2 * 2 * 8 * p.stats_rows + 4);
+            // D, LSE·log2e, the tile counter and a semaphore per query block.
+            assert_eq!(
+                p.base.dpsum_len,
+                2 * 2 * 8 * p.stats_rows + 4 + 2 * 8 * p.stats_rows / m
+            );
             // pre: 128 threads, d / 8 lanes per row (d64: 16 rows per CTA, d128: 8);
             // convert: 32 rows per CTA, whatever the head dim.
             assert_eq!(p.pre.1, ((p.stats_rows * d / 8 / 128) as u32, 8, 2));
@@ -677,28 +723,28 @@ mod tests {
         let q = Layout::new("q", &[16, 1024, 8, 128], None).unwrap();
         let k = Layout::new("k", &[16, 1024, 4, 128], None).unwrap();
         let big = Problem::new(DType::Bf16, &q, &k, &k, &q, None, None, &Options::new()).unwrap();
-        let p = plan(&big, &arch::H100, "sm_90").unwrap();
+        let p = plan(&big, &arch::H100, "sm_90", false).unwrap();
         assert_eq!((p.tiles, p.grid), (512, (arch::H100.sm_count, 1, 1)));
-        assert_eq!(p.base.dpsum_len, 2 * 16 * 8 * 1024 + 4);
+        assert_eq!(p.base.dpsum_len, 2 * 16 * 8 * 1024 + 4 + 16 * 8 * 1024 / 64);
         // The shared-memory sums, by hand: K, V + 2 × (Q, dO) + 2 × dSᵀ + 2 × dQ tiles
         // + 2 × LSE, D + 10 barriers + two work slots + slack (d64: 128 queries per step).
         assert_eq!(
-            tiles(64).smem_bytes(64),
+            tiles(64, false).smem_bytes(64),
             2 * 16384 + 4 * 16384 + 2 * 32768 + 2 * 16384 + 2 * 1024 + 80 + 256 + 1024
         );
         // d128: three Q/dO stages, 160 bytes under the H100's and H200's 232,448.
         assert_eq!(
-            tiles(128).smem_bytes(128),
+            tiles(128, false).smem_bytes(128),
             2 * 32768 + 6 * 16384 + 2 * 16384 + 2 * 16384 + 3 * 512 + 96 + 256 + 1024
         );
-        assert_eq!(tiles(128).smem_bytes(128), 232_448 - 160);
+        assert_eq!(tiles(128, false).smem_bytes(128), 232_448 - 160);
         // d256, shared keys (64 keys, 64 queries): K, V + 2 × (Q, dO) + 2 × dSᵀ + 2 × Pᵀ,
         // no dQ tiles; 688 bytes under.
         assert_eq!(
-            tiles(256).smem_bytes(256),
+            tiles(256, false).smem_bytes(256),
             2 * 32768 + 4 * 32768 + 4 * 8192 + 2 * 512 + 80 + 256 + 1024
         );
-        assert_eq!(tiles(256).smem_bytes(256), 232_448 - 688);
+        assert_eq!(tiles(256, false).smem_bytes(256), 232_448 - 688);
     }
 
     #[test]
@@ -721,10 +767,10 @@ mod tests {
             (136, 256, 144),
             (192, 256, 192),
         ] {
-            let p = plan(&problem(d, Options::new()), &arch::H100, "sm_90").unwrap();
+            let p = plan(&problem(d, Options::new()), &arch::H100, "sm_90", false).unwrap();
             let s = &p.spec;
             assert_eq!((s.head_dim, s.dim, s.slab_maps()), (tile, d, true), "d{d}");
-            assert_eq!(s.tiles, tiles(tile), "d{d}");
+            assert_eq!(s.tiles, tiles(tile, false), "d{d}");
             // The accumulator's rows are the tile's width, as the row kernels' (padded alike).
             assert_eq!(p.pre.0.head_dim, tile);
             assert_eq!(p.base.accum_len, 2 * 8 * p.stats_rows * tile);
@@ -746,7 +792,7 @@ mod tests {
                 "{s}"
             );
         }
-        let s = plan(&problem(128, Options::new()), &arch::H100, "sm_90")
+        let s = plan(&problem(128, Options::new()), &arch::H100, "sm_90", false)
             .unwrap()
             .spec;
         assert!(!s.slab_maps() && s.prelude().contains("constexpr bool SLAB_MAPS = false;"));
@@ -754,7 +800,7 @@ mod tests {
 
     #[test]
     fn the_dq_wrapper_reads_both_operands_mn_major() {
-        let p = plan(&problem(128, Options::new()), &arch::H100, "sm_90").unwrap();
+        let p = plan(&problem(128, Options::new()), &arch::H100, "sm_90", false).unwrap();
         let w = p.spec.wgmma_wrappers();
         assert!(w.contains("void wgmma_st(float (&d)[32], u64 desc_a"));
         assert!(w.contains("void wgmma_dkv(float (&d)[64], u32 a0"));
@@ -763,7 +809,7 @@ mod tests {
         assert_eq!(w.matches("p, 1, 1, 0, 0;").count(), 1, "{w}");
         // The shared-keys form: each consumer half the queries of Sᵀ and half the columns of dK
         // and dV, with A from shared memory (K-major, B MN-major); dQ in 64-column parts.
-        let p = plan(&problem(256, Options::new()), &arch::H100, "sm_90").unwrap();
+        let p = plan(&problem(256, Options::new()), &arch::H100, "sm_90", false).unwrap();
         let w = p.spec.wgmma_wrappers();
         assert!(w.contains("void wgmma_st(float (&d)[16], u64 desc_a"));
         assert!(w.contains("void wgmma_dkv_ss(float (&d)[64], u64 desc_a"));
@@ -778,22 +824,13 @@ mod tests {
     #[test]
     fn uncovered_problems_name_the_argument_and_others_plan() {
         let causal = problem(128, Options::new().causal());
-        assert_eq!(
-            uncovered(&causal, &arch::H100, true).unwrap().0,
-            "deterministic"
-        );
-        assert_eq!(uncovered(&causal, &arch::A100, false).unwrap().0, "device");
-        assert_eq!(
-            uncovered(&problem(256, Options::new()), &arch::H100, false),
-            None
-        );
-        assert_eq!(
-            uncovered(&problem(136, Options::new()), &arch::H100, false),
-            None
-        );
+        assert_eq!(uncovered(&causal, &arch::H100), None);
+        assert_eq!(uncovered(&causal, &arch::A100).unwrap().0, "device");
+        assert_eq!(uncovered(&problem(256, Options::new()), &arch::H100), None);
+        assert_eq!(uncovered(&problem(136, Options::new()), &arch::H100), None);
         for d in [264, 100] {
             assert_eq!(
-                uncovered(&problem(d, Options::new()), &arch::H100, false)
+                uncovered(&problem(d, Options::new()), &arch::H100)
                     .unwrap()
                     .0,
                 "q",
@@ -812,10 +849,15 @@ mod tests {
             &Options::new(),
         )
         .unwrap();
-        assert_eq!(uncovered(&varlen, &arch::H100, false), None);
-        assert!(plan(&varlen, &arch::H100, "sm_90").unwrap().spec.varlen);
+        assert_eq!(uncovered(&varlen, &arch::H100), None);
+        assert!(
+            plan(&varlen, &arch::H100, "sm_90", false)
+                .unwrap()
+                .spec
+                .varlen
+        );
         let soft = problem(64, Options::new().softcap(5.0));
-        let p = plan(&soft, &arch::H100, "sm_90").unwrap();
+        let p = plan(&soft, &arch::H100, "sm_90", false).unwrap();
         assert!(p.spec.softcap && !p.spec.window);
         assert!(p.to_string().contains("fa4_bwd_sm90") || p.to_string().contains("bwd sm90"));
     }
@@ -834,7 +876,7 @@ mod tests {
         // d64: blocks of 128 rows. Starts ⌊(0, 300 + 128, 300 + 256, 813 + 384) / 128⌋ · 128 =
         // 0, 384, 512, 1152: room for 3, 0 and 3 blocks (300, 0 and 513 rows).
         let p = varlen(&[0, 300, 300, 813], &[0, 317, 330, 1030], 64);
-        let m = tiles(64).block_m;
+        let m = tiles(64, false).block_m;
         assert_eq!(m, 128);
         assert_eq!(stats_layout(&p, m), (1, 1152));
         let starts: Vec<usize> = [0usize, 300, 300, 813]
@@ -846,7 +888,7 @@ mod tests {
         for (b, s) in p.sequences().iter().enumerate() {
             assert!(starts[b + 1] - starts[b] >= s.q_len.div_ceil(m) * m, "{b}");
         }
-        let plan = plan(&p, &arch::H100, "sm_90").unwrap();
+        let plan = plan(&p, &arch::H100, "sm_90", false).unwrap();
         assert!(
             plan.spec.varlen
                 && plan
@@ -856,7 +898,7 @@ mod tests {
         );
         assert!(plan.spec.to_string().ends_with(" varlen"), "{}", plan.spec);
         assert_eq!(plan.stats_rows, 1152);
-        assert_eq!(plan.base.dpsum_len, 2 * 8 * 1152 + 4);
+        assert_eq!(plan.base.dpsum_len, 2 * 8 * 1152 + 4 + 8 * 1152 / 128);
         assert_eq!(plan.base.accum_len, 8 * 1152 * 64);
         // The row kernels' grids: the longest sequence's padded rows (513 → 640) × heads × 3.
         assert_eq!(plan.pre.1, ((640 * 64 / 8 / 128) as u32, 8, 3));
@@ -864,7 +906,7 @@ mod tests {
         // Tiles: ⌈700 / 128⌉ key blocks of the longest sequence × 2 KV heads × 3 sequences.
         assert_eq!(plan.tiles, 6 * 2 * 3);
         // Fixed-length: no flag.
-        let fixed = super::plan(&problem(64, Options::new()), &arch::H100, "sm_90").unwrap();
+        let fixed = super::plan(&problem(64, Options::new()), &arch::H100, "sm_90", false).unwrap();
         assert!(
             !fixed.spec.varlen
                 && fixed
@@ -874,7 +916,53 @@ mod tests {
         );
         // No query row (or no key) anywhere: refused, naming q.
         let none = varlen(&[0, 0, 0], &[0, 5, 9], 64);
-        assert_eq!(uncovered(&none, &arch::H100, false).unwrap().0, "q");
+        assert_eq!(uncovered(&none, &arch::H100).unwrap().0, "q");
+    }
+
+    /// The deterministic mode plans the Hopper kernel: to head dim 128 with the dQ writer warp
+    /// (40 registers for the producer warpgroup, 232 per consumer, a `DqInfo` of shared
+    /// memory), in the shared-keys form with the consumers' own waits (the registers and
+    /// shared memory of the other mode).
+    #[test]
+    fn the_deterministic_mode_plans_the_hopper_kernel() {
+        for d in [40, 64, 96, 128, 192, 256] {
+            let p = problem(d, Options::new().causal());
+            let det = plan(&p, &arch::H100, "sm_90", true).unwrap();
+            let fast = plan(&p, &arch::H100, "sm_90", false).unwrap();
+            let t = det.spec.tiles;
+            assert!(t.deterministic && !fast.spec.tiles.deterministic, "d{d}");
+            t.check(det.spec.head_dim).unwrap();
+            let writer = !shared_keys(det.spec.head_dim);
+            assert_eq!(
+                (t.producer_regs, t.consumer_regs),
+                if writer { (40, 232) } else { (24, 240) },
+                "d{d}"
+            );
+            assert_eq!(
+                det.spec.smem_bytes(),
+                fast.spec.smem_bytes() + if writer { DQ_INFO_BYTES } else { 0 },
+                "d{d}"
+            );
+            assert!(det.spec.smem_bytes() <= 232_448, "d{d}");
+            assert!(det
+                .spec
+                .prelude()
+                .contains("constexpr bool DETERMINISTIC = true;"));
+            assert!(
+                det.spec.to_string().ends_with(" deterministic"),
+                "{}",
+                det.spec
+            );
+            // The same row kernels and workspaces (the semaphores are in both).
+            assert_eq!(
+                (det.base.dpsum_len, det.base.accum_len),
+                (fast.base.dpsum_len, fast.base.accum_len)
+            );
+            assert_eq!(
+                (det.pre, det.convert, det.grid),
+                (fast.pre, fast.convert, fast.grid)
+            );
+        }
     }
 
     #[test]
@@ -882,12 +970,12 @@ mod tests {
         // 192 query rows are not whole 64-row groups of the two consumers' dQ; 128 are.
         let t = Tiles {
             block_m: 192,
-            ..tiles(128)
+            ..tiles(128, false)
         };
         assert!(t.check(128).is_err());
         let t = Tiles {
             block_m: 128,
-            ..tiles(64)
+            ..tiles(64, false)
         };
         t.check(64).unwrap();
         assert_eq!(dq_col_groups(64, 64), 1);
@@ -896,9 +984,9 @@ mod tests {
         let t = Tiles {
             producer_regs: 56,
             consumer_regs: 256,
-            ..tiles(64)
+            ..tiles(64, false)
         };
         assert!(t.check(64).is_err(), "over the register file");
-        tiles(64).check(64).unwrap();
+        tiles(64, false).check(64).unwrap();
     }
 }

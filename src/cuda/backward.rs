@@ -382,7 +382,13 @@ impl CudaBackend {
             dq: dq_ptr,
             dk: dk_ptr,
             dv: dv_ptr,
-            dq_accum: if deterministic { 0 } else { acc_ptr },
+            // The Ampere-class deterministic mode has no accumulator (`fa4_bwd_dq` writes dQ);
+            // the Hopper one adds to it in a fixed order.
+            dq_accum: if deterministic && hopper.is_none() {
+                0
+            } else {
+                acc_ptr
+            },
             dpsum: dpsum_ptr,
             do_strides: strides(&x.d_out_layout),
             dq_strides: strides(&o.dq_layout),

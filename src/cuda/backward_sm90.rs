@@ -173,7 +173,10 @@ struct MainLaunch<'a>(&'a Plan);
 // blocks (`stats_base`), which the plan's workspace length covers (`stats_layout`). The grid
 // is persistent CTAs, each walking tiles (key block, KV head, batch entry) below the kernel's
 // own count of them, taken from the counter after the statistics in the D workspace (inside
-// `dpsum_len`, zeroed by `pre` on the same stream before this launch); block and shared memory
+// `dpsum_len`, zeroed by `pre` on the same stream before this launch; the deterministic mode
+// also waits on and increments the semaphores after it, inside `dpsum_len` and zeroed by `pre`
+// too, and every CTA claims its tiles from that counter, so a wait is only ever on a tile that
+// a running CTA claimed earlier and cannot close a cycle); block and shared memory
 // are the planner's (static_asserted by the kernel), and the register split fits the launch
 // allocation (`Tiles::check`), so `setmaxnreg` cannot wait forever.
 unsafe impl Launchable for MainLaunch<'_> {
@@ -225,12 +228,12 @@ impl CudaBackend {
         };
         let plan = match choice {
             BwdChoice::Sm80 => return Ok(None),
-            BwdChoice::Auto => match bwd_sm90::uncovered(p, &arch, deterministic) {
+            BwdChoice::Auto => match bwd_sm90::uncovered(p, &arch) {
                 Some(_) => return Ok(None),
-                None => bwd_sm90::plan(p, &arch, info.target)?,
+                None => bwd_sm90::plan(p, &arch, info.target, deterministic)?,
             },
             BwdChoice::Sm90 => {
-                if let Some((arg, why)) = bwd_sm90::uncovered(p, &arch, deterministic) {
+                if let Some((arg, why)) = bwd_sm90::uncovered(p, &arch) {
                     return Err(Error::invalid(
                         arg,
                         format!(
@@ -238,7 +241,7 @@ impl CudaBackend {
                         ),
                     ));
                 }
-                bwd_sm90::plan(p, &arch, info.target)?
+                bwd_sm90::plan(p, &arch, info.target, deterministic)?
             }
         };
         Ok(Some(with_ctas_from_env(plan)?))
@@ -304,7 +307,7 @@ mod tests {
                 window: true,
                 softcap: false,
                 varlen: false,
-                tiles: crate::config::bwd_sm90::tiles(head_dim),
+                tiles: crate::config::bwd_sm90::tiles(head_dim, false),
             };
             let want = Some(crate::config::bwd_sm90::LAUNCH_REGS);
             assert_eq!(spec.setmaxnreg_launch_regs(), want, "{spec}");

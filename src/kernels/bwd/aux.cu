@@ -60,6 +60,9 @@ extern "C" __global__ void __launch_bounds__(AUX_THREADS) fa4_bwd_pre(const __gr
     // tiles from it).
     if (hopper && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0)
         *reinterpret_cast<unsigned*>(bp.dpsum + 2 * lse_half) = 0u;
+    // Its deterministic mode's semaphores, one per padded query block, after the counter.
+    if (padded_row && r.sub == 0 && r.i % bp.stats_block == 0)
+        reinterpret_cast<int*>(bp.dpsum + 2 * lse_half + 4)[padded / bp.stats_block] = 0;
     // Every lane takes part in the row's shuffles below (rows past the end sum nothing).
     float sum = 0.0f;
     if (r.valid) {

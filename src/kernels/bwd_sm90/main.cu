@@ -68,6 +68,18 @@
 //   BAR_STATS_FREE0/1/2  the consumers have read stage 0's / 1's / 2's row statistics (bar.arrive);
 //                   producer warp 0 syncs before refilling the stage
 //
+//   BAR_DQ_FULL0/1, BAR_DQ_EMPTY0/1  (DETERMINISTIC to head dim 128) consumer warpgroup c's dQ
+//                   tile is in its buffer / the dQ writer has read it out (consumer c and
+//                   producer warp 1, 160 threads; the writer arrives on EMPTY once at the start)
+//   BAR_DQ_TURN0/1  (DETERMINISTIC, SHARED_KEYS) consumer warpgroup c alone, around its turn
+//
+// Deterministic mode (DETERMINISTIC): dQ of a query block is added key block by key block from
+// the last down, each waiting for its turn on a semaphore per query block (`dq_semaphores`,
+// `dq_turn`). To head dim 128 the consumers do not wait: warp 1 of the producer warpgroup (the
+// dQ writer, `dq_writer`) takes each step's two tiles from the consumers' buffers, waits for
+// the turn, bulk reduce-adds them and increments the semaphore once the adds are complete. In
+// the shared-keys form each consumer waits itself before its reductions from registers.
+//
 // Row statistics (LSE·LOG2E and D of a step's BLOCK_M rows, f32, beside the stage's Q and dO):
 // the `pre` kernel writes them padded (`BwdParams::stats_rows`: [batch][heads_q][rows rounded up
 // to whole query blocks], +inf and 0 past the sequence), so a step's rows are two 1-D bulk copies
@@ -138,9 +150,13 @@ constexpr int DQ_WARP_ELEMS = 16 * DQ_TILE;        // a warp's 16 rows of it: on
 constexpr int NUM_BARRIERS = 2 + 2 * STAGES + 4;  // load_kv, kv_free, the ring, work_full/empty[2]
 constexpr int WORK_SLOT = 128;                     // a tile's `Work`
 constexpr int WORK_BYTES = 2 * WORK_SLOT;          // two slots, after the barriers
+// The deterministic mode to head dim 128: producer warp 1 adds the consumers' dQ tiles in turn.
+constexpr bool DQ_WRITER = DETERMINISTIC && DQ_SMEM;
+constexpr int DQ_INFO_BYTES = DQ_WRITER ? 64 : 0;  // two notes to the dQ writer, after the work slots
 constexpr int TILE_ALIGN = 1024;
 constexpr int SMEM_BYTES = 2 * KV_BYTES + STAGES * 2 * QO_BYTES + (DS_BUFFERS + P_BUFFERS) * DS_BYTES +
-                           DQ_BUFFERS * DQ_BYTES + STAGES * ROW_STATS * 4 + 8 * NUM_BARRIERS + WORK_BYTES + TILE_ALIGN;
+                           DQ_BUFFERS * DQ_BYTES + STAGES * ROW_STATS * 4 + 8 * NUM_BARRIERS + WORK_BYTES +
+                           DQ_INFO_BYTES + TILE_ALIGN;
 constexpr int ST_REGS = QUERIES_PER_WG / 2;        // f32 Sᵀ (and dPᵀ) per thread: (64, QUERIES_PER_WG) per warpgroup
 constexpr int PK_REGS = QUERIES_PER_WG / 4;        // packed 16-bit pairs of Pᵀ (and dSᵀ)
 constexpr int DKV_REGS = DKV_N / 2;                // f32 dK (and dV) per thread: (64, DKV_N)
@@ -174,6 +190,8 @@ static_assert(SMEM_BYTES == FA4_SMEM_BYTES, "the planner's shared-memory count m
 static_assert(STAGES >= 2, "the Q/dO ring needs two stages to overlap loads with compute");
 static_assert((BLOCK_M * 4) % 16 == 0, "a step's statistics are whole 16-byte bulk copies");
 static_assert(DQ_N == DQ_TILE && DQ_REGS == 32, "a dQ part is one 64 × 64 tile of the accumulator");
+static_assert(!DQ_WRITER || (DQ_PARTS == CONSUMER_WGS && CONSUMER_WGS == 2),
+              "the dQ writer takes one part from each of the two consumers every step");
 static_assert(!SHARED_KEYS || (QUERIES_PER_WG % 16 == 0 && DKV_N % SLAB_ELEMS == 0 &&
                                DQ_PARTS_PER_WG * DQ_N == DKV_N && DQ_ROW_GROUPS == 1),
               "shared keys: each consumer a whole k16 of queries and whole column slabs, its dQ parts its columns");
@@ -192,6 +210,7 @@ struct Smem {
     u32 pt;          // P_BUFFERS × (BLOCK_N, BLOCK_M): Pᵀ (SHARED_KEYS)
     u32 dq;          // DQ_BUFFERS × (64, 64) f32: each warpgroup's dQ tile, in `dq_pos` order
     float* stats;    // STAGES × [LSE·LOG2E (BLOCK_M), D (BLOCK_M)]
+    u32 dq_info;     // DQ_WRITER: two DqInfo slots, step g's in slot g % 2
     Barriers load_kv, kv_free, load_q, release_q, work_full, work_empty;
     __device__ Pipeline<STAGES> pipe_q() const { return {load_q, release_q}; }
     __device__ u32 q_stage(int s) const { return q + s * QO_BYTES; }
@@ -231,7 +250,9 @@ __device__ __forceinline__ Work work_of(const BwdParams& bp, int t) {
         return w;
     }
     const int blocks = (p.seqlen_k + BLOCK_N - 1) / BLOCK_N, heads_kv = p.heads_q / p.group;
-    w.n0 = (t % blocks) * BLOCK_N;
+    // The deterministic mode hands a (KV head, sequence)'s key blocks out from the last: a key
+    // block's dQ turn waits only for blocks handed out before it (`dq_turn`).
+    w.n0 = (DETERMINISTIC ? blocks - 1 - t % blocks : t % blocks) * BLOCK_N;
     w.kv_head = (t / blocks) % heads_kv;
     w.batch = t / (blocks * heads_kv);
     w.s = sequence(p, w.batch, VARLEN);
@@ -293,6 +314,100 @@ __device__ __forceinline__ unsigned* tile_counter(const BwdParams& bp) {
     return reinterpret_cast<unsigned*>(bp.dpsum + 2 * half_of(bp));
 }
 
+// ---------------------------------------------------------------------------------------------
+// The deterministic mode: the dQ of a query block is added key block by key block in one order,
+// from its last key block down. A semaphore per padded query block (after the tile counter,
+// zeroed by `pre`; index = the block's first row in the padded statistics / BLOCK_M) counts the
+// key blocks done; key block n adds when it reaches n's turn, then increments it. Tiles are
+// handed out from each (KV head, sequence)'s last key block (`work_of`) and every CTA takes
+// its first tile from the counter too, so a tile only waits for tiles already taken by running
+// CTAs, which wait only for earlier ones: no wait can close a cycle, whatever the residency.
+
+__device__ __forceinline__ int* dq_semaphores(const BwdParams& bp) {
+    return reinterpret_cast<int*>(bp.dpsum + 2 * half_of(bp) + 4);
+}
+
+// Key block n0 / BLOCK_N's turn at query block m of sequence s: the number of key blocks after
+// it that add to the block's dQ rows. Those are the blocks up to `hi`, the last whose first key
+// a row of block m sees (key blocks see query blocks in a band: `query_blocks` of a later key
+// block starts no earlier and ends no earlier), bounded by the sequence's last key block.
+__device__ __forceinline__ int dq_turn(const FwdParams& p, const Seq& s, int n0, int m) {
+    const int last_block = (s.k_len - 1) / BLOCK_N;
+    int hi = last_block;
+    if (HAS_WINDOW && p.window_right >= 0) {
+        const int last_row = min((m + 1) * BLOCK_M, s.q_len) - 1;
+        const long long x = static_cast<long long>(last_row) + (s.k_len - s.q_len) + p.window_right;
+        hi = static_cast<int>(min(static_cast<long long>(last_block), x / BLOCK_N));
+    }
+    return hi - n0 / BLOCK_N;
+}
+
+// What the consumers tell the dQ writer about a step (DQ_WRITER), 32 bytes in slot g % 2 of
+// `Smem::dq_info`: the query block's first tile in the accumulator (8 bytes), its semaphore
+// (8), the turn (4; a negative turn ends the walk). Worked out here, the writer needs no more
+// than the producer warpgroup's registers (with the row and the semaphore's index computed by
+// the writer from the params, it spilled at 24 registers). Consumer 0's thread 0 writes
+// step g's at the step's start (then only dK and dV are live: written after the dQ product,
+// the consumers spilled); the writer reads it after DQ_FULL of step g. Slot g % 2 was last read
+// for step g − 2, before the writer's DQ_EMPTY of it, which consumer 0 synced on at step g − 1.
+__device__ __forceinline__ u32 dq_info_slot(const Smem& sm, int g) { return sm.dq_info + 32 * (g & 1); }
+constexpr int DQ_SYNC_THREADS = 32 + WG_THREADS;  // the writer warp and one consumer warpgroup
+
+// Consumer c's side of its DQ_FULL / DQ_EMPTY pair: the barrier id from a register (no branch
+// on c: with one, the d64 softcap consumers spilled 8 bytes at 240 registers).
+static_assert(BAR_DQ_FULL1 == BAR_DQ_FULL0 + 1 && BAR_DQ_EMPTY1 == BAR_DQ_EMPTY0 + 1, "a barrier pair per consumer");
+__device__ __forceinline__ void dq_full_arrive(int c) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(BAR_DQ_FULL0 + c), "n"(DQ_SYNC_THREADS) : "memory");
+}
+__device__ __forceinline__ void dq_empty_sync(int c) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_EMPTY0 + c), "n"(DQ_SYNC_THREADS) : "memory");
+}
+
+// The shared-keys form's deterministic mode: consumer warpgroup c alone (its thread 0 waited
+// for the turn, or is about to increment the semaphore).
+__device__ __forceinline__ void dq_turn_sync(int c) {
+    if (c == 0)
+        named_bar_sync<BAR_DQ_TURN0, WG_THREADS>();
+    else
+        named_bar_sync<BAR_DQ_TURN1, WG_THREADS>();
+}
+
+// The dQ writer (producer warp 1, DQ_WRITER): per step, once both consumers' tiles are in
+// their buffers (DQ_FULL0/1), lane 0 waits for the query block's turn, reduce-adds both tiles
+// (bulk, TMA), frees the buffers once read (DQ_EMPTY0/1) and, once the adds are complete,
+// increments the semaphore. The consumers run on meanwhile until their next dQ tile.
+__device__ __forceinline__ void dq_writer(const Smem& sm, int lane) {
+    // The buffers start empty: one arrival each, which the consumers' first DQ_EMPTY takes.
+    named_bar_arrive<BAR_DQ_EMPTY0, DQ_SYNC_THREADS>();
+    named_bar_arrive<BAR_DQ_EMPTY1, DQ_SYNC_THREADS>();
+    for (int g = 0;; ++g) {
+        named_bar_sync<BAR_DQ_FULL0, DQ_SYNC_THREADS>();
+        named_bar_sync<BAR_DQ_FULL1, DQ_SYNC_THREADS>();
+        const int turn = static_cast<int>(ld_shared_b32(dq_info_slot(sm, g) + 16));
+        if (turn < 0) break;
+        int* sem = nullptr;
+        if (lane == 0) {
+            float* dst = reinterpret_cast<float*>(ld_shared_s64(dq_info_slot(sm, g)));
+            sem = reinterpret_cast<int*>(ld_shared_s64(dq_info_slot(sm, g) + 8));
+            while (ld_acquire_gpu(sem) != turn) __nanosleep(32);
+#pragma unroll
+            for (int c = 0; c < CONSUMER_WGS; ++c) {
+                const int part = (c + g) % CONSUMER_WGS, rg = part % DQ_ROW_GROUPS, cg = part / DQ_ROW_GROUPS;
+                bulk_reduce_add_f32(dst + (64 * rg) * HEAD_DIM + cg * (DQ_TILE * DQ_TILE), sm.dq_buf(c), DQ_BYTES);
+            }
+            bulk_commit();
+            bulk_wait_read<0>();
+        }
+        __syncwarp();
+        named_bar_arrive<BAR_DQ_EMPTY0, DQ_SYNC_THREADS>();
+        named_bar_arrive<BAR_DQ_EMPTY1, DQ_SYNC_THREADS>();
+        if (lane == 0) {
+            bulk_wait<0>();
+            red_release_gpu_add(sem, 1);
+        }
+    }
+}
+
 // The producer warp: per tile, the Work slot, K and V (once the consumers are done with the
 // last tile's), then Q, dO and the row statistics of every step into the ring; lane 0 issues.
 __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm, Work* slots, int lane) {
@@ -305,7 +420,13 @@ __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm,
     }
     // The tile count and the statistics' half (below) are recomputed where used: the producer
     // has 24 registers, and held across the loops they spilled at d64.
+    // The deterministic mode takes the first tile from the counter too (see `dq_semaphores`).
     int tile = blockIdx.x;
+    if constexpr (DETERMINISTIC) {
+        int first = 0;
+        if (lane == 0) first = static_cast<int>(atomicAdd(tile_counter(bp), 1u));
+        tile = __shfl_sync(0xffffffffu, first, 0);
+    }
     int g = 0;       // steps issued: the ring position
     int loaded = 0;  // tiles whose K and V were loaded: the load_kv / kv_free phase
     for (int k = 0;; ++k) {
@@ -351,7 +472,7 @@ __device__ __forceinline__ void producer(const Sm90BwdParams& P, const Smem& sm,
         // when the tile started, the walk ran d128 causal 4k and 16k 2–4% slower than one CTA
         // per tile: a CTA in a long tile held the next one while others could have run it.)
         int next = 0;
-        if (lane == 0) next = static_cast<int>(atomicAdd(tile_counter(bp), 1u)) + gridDim.x;
+        if (lane == 0) next = static_cast<int>(atomicAdd(tile_counter(bp), 1u)) + (DETERMINISTIC ? 0 : gridDim.x);
         tile = __shfl_sync(0xffffffffu, next, 0);
     }
     // The consumers arrive on STATS_FREE after every step; the last STAGES steps' arrivals have
@@ -559,6 +680,16 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             const QState st = QState::at(g);
             const int head = w.head(p, it), m = w.m_block(it), r0 = m * BLOCK_M;
             const bool masked = keys_partial || w.qb.masked(m);
+            if constexpr (DQ_WRITER) {
+                // The step's note to the dQ writer (`dq_info_slot`).
+                if (c == 0 && thread_index() % WG_THREADS == 0) {
+                    const long long row0 = VARLEN ? w.stats0 + static_cast<long long>(head) * bp.stats_rows + r0
+                                                  : stats_row(bp, w, head) + r0;
+                    st_shared_s64(dq_info_slot(sm, g), reinterpret_cast<long long>(bp.dq_accum + row0 * HEAD_DIM));
+                    st_shared_s64(dq_info_slot(sm, g) + 8, reinterpret_cast<long long>(dq_semaphores(bp) + row0 / BLOCK_M));
+                    st_shared_b32(dq_info_slot(sm, g) + 16, static_cast<u32>(dq_turn(p, w.s, w.n0, m)));
+                }
+            }
             sm.pipe_q().wait(st);
             if (masked) {
                 // A varlen block past its sequence's end: the next sequence's rows zeroed (the
@@ -654,14 +785,36 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
                         wgmma_wait<1>();  // dV and dK are in: the stage's Q and dO are free
                         sm.pipe_q().release(st, lane);
                     }
-                    wgmma_wait<0>();
                     const int t_now = static_cast<int>(thread_index()) % WG_THREADS;
                     const long long row0 = VARLEN ? w.stats0 + static_cast<long long>(head) * bp.stats_rows + r0
                                                   : stats_row(bp, w, head) + r0;
+                    if (DETERMINISTIC && h == 0) {
+                        // The deterministic mode: this warpgroup's thread 0 waits until every
+                        // consumer of the key blocks before this one in turn has added its
+                        // columns (each counts one), then lets the warpgroup add.
+                        if (t_now == 0) {
+                            const int want = CONSUMER_WGS * dq_turn(p, w.s, w.n0, m);
+                            const int* sem = dq_semaphores(bp) + row0 / BLOCK_M;
+                            while (ld_acquire_gpu(sem) < want) __nanosleep(32);
+                        }
+                        dq_turn_sync(c);
+                    }
+                    wgmma_wait<0>();
                     float* acc = bp.dq_accum + row0 * HEAD_DIM + (c * DQ_PARTS_PER_WG + h) * (DQ_TILE * DQ_TILE);
 #pragma unroll
                     for (int k = 0; k < DQ_REGS / 4; ++k)
                         red_add_v4f(acc + dq_pos(4 * k, t_now), rdQ[4 * k], rdQ[4 * k + 1], rdQ[4 * k + 2], rdQ[4 * k + 3]);
+                }
+                if constexpr (DETERMINISTIC) {
+                    // Every thread's adds of the step are issued; thread 0 makes them visible
+                    // at GPU scope before the increment.
+                    dq_turn_sync(c);
+                    if (thread_index() % WG_THREADS == 0) {
+                        const long long row0 = VARLEN ? w.stats0 + static_cast<long long>(head) * bp.stats_rows + r0
+                                                      : stats_row(bp, w, head) + r0;
+                        __threadfence();
+                        red_release_gpu_add(dq_semaphores(bp) + row0 / BLOCK_M, 1);
+                    }
                 }
                 continue;
             }
@@ -689,10 +842,16 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             const long long row0 = VARLEN ? w.stats0 + static_cast<long long>(head) * bp.stats_rows + r0 + 64 * rg
                                           : stats_row(bp, w, head) + r0 + 64 * rg;
             const u32 dq_buf = sm.dq_buf(c);
+            // The deterministic mode: the writer has read the last tile out of the buffer.
+            if constexpr (DQ_WRITER) dq_empty_sync(c);
 #pragma unroll
             for (int k = 0; k < DQ_REGS / 4; ++k)
                 st_shared_v4f(dq_buf + 4 * dq_pos(4 * k, t_now), rdQ[4 * k], rdQ[4 * k + 1], rdQ[4 * k + 2], rdQ[4 * k + 3]);
             fence_proxy_async();
+            if constexpr (DQ_WRITER) {
+                dq_full_arrive(c);
+                continue;
+            }
             __syncwarp();
             if (lane == 0) {
                 const int warp_elems = DQ_WARP_ELEMS * (t_now / 32);
@@ -731,6 +890,13 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
         __syncwarp();
         if (lane == 0) mbar_arrive(sm.work_empty[slot]);
     }
+    // The deterministic mode: the writer has read the last tiles out; then consumer 0 ends its
+    // walk (a negative turn).
+    if constexpr (DQ_WRITER) {
+        dq_empty_sync(c);
+        if (c == 0 && thread_index() % WG_THREADS == 0) st_shared_b32(dq_info_slot(sm, g) + 16, static_cast<u32>(-1));
+        dq_full_arrive(c);
+    }
     // The last reduce-adds have read their buffer before the CTA's shared memory goes (their
     // global writes complete before the kernel does).
     if (lane == 0) bulk_wait_read<0>();
@@ -766,6 +932,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_bwd_sm90(const 
     // spilled at 24 registers and the consumers at 232 with a softcap).
     Work* slots = reinterpret_cast<Work*>(smem_raw + (sm.work_empty[2] - smem_u32(smem_raw)));
     static_assert(WORK_SLOT % alignof(Work) == 0, "each slot holds a Work");
+    sm.dq_info = sm.work_empty[2] + WORK_BYTES;
 
     if (threadIdx.x == 0) {
         mbar_init(sm.load_kv[0], 1);
@@ -787,6 +954,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_bwd_sm90(const 
     case ROLE_PRODUCER:
         setmaxnreg_dec<PRODUCER_REGS>();
         if (warp == 0) producer(P, sm, slots, threadIdx.x % 32);
+        else if (DQ_WRITER && warp == 1) dq_writer(sm, threadIdx.x % 32);
         break;
     case ROLE_CONSUMER:
         setmaxnreg_inc<CONSUMER_REGS>();

@@ -38,3 +38,32 @@ __device__ __forceinline__ void red_add_v4f(float* dst, float a, float b, float 
     asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d)
                  : "memory");
 }
+
+// The deterministic mode's semaphores (one int per query block, in global memory): a read with
+// acquire semantics at GPU scope (what the adds of earlier turns wrote is visible after it), and
+// an increment with release semantics (what this thread's adds, and those it has synchronised
+// with, wrote is visible before it).
+__device__ __forceinline__ int ld_acquire_gpu(const int* p) {
+    int v;
+    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void red_release_gpu_add(int* p, int v) {
+    asm volatile("red.release.gpu.global.add.s32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
+}
+// Waits until at most N of this thread's bulk groups are incomplete: their global writes done
+// (not only their shared-memory reads, as `bulk_wait_read`).
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+    asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// 8-byte shared-memory accesses at an 8-byte aligned address (the dQ writer's notes).
+__device__ __forceinline__ void st_shared_s64(u32 addr, long long v) {
+    asm volatile("st.shared.b64 [%0], %1;\n" ::"r"(addr), "l"(v) : "memory");
+}
+__device__ __forceinline__ long long ld_shared_s64(u32 addr) {
+    long long v;
+    asm volatile("ld.shared.b64 %0, [%1];\n" : "=l"(v) : "r"(addr) : "memory");
+    return v;
+}

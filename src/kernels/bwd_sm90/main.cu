@@ -357,7 +357,10 @@ constexpr int DQ_SYNC_THREADS = 32 + WG_THREADS;  // the writer warp and one con
 // on c: with one, the d64 softcap consumers spilled 8 bytes at 240 registers).
 static_assert(BAR_DQ_FULL1 == BAR_DQ_FULL0 + 1 && BAR_DQ_EMPTY1 == BAR_DQ_EMPTY0 + 1, "a barrier pair per consumer");
 __device__ __forceinline__ void dq_full_arrive(int c) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(BAR_DQ_FULL0 + c), "n"(DQ_SYNC_THREADS) : "memory");
+    if (c == 0)
+        named_bar_arrive<BAR_DQ_FULL0, DQ_SYNC_THREADS>();
+    else
+        named_bar_arrive<BAR_DQ_FULL1, DQ_SYNC_THREADS>();
 }
 __device__ __forceinline__ void dq_empty_sync(int c) {
     asm volatile("bar.sync %0, %1;\n" ::"r"(BAR_DQ_EMPTY0 + c), "n"(DQ_SYNC_THREADS) : "memory");

@@ -53,6 +53,32 @@ fn one_error_line(stderr: &str, flag: &str) {
     assert!(lines[0].contains(&format!("`{flag}`")), "{stderr}");
 }
 
+/// `--deterministic` asks for the deterministic backward: with `--backward` it runs and passes
+/// the check (on the CPU, always deterministic); without a backward it is an error naming it.
+#[test]
+fn run_deterministic_needs_a_backward_and_passes_its_check() {
+    let shape = [
+        "--head-dim",
+        "64",
+        "--seqlen-q",
+        "70",
+        "--seqlen-k",
+        "90",
+        "--heads-q",
+        "2",
+    ];
+    let mut args = vec!["run", "--deterministic"];
+    args.extend_from_slice(&shape);
+    let (rc, _, err) = fa4(&args);
+    assert_eq!(rc, 2);
+    one_error_line(&err, "--deterministic");
+    let mut args = vec!["run", "--backward", "--deterministic", "--causal"];
+    args.extend_from_slice(&shape);
+    let (rc, out, err) = fa4(&args);
+    assert_eq!(rc, 0, "{out}{err}");
+    assert!(out.contains("grads    pass"), "{out}");
+}
+
 #[test]
 fn run_backward_on_a_random_problem_passes_its_check() {
     let (rc, out, err) = fa4(&[

@@ -155,7 +155,7 @@ impl Tiles {
             + self.stages * stats
             + barriers
             + WORK_BYTES
-            + if self.deterministic && !shared_keys(head_dim) {
+            + if dq_writer(self.deterministic, head_dim) {
                 DQ_INFO_BYTES
             } else {
                 0
@@ -199,6 +199,13 @@ impl Tiles {
     }
 }
 
+/// Whether tiles `head_dim` wide run the dQ writer warp: the deterministic mode to head dim
+/// 128 (the shared-keys form's consumers wait for their turns themselves). The kernel's
+/// `DQ_WRITER`.
+fn dq_writer(deterministic: bool, head_dim: usize) -> bool {
+    deterministic && !shared_keys(head_dim)
+}
+
 /// Column groups of the dQ tile (block_m × head_dim): whole 64-column slabs (an MN-major
 /// wgmma operand cannot start inside a swizzle atom), at most the consumers left per 64-row
 /// group; in the shared-keys form every slab. The kernel computes the same number (`DQ_COL_GROUPS`).
@@ -238,7 +245,7 @@ fn dq_col_groups(block_m: usize, head_dim: usize) -> usize {
 /// the producer warpgroup 40 (its warp 1 is the dQ writer: at 24 the producer warp spilled
 /// beside it) and each consumer 232 (its dQ goes to the writer, not to its own bulk copies).
 pub fn tiles(head_dim: usize, deterministic: bool) -> Tiles {
-    let writer = deterministic && !shared_keys(head_dim);
+    let writer = dq_writer(deterministic, head_dim);
     Tiles {
         block_m: if head_dim == 64 { 128 } else { 64 },
         stages: if head_dim == 128 { 3 } else { 2 },

@@ -353,8 +353,10 @@ __device__ __forceinline__ int dq_turn(const FwdParams& p, const Seq& s, int n0,
 __device__ __forceinline__ u32 dq_info_slot(const Smem& sm, int g) { return sm.dq_info + 32 * (g & 1); }
 constexpr int DQ_SYNC_THREADS = 32 + WG_THREADS;  // the writer warp and one consumer warpgroup
 
-// Consumer c's side of its DQ_FULL / DQ_EMPTY pair: the barrier id from a register (no branch
-// on c: with one, the d64 softcap consumers spilled 8 bytes at 240 registers).
+// Consumer c's side of its DQ_FULL / DQ_EMPTY pair. The arrival names its barrier as an
+// immediate (compute-sanitizer's racecheck did not follow the note's write to the writer's read
+// through an arrival on an id in a register); the sync takes the id from a register (with a
+// branch on c there, the d64 softcap consumers spilled 8 bytes at 240 registers).
 static_assert(BAR_DQ_FULL1 == BAR_DQ_FULL0 + 1 && BAR_DQ_EMPTY1 == BAR_DQ_EMPTY0 + 1, "a barrier pair per consumer");
 __device__ __forceinline__ void dq_full_arrive(int c) {
     if (c == 0)

@@ -40,11 +40,12 @@
 #   FA4_CHECK_FAMILIES   sanitized families (default `sm80 sm90 decode backward`; also
 #                        `decode-fp8`: `fa4 run --paged --kv-dtype fp8`, the all-heads kernel with
 #                        bulk copies (auto) and the split kernel (plain, causal, fp16 queries);
-#                        `bwd-sm90`: nine Hopper backward problems, seven of them walking more
+#                        `bwd-sm90`: eleven Hopper backward problems, nine of them walking more
 #                        steps than the ring has stages, three at head dims narrower than the
-#                        tiles, two in the shared-keys form (d256, d192); `bwd-sm90-det`: its
-#                        deterministic mode on four (d64 GQA causal, d128 window softcap, d96,
-#                        d256 GQA causal), on 2 persistent CTAs; `sm90-tiles`: the Hopper forward's
+#                        tiles, three in the shared-keys form (d256, d192, 192/128), two with V
+#                        narrower than Q (192/128, 128/64); `bwd-sm90-det`: its deterministic
+#                        mode on five (d64 GQA causal, d128 window softcap, d96, d256 GQA
+#                        causal, 192/128 causal), on 2 persistent CTAs; `sm90-tiles`: the Hopper forward's
 #                        longest-first, TMA-store and cross-tile switches; `sm90-dims`: the
 #                        Hopper forward at head dims off 64/128/256 and d_v < d_qk;
 #                        `sm90-dynamic`: its dynamic schedule, fixed-length and varlen;
@@ -178,7 +179,7 @@ cpu_lane() {
 # that the combine runs; bwd-sm90 (from the Hopper backward's first checks, 2026-12-01): GQA
 # 150×190, window and softcap, and three that reuse the ring's stages (200 causal, 256, 200
 # causal GQA), and d40 and d96 (narrower than their tiles: slab maps, clipped dK/dV stores) over
-# several query blocks; sm90-tiles: d128, 64 sequences of 300 × 2 heads, causal, 384 tiles on 132
+# several query blocks, and 192/128 and 128/64 (V narrower than Q); sm90-tiles: d128, 64 sequences of 300 × 2 heads, causal, 384 tiles on 132
 # persistent CTAs, the last query block partial (the TMA store clips), and the uniform wgmma
 # descriptors on the planner's d128 tiles (176 keys, TMA store); sm90-dims: head dims
 # narrower than their tiles (d40, d80: slab maps, zero-filled columns, clipped stores), d192, and
@@ -213,10 +214,13 @@ bwd-sm90|bwd-sm90-d40-causal-gqa|FA4_BWD_KERNEL=sm90|run --backend cuda --backwa
 bwd-sm90|bwd-sm90-d96-window|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype fp16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 2 --heads-kv 1 --head-dim 96 --window 80,20 --softcap 8
 bwd-sm90|bwd-sm90-d256-causal-gqa|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype bf16 --batch 2 --seqlen-q 150 --seqlen-k 190 --heads-q 4 --heads-kv 2 --head-dim 256 --causal
 bwd-sm90|bwd-sm90-d192-window|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype fp16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 2 --heads-kv 1 --head-dim 192 --window 80,20 --softcap 8
+bwd-sm90|bwd-sm90-d192-v128-causal-gqa|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype bf16 --batch 2 --seqlen-q 150 --seqlen-k 190 --heads-q 4 --heads-kv 2 --head-dim 192 --head-dim-v 128 --causal
+bwd-sm90|bwd-sm90-d128-v64-window|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype fp16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 2 --heads-kv 1 --head-dim 128 --head-dim-v 64 --window 80,20 --softcap 8
 bwd-sm90-det|bwd-sm90-det-d64-gqa|FA4_BWD_KERNEL=sm90 FA4_BWD_SM90_CTAS=2|run --backend cuda --backward --deterministic --dtype bf16 --batch 2 --seqlen-q 150 --seqlen-k 190 --heads-q 4 --heads-kv 2 --head-dim 64 --causal
 bwd-sm90-det|bwd-sm90-det-d128-window|FA4_BWD_KERNEL=sm90 FA4_BWD_SM90_CTAS=2|run --backend cuda --backward --deterministic --dtype fp16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 2 --heads-kv 1 --head-dim 128 --window 80,20 --softcap 8
 bwd-sm90-det|bwd-sm90-det-d96-256|FA4_BWD_KERNEL=sm90 FA4_BWD_SM90_CTAS=2|run --backend cuda --backward --deterministic --dtype bf16 --batch 1 --seqlen-q 256 --seqlen-k 256 --heads-q 2 --heads-kv 2 --head-dim 96
 bwd-sm90-det|bwd-sm90-det-d256-causal-gqa|FA4_BWD_KERNEL=sm90 FA4_BWD_SM90_CTAS=2|run --backend cuda --backward --deterministic --dtype bf16 --batch 2 --seqlen-q 150 --seqlen-k 190 --heads-q 4 --heads-kv 2 --head-dim 256 --causal
+bwd-sm90-det|bwd-sm90-det-d192-v128|FA4_BWD_KERNEL=sm90 FA4_BWD_SM90_CTAS=2|run --backend cuda --backward --deterministic --dtype bf16 --batch 1 --seqlen-q 300 --seqlen-k 300 --heads-q 2 --heads-kv 1 --head-dim 192 --head-dim-v 128 --causal
 sm90-tiles|sm90-tiles-longest-first|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,1,0,0
 sm90-tiles|sm90-tiles-tma-store|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,1,0
 sm90-tiles|sm90-tiles-cross-tile|FA4_KERNEL=sm90|bench --backend cuda --kernel sm90 --dtype bf16 --tokens 19200 --hidden 256 --grid 128,300,1 --warmup 0 --reps 1 --calls 1 --sm90-tiles 128,2,2,40,232,0,1,0,1,0,0,0,1

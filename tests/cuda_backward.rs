@@ -36,8 +36,8 @@ fn arg_of(e: Error) -> String {
 const HOPPER_UNCOVERED: &str = "the Hopper backward (sm90 forced) does not cover";
 
 /// The gradient matrix on one backward family (`KernelChoice::Sm80` or `Sm90`, forced). With
-/// Sm90, the cases the Hopper kernel does not cover (varlen, head_dim_v ≠ head_dim, other head
-/// dims) are errors that say so, and are counted, not run; at least `min_run` cases run.
+/// Sm90, the cases the Hopper kernel does not cover (head_dim_v above head_dim or not a multiple
+/// of 8) are errors that say so, and are counted, not run; at least `min_run` cases run.
 fn matrix_for(choice: KernelChoice, head_dims: &[usize], min_run: usize) {
     let backend = Backend::Cuda(gpu().with_kernel(choice));
     let cases = grad_matrix(&[DType::F16, DType::Bf16], head_dims);
@@ -50,8 +50,11 @@ fn matrix_for(choice: KernelChoice, head_dims: &[usize], min_run: usize) {
                 continue;
             }
         }
-        if case.head_dim_v != case.head_dim {
-            // The kernels need head_dim_v == head_dim, as the forward's: an error naming `v`.
+        if case.head_dim_v != case.head_dim
+            && (choice != KernelChoice::Sm90 || case.head_dim_v > case.head_dim)
+        {
+            // The Ampere-class kernels need head_dim_v == head_dim (the Hopper one at most
+            // head_dim, checked below with the rest): an error naming `v`.
             match result {
                 Err(e) => assert_eq!(arg_of(e), "v", "{case}"),
                 Ok(_) => failures.push(format!("{case}: ran with head_dim_v ≠ head_dim")),
@@ -290,6 +293,87 @@ fn hopper_backward_on_varlen_batches_passes_the_rule() {
     }
 }
 
+/// V narrower than Q and K (head_dim_v < head_dim, e.g. 192/128) on the Hopper kernel, forced:
+/// ragged varlen GQA batches with each mask and the softcap, in the shared-keys tiles and in the
+/// tiles of 128 and 64; the deterministic mode the same bits twice; the Ampere-class backward
+/// refuses such problems naming `v`, and so does the default until it takes the Hopper kernel
+/// for them (`bwd_sm90::NARROWER_V_BY_DEFAULT`).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn hopper_backward_with_a_narrower_v_passes_the_rule() {
+    let cuda = gpu();
+    let forced = cuda.with_kernel(KernelChoice::Sm90);
+    let hopper = Backend::Cuda(forced.clone());
+    let window = Mask::Window {
+        left: Some(90),
+        right: Some(20),
+    };
+    for (d, dv, mask, cap, bf) in [
+        (192, 128, Mask::Causal, None, true),
+        (192, 128, window, Some(6.0), false),
+        (256, 128, Mask::None, None, true),
+        (128, 64, Mask::Causal, None, true),
+        (128, 96, window, Some(6.0), false),
+        (64, 32, Mask::None, None, true),
+    ] {
+        let what = format!("sm90 varlen d{d}/{dv} {mask:?} softcap {cap:?}");
+        if bf {
+            let x = inputs_v::<bf16>(d, dv, mask, cap, 60 + dv as u64);
+            judge(&x, &backward(&hopper, &x, false), &what);
+        } else {
+            let x = inputs_v::<f16>(d, dv, mask, cap, 60 + dv as u64);
+            judge(&x, &backward(&hopper, &x, false), &what);
+        }
+    }
+    for (d, dv, mask) in [
+        (192, 128, Mask::Causal),
+        (128, 64, window),
+        (64, 32, Mask::Causal),
+    ] {
+        let x = inputs_v::<bf16>(d, dv, mask, None, 90 + d as u64);
+        let a = backward(&hopper, &x, true);
+        assert_eq!(
+            bits(&a),
+            bits(&backward(&hopper, &x, true)),
+            "deterministic d{d}/{dv} {mask:?}"
+        );
+        judge(&x, &a, &format!("sm90 deterministic d{d}/{dv} {mask:?}"));
+    }
+    let x = inputs_v::<bf16>(192, 128, Mask::Causal, None, 3);
+    let plan = forced.plan_backward_sm90(&x.p, false).unwrap().unwrap();
+    assert_eq!(
+        (plan.spec.dim, plan.spec.dim_v, plan.spec.head_dim),
+        (192, 128, 256)
+    );
+    let refused = |backend: &Backend| {
+        let mut g = [
+            vec![bf16::NAN; x.q.len()],
+            vec![bf16::NAN; x.k.len()],
+            vec![bf16::NAN; x.v.len()],
+        ];
+        let [dq, dk, dv] = &mut g;
+        run_backward(
+            backend,
+            &x.p,
+            Some((&x.cu.0, &x.cu.1)),
+            [&x.q, &x.k, &x.v, &x.o],
+            &x.lse,
+            &x.d_out,
+            [dq, dk, dv],
+            &BackwardOptions::new(Options::new().causal()),
+        )
+        .map(drop)
+    };
+    let ampere = refused(&Backend::Cuda(cuda.with_kernel(KernelChoice::Sm80)));
+    assert_eq!(arg_of(ampere.unwrap_err()), "v");
+    let auto = refused(&Backend::Cuda(cuda.clone()));
+    if fa4::config::bwd_sm90::NARROWER_V_BY_DEFAULT {
+        auto.unwrap();
+    } else {
+        assert_eq!(arg_of(auto.unwrap_err()), "v");
+    }
+}
+
 /// A varlen query block that crosses its sequence's end loads the next sequence's rows (the
 /// packed maps have no zero fill there): an infinite dO row at the start of the last sequence,
 /// inside the block that ends the first one, must leave the first one's gradients finite (the
@@ -324,7 +408,7 @@ fn hopper_varlen_blocks_ignore_the_next_sequences_rows() {
 /// Small problems on the Hopper backward, for the sanitizers (memcheck, racecheck, synccheck):
 /// causal GQA 4/2 at d64, a window with softcap at d128, d40 and d96 (narrower than their
 /// tiles), d256 and d192 (the shared-keys form), lengths off the block sizes (two key blocks, the second partial; three query
-/// blocks); two small varlen batches.
+/// blocks); four small varlen batches, two with V narrower than Q (192/128, 128/64).
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn small_hopper_problem_for_the_sanitizers() {
@@ -357,6 +441,19 @@ fn small_hopper_problem_for_the_sanitizers() {
     );
     // Varlen: packed maps, a sequence without queries, blocks crossing into the next sequence.
     let cu = (vec![0, 150, 150, 290], vec![0, 190, 200, 330]);
+    // V narrower than Q: 192/128 in the shared-keys form, 128/64 in tiles of 128.
+    let x = varlen_inputs_v::<bf16>(cu.clone(), (4, 2), (192, 128), Mask::Causal, None, 13);
+    judge(
+        &x,
+        &backward(&backend, &x, false),
+        "small sm90 varlen d192/128 causal",
+    );
+    let x = varlen_inputs_v::<f16>(cu.clone(), (2, 1), (128, 64), window, Some(8.0), 14);
+    judge(
+        &x,
+        &backward(&backend, &x, false),
+        "small sm90 varlen d128/64 window softcap",
+    );
     let x = varlen_inputs::<bf16>(cu.clone(), (4, 2), 64, Mask::Causal, None, 9);
     judge(
         &x,
@@ -384,16 +481,39 @@ struct Inputs<T> {
 }
 
 fn inputs<T: Element>(d: usize, mask: Mask, softcap: Option<f32>, seed: u64) -> Inputs<T> {
+    inputs_v(d, d, mask, softcap, seed)
+}
+
+/// [`inputs`] with V (and O, dO) `dv` wide.
+fn inputs_v<T: Element>(
+    d: usize,
+    dv: usize,
+    mask: Mask,
+    softcap: Option<f32>,
+    seed: u64,
+) -> Inputs<T> {
     let cu = (vec![0, 300, 300, 813], vec![0, 317, 330, 1030]);
-    varlen_inputs(cu, (8, 2), d, mask, softcap, seed)
+    varlen_inputs_v(cu, (8, 2), (d, dv), mask, softcap, seed)
 }
 
 /// A varlen batch of the given offsets and (query, KV) heads, inputs drawn from `seed`, its
 /// forward on the CPU (O, LSE) and dO.
 fn varlen_inputs<T: Element>(
+    cu: (Vec<i32>, Vec<i32>),
+    heads: (usize, usize),
+    d: usize,
+    mask: Mask,
+    softcap: Option<f32>,
+    seed: u64,
+) -> Inputs<T> {
+    varlen_inputs_v(cu, heads, (d, d), mask, softcap, seed)
+}
+
+/// [`varlen_inputs`] with head dims `(d, dv)` for Q, K and V, O, dO.
+fn varlen_inputs_v<T: Element>(
     (cq, ck): (Vec<i32>, Vec<i32>),
     (hq, hk): (usize, usize),
-    d: usize,
+    (d, dv): (usize, usize),
     mask: Mask,
     softcap: Option<f32>,
     seed: u64,
@@ -401,11 +521,13 @@ fn varlen_inputs<T: Element>(
     let (total_q, total_k) = (*cq.last().unwrap() as usize, *ck.last().unwrap() as usize);
     let ql = Layout::new("q", &[total_q, hq, d], None).unwrap();
     let kl = Layout::new("k", &[total_k, hk, d], None).unwrap();
+    let vl = Layout::new("v", &[total_k, hk, dv], None).unwrap();
+    let ol = Layout::new("out", &[total_q, hq, dv], None).unwrap();
     let mut opts = Options::new().mask(mask);
     if let Some(c) = softcap {
         opts = opts.softcap(c);
     }
-    let p = Problem::new(T::DTYPE, &ql, &kl, &kl, &ql, Some(&cq), Some(&ck), &opts).unwrap();
+    let p = Problem::new(T::DTYPE, &ql, &kl, &vl, &ol, Some(&cq), Some(&ck), &opts).unwrap();
     let mut rng = StdRng::seed_from_u64(seed);
     let mut fill = |n: usize| {
         let mut x = vec![T::from_f32(0.0); n];
@@ -415,10 +537,10 @@ fn varlen_inputs<T: Element>(
     let (q, k, v, d_out) = (
         fill(total_q * hq * d),
         fill(total_k * hk * d),
-        fill(total_k * hk * d),
-        fill(total_q * hq * d),
+        fill(total_k * hk * dv),
+        fill(total_q * hq * dv),
     );
-    let mut o = vec![T::NAN; q.len()];
+    let mut o = vec![T::NAN; d_out.len()];
     let mut lse = vec![f32::NAN; p.lse_len()];
     Backend::Cpu
         .run(&p, &q, &k, &v, &mut o, Some(&mut lse))

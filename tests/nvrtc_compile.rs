@@ -704,6 +704,7 @@ fn hopper_backward_variants_compile_without_spills_or_wgmma_serialization() {
             bf16,
             head_dim,
             dim,
+            dim_v: dim,
             window,
             softcap,
             varlen,
@@ -749,6 +750,24 @@ fn hopper_backward_variants_compile_without_spills_or_wgmma_serialization() {
             spec_det(true, 64, true, true, false, true),
             spec_det(false, 128, true, true, true, true),
             spec_det(true, 256, true, false, true, true),
+            // V narrower than Q: 192/128 (the shared-keys form; deterministic too), 128/64 (varlen)
+            // and 64/32 (the dQ writer).
+            Spec {
+                dim_v: 128,
+                ..spec(true, 192, true, false, false)
+            },
+            Spec {
+                dim_v: 128,
+                ..spec_det(false, 192, false, true, true, true)
+            },
+            Spec {
+                dim_v: 64,
+                ..spec(true, 128, false, false, true)
+            },
+            Spec {
+                dim_v: 32,
+                ..spec_det(false, 64, true, false, false, true)
+            },
         ]
     };
     if let Some(dir) = std::env::var_os("FA4_BWD_SM90_SOURCE_DIR") {

@@ -372,6 +372,8 @@ pub fn check(
 pub struct BenchShape {
     pub seqlen: usize,
     pub head_dim: usize,
+    /// Head dim of V, O and dO (`--grid`'s `D/DV`; `head_dim` where not given).
+    pub head_dim_v: usize,
     pub causal: bool,
     pub batch: usize,
     pub heads: usize,
@@ -379,11 +381,11 @@ pub struct BenchShape {
 }
 
 impl BenchShape {
-    /// The shape's problem (seqlen_q = seqlen_k, head_dim_v = head_dim), or with `lengths`
-    /// a packed varlen batch of them (the shape's batch and seqlen then their count and the
-    /// longest, [`BenchShape::packed`]); `flag` names what set the shape in a layout's error.
+    /// The shape's problem (seqlen_q = seqlen_k), or with `lengths` a packed varlen batch of
+    /// them (the shape's batch and seqlen then their count and the longest,
+    /// [`BenchShape::packed`]); `flag` names what set the shape in a layout's error.
     fn problem(&self, dtype: DType, flag: &str, lengths: Option<&[usize]>) -> Result<Problem> {
-        let (b, s, d) = (self.batch, self.seqlen, self.head_dim);
+        let (b, s, d, dv) = (self.batch, self.seqlen, self.head_dim, self.head_dim_v);
         let opts = if self.causal {
             Options::new().causal()
         } else {
@@ -394,11 +396,15 @@ impl BenchShape {
             let cu = super::bench_cuda::offsets_of(lens);
             let lq = Layout::new(flag, &[total, self.heads, d], None)?;
             let lk = Layout::new(flag, &[total, self.kv_heads, d], None)?;
-            return Problem::new(dtype, &lq, &lk, &lk, &lq, Some(&cu), Some(&cu), &opts);
+            let lv = Layout::new(flag, &[total, self.kv_heads, dv], None)?;
+            let lo = Layout::new(flag, &[total, self.heads, dv], None)?;
+            return Problem::new(dtype, &lq, &lk, &lv, &lo, Some(&cu), Some(&cu), &opts);
         }
         let lq = Layout::new(flag, &[b, s, self.heads, d], None)?;
         let lk = Layout::new(flag, &[b, s, self.kv_heads, d], None)?;
-        Problem::new(dtype, &lq, &lk, &lk, &lq, None, None, &opts)
+        let lv = Layout::new(flag, &[b, s, self.kv_heads, dv], None)?;
+        let lo = Layout::new(flag, &[b, s, self.heads, dv], None)?;
+        Problem::new(dtype, &lq, &lk, &lv, &lo, None, None, &opts)
     }
 
     /// The shape with packed sequences of `lengths`: batch their count, seqlen the longest.
@@ -406,6 +412,15 @@ impl BenchShape {
         self.batch = lengths.len();
         self.seqlen = lengths.iter().copied().max().unwrap_or(0);
         self
+    }
+
+    /// The `d` column: the head dim, and `/head_dim_v` where V's differs.
+    fn d(&self) -> String {
+        if self.head_dim_v == self.head_dim {
+            self.head_dim.to_string()
+        } else {
+            format!("{}/{}", self.head_dim, self.head_dim_v)
+        }
     }
 
     /// The `b×h` column: `batch×heads`, and `/kv_heads` where they differ.
@@ -456,6 +471,7 @@ impl BenchGrid {
                     shapes.push(BenchShape {
                         seqlen,
                         head_dim,
+                        head_dim_v: head_dim,
                         causal,
                         batch,
                         heads,
@@ -493,6 +509,7 @@ struct BenchRow {
 struct CudaBenchRow {
     seqlen: usize,
     head_dim: usize,
+    head_dim_v: usize,
     causal: bool,
     batch: usize,
     heads: usize,
@@ -545,7 +562,7 @@ pub fn bench_cuda(g: &BenchGrid, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
             println!("{}", super::bench_cuda::lengths_line(l, "seqlen and b"));
         }
         println!(
-            "{:>7} {:>4} {:>6} {:>9} {:>9} {:>9} {:>9}",
+            "{:>7} {:>7} {:>6} {:>9} {:>9} {:>9} {:>9}",
             "seqlen", "d", "causal", "b×h", "bwd ms", "TFLOP/s", "det TF/s"
         );
     }
@@ -564,9 +581,9 @@ pub fn bench_cuda(g: &BenchGrid, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
         let flops = BACKWARD_FLOP_FACTOR * p.flops();
         if !g.json {
             println!(
-                "{:>7} {:>4} {:>6} {:>9} {:>9.3} {:>9.1} {:>9.1}",
+                "{:>7} {:>7} {:>6} {:>9} {:>9.3} {:>9.1} {:>9.1}",
                 s.seqlen,
-                s.head_dim,
+                s.d(),
                 if s.causal { "yes" } else { "no" },
                 s.bh(),
                 ms,
@@ -577,6 +594,7 @@ pub fn bench_cuda(g: &BenchGrid, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
         rows.push(CudaBenchRow {
             seqlen: s.seqlen,
             head_dim: s.head_dim,
+            head_dim_v: s.head_dim_v,
             causal: s.causal,
             batch: s.batch,
             heads: s.heads,

@@ -382,26 +382,16 @@ impl BenchArgs {
             }
             let shapes = super::bench_cuda::parse_grid(&c.grid, c.tokens(), c.hidden())?
                 .into_iter()
-                .map(|s| {
-                    if s.dv != s.d {
-                        return Err(Error::invalid(
-                            "--grid",
-                            format!(
-                                "D/DV ({}/{}): the backward's benchmark times head_dim_v = head_dim",
-                                s.d, s.dv
-                            ),
-                        ));
-                    }
-                    Ok(super::backward::BenchShape {
-                        seqlen: s.seqlen,
-                        head_dim: s.d,
-                        causal: s.causal,
-                        batch: s.batch,
-                        heads: s.heads,
-                        kv_heads: s.kv_heads,
-                    })
+                .map(|s| super::backward::BenchShape {
+                    seqlen: s.seqlen,
+                    head_dim: s.d,
+                    head_dim_v: s.dv,
+                    causal: s.causal,
+                    batch: s.batch,
+                    heads: s.heads,
+                    kv_heads: s.kv_heads,
                 })
-                .collect::<Result<Vec<_>>>()?;
+                .collect::<Vec<_>>();
             (shapes, "--grid")
         } else {
             if let Some(flag) = [("--tokens", c.tokens), ("--hidden", c.hidden)]

@@ -45,8 +45,8 @@ pub struct PlanArgs {
     /// Head dimension (of Q and K).
     #[arg(long, allow_negative_numbers = true)]
     depth: u32,
-    /// Head dimension of V and the output (`--arch sm90`), e.g. 128 beside `--depth 192` (MLA
-    /// prefill) [default: --depth].
+    /// Head dimension of V and the output (`--arch sm90`, and `--backward`), e.g. 128 beside
+    /// `--depth 192` (MLA prefill) [default: --depth].
     #[arg(long, allow_negative_numbers = true)]
     depth_v: Option<u32>,
     /// Element type of Q, K and V: bf16, fp16, fp8 or f32.
@@ -82,10 +82,10 @@ pub struct PlanArgs {
 pub fn run(args: PlanArgs) -> Result<()> {
     let sm90_forward =
         args.arch == Some(PlanArch::Sm90) && !args.backward.wanted() && !args.decode.wanted();
-    if args.depth_v.is_some() && !sm90_forward {
+    if args.depth_v.is_some() && !sm90_forward && !args.backward.wanted() {
         return Err(Error::invalid(
             "--depth-v",
-            "applies to the Hopper forward plan (`--arch sm90`, without --backward or --decode)",
+            "applies to the Hopper forward plan (`--arch sm90`, without --decode) and to --backward",
         ));
     }
     if args.backward.wanted() {

@@ -107,9 +107,13 @@ pub fn run(args: &PlanArgs) -> Result<()> {
             let gpu = Gpu::of(arch);
             // Where the Hopper kernel covers the problem it runs both modes, with the row
             // kernels of the non-deterministic plan (pre, then convert).
-            let rows_det = |det: bool| det && gpu.family(&p, det) != "sm90";
             let plan = |det: bool| {
-                bwd::plan(&p, &gpu.arch, gpu.target, rows_det(det), None).map_err(flag_error)
+                if gpu.family(&p, det) == "sm90" {
+                    bwd::plan_rows_for_hopper(&p, &gpu.arch, gpu.target)
+                } else {
+                    bwd::plan(&p, &gpu.arch, gpu.target, det, None)
+                }
+                .map_err(flag_error)
             };
             let det = b.deterministic;
             let (this, other) = (plan(det)?, plan(!det)?);
@@ -128,6 +132,7 @@ pub fn run(args: &PlanArgs) -> Result<()> {
 fn problem(args: &PlanArgs) -> Result<Problem> {
     let s = args.decode.shape_flags();
     let depth = args.depth as usize;
+    let depth_v = args.depth_v.map_or(depth, |d| d as usize);
     let batch = s.batch.unwrap_or(1);
     let sq = s.seqlen_q.unwrap_or(DEFAULT_SEQLEN);
     let sk = s.seqlen_k.unwrap_or(sq);
@@ -135,6 +140,7 @@ fn problem(args: &PlanArgs) -> Result<Problem> {
     let hkv = s.heads_kv.unwrap_or(hq);
     for (flag, v) in [
         ("--depth", depth),
+        ("--depth-v", depth_v),
         ("--batch", batch),
         ("--seqlen-q", sq),
         ("--seqlen-k", sk),
@@ -156,7 +162,7 @@ fn problem(args: &PlanArgs) -> Result<Problem> {
         if batch
             .checked_mul(rows)
             .and_then(|x| x.checked_mul(heads))
-            .and_then(|x| x.checked_mul(depth))
+            .and_then(|x| x.checked_mul(depth.max(depth_v)))
             .is_none_or(|n| n > isize::MAX as usize / 4)
         {
             return Err(Error::invalid(
@@ -197,12 +203,16 @@ fn problem(args: &PlanArgs) -> Result<Problem> {
         let (cq, ck) = (cu(sq, "--seqlen-q")?, cu(sk, "--seqlen-k")?);
         let lq = Layout::new("q", &[batch * sq, hq, depth], None)?;
         let lk = Layout::new("k", &[batch * sk, hkv, depth], None)?;
-        return Problem::new(args.dtype, &lq, &lk, &lk, &lq, Some(&cq), Some(&ck), &opts)
+        let lv = Layout::new("v", &[batch * sk, hkv, depth_v], None)?;
+        let lo = Layout::new("out", &[batch * sq, hq, depth_v], None)?;
+        return Problem::new(args.dtype, &lq, &lk, &lv, &lo, Some(&cq), Some(&ck), &opts)
             .map_err(flag_error);
     }
     let lq = Layout::new("q", &[batch, sq, hq, depth], None)?;
     let lk = Layout::new("k", &[batch, sk, hkv, depth], None)?;
-    Problem::new(args.dtype, &lq, &lk, &lk, &lq, None, None, &opts).map_err(flag_error)
+    let lv = Layout::new("v", &[batch, sk, hkv, depth_v], None)?;
+    let lo = Layout::new("out", &[batch, sq, hq, depth_v], None)?;
+    Problem::new(args.dtype, &lq, &lk, &lv, &lo, None, None, &opts).map_err(flag_error)
 }
 
 /// A planner's or the problem's error, named by the flag that set what it names.
@@ -219,8 +229,9 @@ fn flag_error(e: Error) -> Error {
                 "q" if reason.ends_with("exceed the CUDA grid") || reason.contains("2^31 rows") => {
                     "--seqlen-q"
                 }
-                // The head dim (too large, not a multiple of 8) and the shared memory it needs.
-                "q" | "k" | "v" | "out" => "--depth",
+                // The head dims (too large, not a multiple of 8) and the shared memory they need.
+                "v" | "out" => "--depth-v",
+                "q" | "k" => "--depth",
                 _ => return Error::invalid(name, reason),
             };
             Error::invalid(flag, reason)
@@ -257,7 +268,7 @@ impl Gpu {
     /// on an sm90 target, else `sm80` (the Ampere-class kernels).
     fn family(&self, p: &Problem, deterministic: bool) -> &'static str {
         let hopper = self.flag == "sm90"
-            && fa4::config::bwd_sm90::uncovered(p, &self.arch).is_none()
+            && fa4::config::bwd_sm90::auto_takes(p, &self.arch)
             && fa4::config::bwd_sm90::plan(p, &self.arch, self.target, deterministic).is_ok();
         if hopper {
             "sm90"
@@ -446,7 +457,7 @@ fn describe(p: &Problem) -> String {
         }
     };
     format!(
-        "{}, batch {}{}, seqlen {} x {} (q x k), heads {}/{} (q/kv), head_dim {}, {mask}{}",
+        "{}, batch {}{}, seqlen {} x {} (q x k), heads {}/{} (q/kv), head_dim {}{}, {mask}{}",
         p.dtype(),
         p.sequences().len(),
         if p.is_varlen() {
@@ -459,6 +470,11 @@ fn describe(p: &Problem) -> String {
         p.heads_q(),
         p.heads_kv(),
         p.head_dim(),
+        if p.head_dim_v() != p.head_dim() {
+            format!(" (v: {})", p.head_dim_v())
+        } else {
+            String::new()
+        },
         p.softcap()
             .map_or(String::new(), |c| format!(", softcap {c}"))
     )

@@ -414,7 +414,27 @@ pub fn plan(
     deterministic: bool,
     main: Option<MainTiles>,
 ) -> Result<BwdPlan> {
-    let (bf16, head_dim) = super::sm80::sixteen_bit_head(p, &HEAD_DIMS, "backward", "backward")?;
+    plan_with(p, arch, target, deterministic, main, false)
+}
+
+/// The non-deterministic plan whose row kernels (`pre`, `convert`) and workspaces the Hopper
+/// main kernel takes ([`super::bwd_sm90::plan`]). Unlike [`plan`] it accepts a head dim of V
+/// (and O, dO) below Q's: `pre` sums D = rowsum(dO ∘ O) over V's columns and `convert` writes
+/// dQ over Q's, while this plan's own main kernel, which assumes them equal, is never launched.
+pub fn plan_rows_for_hopper(p: &Problem, arch: &GpuArch, target: &'static str) -> Result<BwdPlan> {
+    plan_with(p, arch, target, false, None, true)
+}
+
+fn plan_with(
+    p: &Problem,
+    arch: &GpuArch,
+    target: &'static str,
+    deterministic: bool,
+    main: Option<MainTiles>,
+    narrower_v: bool,
+) -> Result<BwdPlan> {
+    let (bf16, head_dim) =
+        super::sm80::sixteen_bit_head(p, &HEAD_DIMS, "backward", "backward", narrower_v)?;
     let d = p.head_dim();
     if p.scale() == 0.0 {
         return Err(Error::invalid(

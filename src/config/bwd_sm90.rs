@@ -264,8 +264,10 @@ pub struct Spec {
     pub bf16: bool,
     /// Tile width (one of [`HEAD_DIMS`]).
     pub head_dim: usize,
-    /// The problem's head dim (Q, K, V and dO): at most `head_dim`, a multiple of 8.
+    /// The problem's head dim of Q and K: at most `head_dim`, a multiple of 8.
     pub dim: usize,
+    /// The head dim of V, O and dO: at most `dim`, a multiple of 8 (`dim` where they agree).
+    pub dim_v: usize,
     /// A window (or causal) mask.
     pub window: bool,
     /// Softcap.
@@ -301,7 +303,9 @@ impl Spec {
         Prelude::new("config::bwd_sm90", self)
             .int("HEAD_DIM", self.head_dim)
             .int("DIM", self.dim)
+            .int("DIM_V", self.dim_v)
             .int("QK_DIM", self.dim.next_multiple_of(16))
+            .int("PV_DIM", self.dim_v.next_multiple_of(16))
             .flag("SLAB_MAPS", self.slab_maps())
             .int("BLOCK_M", t.block_m)
             .int("BLOCK_N", block_n(self.head_dim))
@@ -389,10 +393,10 @@ impl Spec {
         block_n(self.head_dim)
     }
 
-    /// Whether Q, K, V and dO are narrower than the tile: loaded slab by slab through 4-D maps
-    /// over their real columns (`tma::encode_slabs`) instead of one 5-D box.
+    /// Whether Q, K, V or dO are narrower than the tile: then all four are loaded slab by slab
+    /// through 4-D maps over their real columns (`tma::encode_slabs`) instead of one 5-D box.
     pub fn slab_maps(&self) -> bool {
-        self.dim != self.head_dim
+        self.dim != self.head_dim || self.dim_v != self.head_dim
     }
 
     /// N of the dQ product: head_dim over the dQ tile's column groups.
@@ -418,10 +422,15 @@ impl fmt::Display for Spec {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "bwd sm90 {} {} d{}{} {}x{} {}+{}x{} regs{}{}{}{}",
+            "bwd sm90 {} {} d{}{}{} {}x{} {}+{}x{} regs{}{}{}{}",
             self.target,
             if self.bf16 { "bf16" } else { "fp16" },
             self.dim,
+            if self.dim_v != self.dim {
+                format!("/{}", self.dim_v)
+            } else {
+                String::new()
+            },
             if self.slab_maps() {
                 format!(" (tiles d{})", self.head_dim)
             } else {
@@ -444,6 +453,21 @@ impl fmt::Display for Spec {
     }
 }
 
+/// Whether the default choice (`auto`) runs problems with V narrower than Q (`head_dim_v <
+/// head_dim`, e.g. 192/128) on the Hopper backward. The kernel computes them (its variants
+/// compile in CI, the planner is tested), but its GPU tests (`tests/cuda_backward.rs`,
+/// `hopper_backward_with_a_narrower_v_passes_the_rule`; the `bwd-sm90` sanitizer cases
+/// `*-v128-*`, `*-v64-*`) have not run on a Hopper GPU yet. Until they pass, `auto` leaves such
+/// problems to the Ampere-class backward, which refuses them naming `v`, and only an explicit
+/// choice (`FA4_BWD_KERNEL=sm90`, `KernelChoice::Sm90`) runs them.
+pub const NARROWER_V_BY_DEFAULT: bool = false;
+
+/// Whether the default choice (`auto`) takes the Hopper backward for `p` on `arch`: it covers
+/// the problem ([`uncovered`]), and V is as wide as Q unless [`NARROWER_V_BY_DEFAULT`].
+pub fn auto_takes(p: &Problem, arch: &GpuArch) -> bool {
+    uncovered(p, arch).is_none() && (NARROWER_V_BY_DEFAULT || p.head_dim_v() == p.head_dim())
+}
+
 /// Why the Hopper backward does not cover a problem on `arch` (the argument to blame and the
 /// reason), or `None`. What it refuses runs the Ampere-class backward.
 pub fn uncovered(p: &Problem, arch: &GpuArch) -> Option<(&'static str, String)> {
@@ -453,13 +477,22 @@ pub fn uncovered(p: &Problem, arch: &GpuArch) -> Option<(&'static str, String)> 
     if p.dtype().size_bytes() != 2 {
         return Some(("dtype", "the Hopper backward computes fp16 and bf16".into()));
     }
-    if padded_head_dim(p.head_dim()).is_none() || p.head_dim_v() != p.head_dim() {
+    if padded_head_dim(p.head_dim()).is_none() {
         return Some((
             "q",
             format!(
-                "head_dim {} (v: {}): the Hopper backward covers multiples of 8 up to 256, equal for q and v",
-                p.head_dim(),
-                p.head_dim_v()
+                "head_dim {}: the Hopper backward covers multiples of 8 up to 256",
+                p.head_dim()
+            ),
+        ));
+    }
+    let dv = p.head_dim_v();
+    if dv == 0 || !dv.is_multiple_of(8) || dv > p.head_dim() {
+        return Some((
+            "v",
+            format!(
+                "head_dim_v {dv}: the Hopper backward covers multiples of 8 up to head_dim {}",
+                p.head_dim()
             ),
         ));
     }
@@ -559,7 +592,7 @@ pub fn plan(
     if let Some((arg, why)) = uncovered(p, arch) {
         return Err(Error::invalid(arg, why));
     }
-    let base = bwd::plan(p, arch, target, false, None)?;
+    let base = bwd::plan_rows_for_hopper(p, arch, target)?;
     let (pre, convert) = match &base.launches[..] {
         [pre, _, convert]
             if pre.0.kernel == BwdKernel::Pre && convert.0.kernel == BwdKernel::Convert =>
@@ -593,6 +626,7 @@ pub fn plan(
         bf16: pre.0.bf16,
         head_dim,
         dim,
+        dim_v: p.head_dim_v(),
         window: p.mask().is_restrictive(),
         softcap: p.softcap().is_some(),
         varlen: p.is_varlen(),
@@ -803,6 +837,64 @@ mod tests {
             .unwrap()
             .spec;
         assert!(!s.slab_maps() && s.prelude().contains("constexpr bool SLAB_MAPS = false;"));
+    }
+
+    /// V (and O, dO) narrower than Q and K: their own real columns (`DIM_V`, dPᵀ over `PV_DIM`),
+    /// slab maps wherever either is narrower than the tile; the row kernels of the
+    /// non-deterministic plan take it while the Ampere-class plan refuses it, naming `v`.
+    #[test]
+    fn a_narrower_v_plans_its_own_columns_and_a_wider_one_is_refused() {
+        let with_v = |d: usize, dv: usize| {
+            let q = Layout::new("q", &[2, 300, 8, d], None).unwrap();
+            let k = Layout::new("k", &[2, 333, 2, d], None).unwrap();
+            let v = Layout::new("v", &[2, 333, 2, dv], None).unwrap();
+            let o = Layout::new("out", &[2, 300, 8, dv], None).unwrap();
+            Problem::new(DType::Bf16, &q, &k, &v, &o, None, None, &Options::new()).unwrap()
+        };
+        for (d, dv, tile, pv) in [
+            (192, 128, 256, 128),
+            (256, 128, 256, 128),
+            (128, 72, 128, 80),
+            (64, 8, 64, 16),
+        ] {
+            for det in [false, true] {
+                let p = plan(&with_v(d, dv), &arch::H100, "sm_90", det).unwrap();
+                let s = &p.spec;
+                assert_eq!(
+                    (s.head_dim, s.dim, s.dim_v, s.slab_maps()),
+                    (tile, d, dv, true)
+                );
+                let prelude = s.prelude();
+                for want in [
+                    format!("constexpr int DIM_V = {dv};"),
+                    format!("constexpr int PV_DIM = {pv};"),
+                    "constexpr bool SLAB_MAPS = true;".to_string(),
+                ] {
+                    assert!(prelude.contains(&want), "{want}: {prelude}");
+                }
+                assert!(
+                    s.to_string()
+                        .contains(&format!("d{d}/{dv} (tiles d{tile})")),
+                    "{s}"
+                );
+                assert_eq!(p.pre.0.head_dim, tile);
+            }
+            assert_eq!(
+                bwd::plan(&with_v(d, dv), &arch::H100, "sm_90", false, None)
+                    .unwrap_err()
+                    .to_string()
+                    .split(':')
+                    .next(),
+                Some("invalid argument `v`")
+            );
+        }
+        for (d, dv) in [(128, 256), (64, 12), (192, 200)] {
+            assert_eq!(
+                uncovered(&with_v(d, dv), &arch::H100).unwrap().0,
+                "v",
+                "d{d}/{dv}"
+            );
+        }
     }
 
     #[test]

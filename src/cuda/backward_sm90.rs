@@ -7,8 +7,9 @@
 //! Which backward runs: `FA4_BWD_KERNEL` (`auto`, `sm80`, `sm90`) where set, for A/B runs of
 //! one binary; else the backend's [`KernelChoice`] (`Sm80`/`Sm90` force the family, anything
 //! else is `auto`). `auto` takes the Hopper kernel where it covers the problem
-//! ([`bwd_sm90::uncovered`]), the Ampere-class one elsewhere; a forced `sm90` on a problem it
-//! does not cover is an error naming the argument to change.
+//! ([`bwd_sm90::auto_takes`]: V narrower than Q only when forced, see
+//! [`bwd_sm90::NARROWER_V_BY_DEFAULT`]), the Ampere-class one elsewhere; a forced `sm90` on a
+//! problem it does not cover is an error naming the argument to change.
 
 use std::borrow::Cow;
 
@@ -161,14 +162,14 @@ fn with_ctas_from_env(mut plan: Plan) -> Result<Plan> {
 struct MainLaunch<'a>(&'a Plan);
 
 // SAFETY: built only by `launch_bwd_sm90` from a plan of `bwd_sm90::plan`, which accepted only
-// problems with a head_dim that is a multiple of 8 up to 128 (equal for V; the tile width 64 or
-// 128 at least that) and query rows and keys in every fixed-length sequence, or in the packed
+// problems with a head_dim that is a multiple of 8 up to 256 (V's a multiple of 8 up to it; the
+// tile width 64, 128 or 256 at least that) and query rows and keys in every fixed-length sequence, or in the packed
 // tensors of a varlen batch, on the path of `backward_device_trusted`: the problem was
 // validated (cu_seqlens its own offsets, checked there), every input buffer holds its layout's
 // extent, is 16-byte aligned with strides of multiples of 8 elements (checked there), so the
 // four TMA maps describe exactly those extents (reads past them, and with slab maps past
 // head_dim's columns, are zero-filled by the hardware, not performed). The kernel writes dK, dV
-// only at rows below the sequence's keys and columns below head_dim (DIM) through the checked
+// only at rows below the sequence's keys and columns below head_dim (DIM; DIM_V for dV) through the checked
 // gradient layouts, and reduces into the dQ accumulator at rows of the sequence's padded
 // blocks (`stats_base`), which the plan's workspace length covers (`stats_layout`). The grid
 // is persistent CTAs, each walking tiles (key block, KV head, batch entry) below the kernel's
@@ -228,10 +229,12 @@ impl CudaBackend {
         };
         let plan = match choice {
             BwdChoice::Sm80 => return Ok(None),
-            BwdChoice::Auto => match bwd_sm90::uncovered(p, &arch) {
-                Some(_) => return Ok(None),
-                None => bwd_sm90::plan(p, &arch, info.target, deterministic)?,
-            },
+            BwdChoice::Auto => {
+                if !bwd_sm90::auto_takes(p, &arch) {
+                    return Ok(None);
+                }
+                bwd_sm90::plan(p, &arch, info.target, deterministic)?
+            }
             BwdChoice::Sm90 => {
                 if let Some((arg, why)) = bwd_sm90::uncovered(p, &arch) {
                     return Err(Error::invalid(
@@ -304,6 +307,7 @@ mod tests {
                 bf16: true,
                 head_dim,
                 dim: head_dim,
+                dim_v: head_dim,
                 window: true,
                 softcap: false,
                 varlen: false,

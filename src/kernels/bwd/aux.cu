@@ -2,7 +2,7 @@
 // lanes (the prelude's: HEAD_DIM / 8, at most 32) share a query row, lane l of them the 16-byte
 // chunks l, l + ROW_LANES, … (8 columns each), so no lane idles at head dims below 256.
 //
-// - fa4_bwd_pre: D_i = Σ_d dO_id·O_id in f32 (from the stored, rounded O, as FlashAttention
+// - fa4_bwd_pre: D_i = Σ_d dO_id·O_id over V's head dim in f32 (from the stored, rounded O, as FlashAttention
 //   does), and the row's dQ accumulator zeroed (when there is one). For the Hopper main kernel
 //   (`stats_rows` > 0) D and LSE·LOG2E go to a padded layout instead (`stats_base`), the
 //   grid covering every padded row of the longest sequence.
@@ -71,7 +71,7 @@ extern "C" __global__ void __launch_bounds__(AUX_THREADS) fa4_bwd_pre(const __gr
                         r.head * p.o_head_stride;
         const u16* gdO = static_cast<const u16*>(bp.d_out) + r.batch * bp.do_batch_stride + row * bp.do_row_stride +
                          r.head * bp.do_head_stride;
-        for (int c = r.sub; c * 8 < p.head_dim; c += ROW_LANES) {
+        for (int c = r.sub; c * 8 < p.head_dim_v; c += ROW_LANES) {
             u32 o[4], d[4];
             ld_global_v4(o, gO + c * 8);
             ld_global_v4(d, gdO + c * 8);

@@ -120,11 +120,12 @@
 // 1024-aligned. dSᵀ (BLOCK_N, BLOCK_M) is stored the same way, written by the consumers.
 //
 // Head dims below the tile width (DIM < HEAD_DIM, SLAB_MAPS: 8 … 56 in tiles of 64, 72 … 120 in
-// tiles of 128): Q, K, V and dO come slab by slab through 4-D maps over their DIM real columns,
-// and the hardware fills the columns past them with zeros. Sᵀ and dPᵀ sum over QK_DIM (DIM
-// rounded up to the k16 step) only; dV, dK and dQ are computed over the whole tile (their
-// padded columns are zeros) and stored at the DIM real columns only (`convert` skips the dQ
-// accumulator's others).
+// tiles of 128, 136 … 248 in tiles of 256): Q, K, V and dO come slab by slab through 4-D maps
+// over their real columns (DIM for Q and K, DIM_V ≤ DIM for V and dO), and the hardware fills
+// the columns past them with zeros. Sᵀ sums over QK_DIM (DIM rounded up to the k16 step), dPᵀ
+// over PV_DIM (DIM_V rounded up) only; dV, dK and dQ are computed over the whole tile (their
+// padded columns are zeros) and stored at their real columns only (dK: DIM, dV: DIM_V;
+// `convert` skips the dQ accumulator's columns past DIM).
 
 constexpr int WG_THREADS = 128;
 constexpr int CONSUMER_THREADS = WG_THREADS * CONSUMER_WGS;
@@ -177,9 +178,12 @@ static_assert(BLOCK_N == (SHARED_KEYS ? KEYS_PER_WG : KEYS_PER_WG * CONSUMER_WGS
               "a consumer warpgroup owns 64 keys, or all consumers share them");
 static_assert(FIRST_CONSUMER_WARP == WG_THREADS / 32, "warpgroup 0 produces, the others consume");
 static_assert(HEAD_DIM % SLAB_ELEMS == 0, "tile widths are whole 64-element slabs");
-static_assert(DIM % 8 == 0 && DIM <= HEAD_DIM && SLAB_MAPS == (DIM != HEAD_DIM),
-              "the head dim is a multiple of 8 within the tile, loaded per slab where narrower");
-static_assert(QK_DIM % 16 == 0 && QK_DIM >= DIM && QK_DIM <= HEAD_DIM, "Sᵀ and dPᵀ sum whole k16 steps");
+static_assert(DIM % 8 == 0 && DIM <= HEAD_DIM && DIM_V % 8 == 0 && DIM_V <= DIM &&
+                  SLAB_MAPS == (DIM != HEAD_DIM || DIM_V != HEAD_DIM),
+              "the head dims are multiples of 8 within the tile (V's at most Q's), loaded per slab where narrower");
+static_assert(QK_DIM % 16 == 0 && QK_DIM >= DIM && QK_DIM <= HEAD_DIM && PV_DIM % 16 == 0 && PV_DIM >= DIM_V &&
+                  PV_DIM <= QK_DIM,
+              "Sᵀ and dPᵀ sum whole k16 steps");
 static_assert(BLOCK_M % 64 == 0 && BLOCK_M <= 256, "BLOCK_M is a wgmma N and a multiple of the dQ M");
 static_assert(CONSUMER_WGS % DQ_ROW_GROUPS == 0 && SLABS % DQ_COL_GROUPS == 0 &&
                   (SHARED_KEYS || DQ_PARTS <= CONSUMER_WGS),
@@ -529,8 +533,8 @@ __device__ __forceinline__ void zero_rows_from(u32 q, u32 dout, int from, int ct
 
 // Sᵀ = K_c·Qᵀ and dPᵀ = V_c·dOᵀ (one commit group): A is the warpgroup's 64 rows of K (V),
 // K-major; B is Q (dO), K-major, N = QUERIES_PER_WG (its rows from c·QUERIES_PER_WG with
-// SHARED_KEYS, whose consumers all take the block's 64 keys); the sum over QK_DIM (the columns
-// past it are zeros).
+// SHARED_KEYS, whose consumers all take the block's 64 keys); the sums over QK_DIM and PV_DIM
+// (the columns past them are zeros).
 __device__ __forceinline__ void issue_st_dpt(float (&rS)[ST_REGS], float (&rdP)[ST_REGS], const Smem& sm, int stage,
                                              int c) {
     const u32 wg_off = SHARED_KEYS ? 0u : KEYS_PER_WG * c * SLAB_ROW_BYTES;
@@ -543,7 +547,7 @@ __device__ __forceinline__ void issue_st_dpt(float (&rS)[ST_REGS], float (&rdP)[
         const u32 a_off = (kk / 4) * (BLOCK_N * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
         const u32 b_off = (kk / 4) * (BLOCK_M * SLAB_ROW_BYTES) + (kk % 4) * KSTEP_K_MAJOR_BYTES;
         wgmma_st(rS, desc_plus(k_desc, a_off), desc_plus(q_desc, b_off), kk > 0 ? 1 : 0);
-        wgmma_st(rdP, desc_plus(v_desc, a_off), desc_plus(do_desc, b_off), kk > 0 ? 1 : 0);
+        if (kk < PV_DIM / 16) wgmma_st(rdP, desc_plus(v_desc, a_off), desc_plus(do_desc, b_off), kk > 0 ? 1 : 0);
     }
     wgmma_commit();
 }
@@ -872,8 +876,8 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
             if (lane == 0) mbar_arrive(sm.kv_free[0]);
         }
 
-        // dK = scale · Σ dSᵀ·Q and dV, rounded, rows below the keys' end, the DIM real columns (a
-        // register pair's two columns are both below DIM or both past it: DIM is even).
+        // dK = scale · Σ dSᵀ·Q and dV, rounded, rows below the keys' end, their real columns (DIM,
+        // DIM_V: a register pair's two columns are both below either or both past it, both even).
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int j = key_row + 8 * h;
@@ -888,7 +892,7 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
                 const int col = col0 + acc_col(i, lane);
                 if (SLAB_MAPS && col >= DIM) continue;
                 st_global_b32(gdK + col, pack2(rdK[i + 2 * h] * bp.scale, rdK[i + 2 * h + 1] * bp.scale));
-                st_global_b32(gdV + col, pack2(rdV[i + 2 * h], rdV[i + 2 * h + 1]));
+                if (DIM_V == DIM || col < DIM_V) st_global_b32(gdV + col, pack2(rdV[i + 2 * h], rdV[i + 2 * h + 1]));
             }
         }
         // The slot's work is read: the producer may write tile k + 2 into it.

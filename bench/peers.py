@@ -1621,12 +1621,12 @@ def parse_args(argv=None):
     f.add_argument("--extras", action="store_true", help="--head-dims --gqa --varlen")
     f.add_argument("--no-grid", dest="grid", action="store_false", help="the extras only")
     b = sub.add_parser("bwd", parents=[common], help="backward grid and extras")
-    b.add_argument("--head-dims", action="store_true",
-                   help="d 32/80/96/112/160/192 at 4×4096 (d_v = d: fa4's backward needs it)")
+    b.add_argument("--head-dims", action="store_true", help="d 32/80/96/112/160/192 at 4×4096")
+    b.add_argument("--dv", action="store_true", help="d_v < d_qk (192/128) at 4×4096, causal and not (table bwd_dv)")
     b.add_argument("--gqa", action="store_true", help="32/8 heads d128 2k/4k/8k, causal and not")
     b.add_argument("--varlen", action="store_true",
                    help="ragged lengths (mean 2k, 1..8k) from --seed, beside the same tokens at fixed length")
-    b.add_argument("--extras", action="store_true", help="--head-dims --gqa --varlen")
+    b.add_argument("--extras", action="store_true", help="--head-dims --dv --gqa --varlen")
     b.add_argument("--no-grid", dest="grid", action="store_false", help="the extras only")
     sub.add_parser("fp8", parents=[common], help="the forward grid with fp8 (e4m3) inputs")
     for name, what in (("decode", "paged decode"),
@@ -1665,6 +1665,8 @@ def parse_args(argv=None):
                 ap.error(f"--pages: {p} must divide every shape's key count")
     if a.pass_ in ("fwd", "bwd") and a.extras:
         a.head_dims = a.gqa = a.varlen = True
+        if a.pass_ == "bwd":
+            a.dv = True
     return a
 
 
@@ -1702,6 +1704,10 @@ def tables_for(a, env_names):
             out.append((Table("bwd_headdims", f"Backward, bf16, other head dims, batch {HEADDIM_BATCH} × "
                               f"{HEADDIM_SEQLEN}, heads 2048 // d (FLOPs 2.5 × forward)", "TFLOP/s", libs("bwd")),
                         headdim_cases(a.quick, dv_cases=False), "bwd"))
+        if a.dv:
+            out.append((Table("bwd_dv", f"Backward, bf16, d_v < d_qk, batch {HEADDIM_BATCH} × {HEADDIM_SEQLEN}, heads "
+                              "2048 // d_qk (FLOPs 2.5 × forward)", "TFLOP/s", libs("bwd")),
+                        [c for c in headdim_cases(a.quick) if c.dv != c.d], "bwd"))
         if a.gqa:
             out.append((Table("bwd_gqa", "Backward, bf16, GQA 32/8 heads, d128, 16k tokens (FLOPs 2.5 × forward)",
                               "TFLOP/s", libs("bwd")), gqa_cases(a.quick, causals=(False, True)), "bwd"))

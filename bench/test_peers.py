@@ -358,9 +358,12 @@ class Cli(unittest.TestCase):
         a = peers.parse_args(["bwd", "--extras", "--no-grid", "--quick"])
         ts = peers.tables_for(a, [])
         self.assertEqual([(t.id, kind) for t, _, kind in ts],
-                         [("bwd_headdims", "bwd"), ("bwd_gqa", "bwd"), ("bwd_varlen", "bwd")])
-        self.assertEqual(ts[1][0].libs, ["fa4", "cudnn", "fa2", "fa4cute"])  # SDPA with enable_gqa
-        self.assertEqual([c.label for c in ts[1][1]], ["32/8 4k", "32/8 4k causal"])
+                         [("bwd_headdims", "bwd"), ("bwd_dv", "bwd"), ("bwd_gqa", "bwd"), ("bwd_varlen", "bwd")])
+        self.assertEqual([(c.label, c.d, c.dv) for c in ts[1][1]],
+                         [("d192/128 4k", 192, 128), ("d192/128 4k causal", 192, 128)])
+        self.assertTrue(all(c.dv == c.d for c in ts[0][1]))  # bwd_headdims: d_v = d
+        self.assertEqual(ts[2][0].libs, ["fa4", "cudnn", "fa2", "fa4cute"])  # SDPA with enable_gqa
+        self.assertEqual([c.label for c in ts[2][1]], ["32/8 4k", "32/8 4k causal"])
         a = peers.parse_args(["bwd", "--gqa"])
         self.assertEqual([t.id for t, _, _ in peers.tables_for(a, [])], ["bwd_grid", "bwd_gqa"])
 

@@ -462,10 +462,27 @@ impl fmt::Display for Spec {
 /// choice (`FA4_BWD_KERNEL=sm90`, `KernelChoice::Sm90`) runs them.
 pub const NARROWER_V_BY_DEFAULT: bool = false;
 
-/// Whether the default choice (`auto`) takes the Hopper backward for `p` on `arch`: it covers
-/// the problem ([`uncovered`]), and V is as wide as Q unless [`NARROWER_V_BY_DEFAULT`].
-pub fn auto_takes(p: &Problem, arch: &GpuArch) -> bool {
-    uncovered(p, arch).is_none() && (NARROWER_V_BY_DEFAULT || p.head_dim_v() == p.head_dim())
+/// Whether the default choice (`auto`) takes the Hopper backward for `p` on `arch` (where it
+/// covers the problem, [`uncovered`]; else the Ampere-class backward runs it), or, for a V
+/// narrower than Q while [`NARROWER_V_BY_DEFAULT`] is off, an error naming `v` and the way to
+/// choose the Hopper kernel (the Ampere-class backward would refuse it too).
+pub fn auto_takes(p: &Problem, arch: &GpuArch) -> Result<bool> {
+    if uncovered(p, arch).is_some() {
+        return Ok(false);
+    }
+    if !NARROWER_V_BY_DEFAULT && p.head_dim_v() != p.head_dim() {
+        return Err(Error::invalid(
+            "v",
+            format!(
+                "head_dim_v {} < head_dim {}: the Hopper backward runs it only when chosen \
+                 (FA4_BWD_KERNEL=sm90): its GPU tests have not run yet; the Ampere-class \
+                 backward needs head_dim_v == head_dim",
+                p.head_dim_v(),
+                p.head_dim()
+            ),
+        ));
+    }
+    Ok(true)
 }
 
 /// Why the Hopper backward does not cover a problem on `arch` (the argument to blame and the

@@ -362,17 +362,10 @@ pub(crate) fn sixteen_bit_head(
     if narrower_v && p.head_dim_v() < d {
         aligned("v", "head_dim_v", p.head_dim_v(), who)?;
     } else if p.head_dim_v() != d {
-        // The Hopper backward takes a narrower V when chosen (`bwd_sm90::NARROWER_V_BY_DEFAULT`).
-        let hopper = if who == "backward" && p.head_dim_v() < d {
-            "; on Hopper GPUs FA4_BWD_KERNEL=sm90 runs head_dim_v < head_dim on the Hopper \
-             backward (its GPU tests have not run yet)"
-        } else {
-            ""
-        };
         return Err(Error::invalid(
             "v",
             format!(
-                "head_dim_v {} must equal head_dim {d} on the CUDA {who}{hopper}",
+                "head_dim_v {} must equal head_dim {d} on the CUDA {who}",
                 p.head_dim_v()
             ),
         ));

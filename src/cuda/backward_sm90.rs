@@ -230,7 +230,7 @@ impl CudaBackend {
         let plan = match choice {
             BwdChoice::Sm80 => return Ok(None),
             BwdChoice::Auto => {
-                if !bwd_sm90::auto_takes(p, &arch) {
+                if !bwd_sm90::auto_takes(p, &arch)? {
                     return Ok(None);
                 }
                 bwd_sm90::plan(p, &arch, info.target, deterministic)?

@@ -404,7 +404,7 @@ fn bench_backward_sizes_its_shapes_first() {
 /// Issue 30: `fa4 bench --backward` ignored `--grid`; on CUDA it now times the shapes `--grid`
 /// names (`D,SEQLEN,CAUSAL[,BATCH,HEADS[,KV_HEADS]]`), as the forward bench does. Where no GPU
 /// works the run is one line naming `--backend`, after the grid was parsed (a bad shape names
-/// `--grid` first).
+/// `--grid` first; on a GPU so does a shape its backward cannot plan, before the table).
 #[test]
 fn bench_backward_on_cuda_times_the_grid_it_is_given() {
     let (code, out, err) = fa4(&[
@@ -463,5 +463,29 @@ fn bench_backward_on_cuda_times_the_grid_it_is_given() {
     for r in rows {
         assert!(r["tflops"].as_f64().unwrap() > 0.0, "{r}");
         assert!(r["deterministic_tflops"].as_f64().unwrap() > 0.0, "{r}");
+        assert_eq!(r["head_dim_v"], r["head_dim"], "{r}");
+    }
+    // A shape the backward cannot plan (V wider than Q; V narrower than Q while the default
+    // leaves it out) is one line naming --grid before the table, whatever the GPU.
+    let mut shapes = vec!["64/128,256,0,1,2"];
+    if !fa4::config::bwd_sm90::NARROWER_V_BY_DEFAULT {
+        shapes.push("192/128,256,0,1,2");
+    }
+    for shape in shapes {
+        let (code, out, err) = fa4(&[
+            "bench",
+            "--backward",
+            "--backend",
+            "cuda",
+            "--grid",
+            shape,
+            "--reps",
+            "1",
+            "--calls",
+            "1",
+        ]);
+        assert_eq!(code, 2, "{shape}: {out}{err}");
+        assert!(out.is_empty(), "{shape}: {out}");
+        one_error_line(&err, "--grid");
     }
 }

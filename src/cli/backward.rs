@@ -544,12 +544,36 @@ pub fn bench_cuda(g: &BenchGrid, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
     if g.reps == 0 || g.calls == 0 {
         return Err(Error::invalid("--reps/--calls", "must be ≥ 1"));
     }
-    // Every shape is a valid problem before the table starts: an error is the only output.
+    // Every shape is a valid problem that this GPU's backward plans, in both modes, before the
+    // table starts: an error, naming the flag that set the shape, is the only output.
     let problems = g
         .shapes
         .iter()
         .map(|s| s.problem(g.dtype, g.flag, g.lengths.as_deref()))
         .collect::<Result<Vec<_>>>()?;
+    for (s, p) in g.shapes.iter().zip(&problems) {
+        for det in [false, true] {
+            let planned = match cuda.plan_backward_sm90(p, det) {
+                Ok(Some(_)) => Ok(()),
+                Ok(None) => cuda.plan_backward(p, det).map(drop),
+                Err(e) => Err(e),
+            };
+            match planned {
+                // What the shape set (head dims, sizes); anything else (an environment
+                // variable, the device) as it is.
+                Err(Error::InvalidArgument { name, reason })
+                    if matches!(name.as_str(), "q" | "k" | "v" | "out") =>
+                {
+                    return Err(Error::invalid(
+                        g.flag,
+                        format!("d {} seqlen {}: {name}: {reason}", s.d(), s.seqlen),
+                    ));
+                }
+                Err(e) => return Err(e),
+                Ok(()) => {}
+            }
+        }
+    }
     if !g.json {
         println!(
             "fa4 bench --backward --backend cuda: {} on {}; median of {} rounds of {} calls; FLOPs = {BACKWARD_FLOP_FACTOR} × forward",

@@ -79,6 +79,45 @@ fn run_deterministic_needs_a_backward_and_passes_its_check() {
     assert!(out.contains("grads    pass"), "{out}");
 }
 
+/// A backward the GPU kernels refuse (V wider than Q; narrower while the default leaves it to
+/// an explicit choice) is one line naming `--head-dim-v` before the forward runs or prints, on
+/// the CPU it runs; where no GPU works the line names `--backend`.
+#[test]
+fn run_backward_refusals_come_before_the_forward() {
+    let shape = |dv: &'static str, backend: &'static str| {
+        vec![
+            "run",
+            "--backward",
+            "--backend",
+            backend,
+            "--dtype",
+            "bf16",
+            "--seqlen-q",
+            "40",
+            "--heads-q",
+            "2",
+            "--head-dim",
+            "64",
+            "--head-dim-v",
+            dv,
+        ]
+    };
+    let (rc, out, err) = fa4(&shape("128", "cpu"));
+    assert_eq!(rc, 0, "{out}{err}");
+    assert!(out.contains("grads    pass"), "{out}");
+    let gpu = fa4::Backend::cuda(0).is_ok();
+    let mut refused = vec!["128"];
+    if !fa4::config::bwd_sm90::NARROWER_V_BY_DEFAULT {
+        refused.push("32");
+    }
+    for dv in refused {
+        let (rc, out, err) = fa4(&shape(dv, "cuda"));
+        assert_eq!(rc, 2, "d_v {dv}: {out}{err}");
+        assert!(out.is_empty(), "d_v {dv}: {out}");
+        one_error_line(&err, if gpu { "--head-dim-v" } else { "--backend" });
+    }
+}
+
 #[test]
 fn run_backward_on_a_random_problem_passes_its_check() {
     let (rc, out, err) = fa4(&[

@@ -65,6 +65,15 @@ pub struct GradArgs {
 }
 
 impl GradArgs {
+    /// With a backward asked for, [`plan_on`] `backend` for `p` in the asked mode.
+    pub fn plan(&self, backend: &Backend, p: &Problem) -> Result<()> {
+        if self.wanted() {
+            plan_on(backend, p, self.deterministic)
+        } else {
+            Ok(())
+        }
+    }
+
     /// Whether a backward is asked for.
     pub fn wanted(&self) -> bool {
         self.backward || self.d_out.is_some()
@@ -152,6 +161,19 @@ pub fn resolve_backend(grad: &GradArgs, arg: BackendArg) -> Result<Backend> {
         Ok(Backend::Cpu)
     } else {
         arg.resolve()
+    }
+}
+
+/// Plans the backward of `p` on `backend` without running anything (on the CPU every valid
+/// problem plans), so that a refusal (a head dim or size the GPU kernels do not take) comes
+/// before the forward's work and output.
+pub fn plan_on(backend: &Backend, p: &Problem, deterministic: bool) -> Result<()> {
+    let Backend::Cuda(cuda) = backend else {
+        return Ok(());
+    };
+    match cuda.plan_backward_sm90(p, deterministic)? {
+        Some(_) => Ok(()),
+        None => cuda.plan_backward(p, deterministic).map(drop),
     }
 }
 
@@ -551,14 +573,10 @@ pub fn bench_cuda(g: &BenchGrid, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
         .iter()
         .map(|s| s.problem(g.dtype, g.flag, g.lengths.as_deref()))
         .collect::<Result<Vec<_>>>()?;
+    let backend = Backend::Cuda(cuda.clone());
     for (s, p) in g.shapes.iter().zip(&problems) {
         for det in [false, true] {
-            let planned = match cuda.plan_backward_sm90(p, det) {
-                Ok(Some(_)) => Ok(()),
-                Ok(None) => cuda.plan_backward(p, det).map(drop),
-                Err(e) => Err(e),
-            };
-            match planned {
+            match plan_on(&backend, p, det) {
                 // What the shape set (head dims, sizes); anything else (an environment
                 // variable, the device) as it is.
                 Err(Error::InvalidArgument { name, reason })

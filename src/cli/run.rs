@@ -410,6 +410,8 @@ fn random_typed<T: Element>(
         super::cp::validate(cp, n, &job.p)?;
     }
     let backend = super::backward::resolve_backend(grad, backend)?;
+    grad.plan(&backend, &job.p)
+        .map_err(|e| flag_named(e, &[("v", "--head-dim-v")]))?;
     let done = job.execute(&backend, cp)?;
     job.print(&backend, &done, &[]);
     let code = job.verify(&done, skip);
@@ -640,6 +642,8 @@ fn files_typed<T: Element>(
     }
     let d_out = super::backward::read_d_out::<T>(&job.p, grad)?;
     let backend = super::backward::resolve_backend(grad, backend)?;
+    grad.plan(&backend, &job.p)
+        .map_err(|e| flag_named(e, &[("v", "--v")]))?;
     let done = job.execute(&backend, cp)?;
     // O is written as float32: exact for every storage dtype. Every output (O, LSE, and the
     // gradients of a backward) is written under a temporary name first and renamed only when

@@ -331,13 +331,11 @@ fn hopper_backward_with_a_narrower_v_passes_the_rule() {
         (64, 32, Mask::Causal),
     ] {
         let x = inputs_v::<bf16>(d, dv, mask, None, 90 + d as u64);
-        let a = backward(&hopper, &x, true);
-        assert_eq!(
-            bits(&a),
-            bits(&backward(&hopper, &x, true)),
-            "deterministic d{d}/{dv} {mask:?}"
+        deterministic_twice(
+            &hopper,
+            &x,
+            &format!("sm90 deterministic d{d}/{dv} {mask:?}"),
         );
-        judge(&x, &a, &format!("sm90 deterministic d{d}/{dv} {mask:?}"));
     }
     let x = inputs_v::<bf16>(192, 128, Mask::Causal, None, 3);
     let plan = forced.plan_backward_sm90(&x.p, false).unwrap().unwrap();
@@ -593,6 +591,17 @@ fn judge<T: Element>(x: &Inputs<T>, g: &[Vec<T>; 3], what: &str) {
     eprintln!("{what}: {report}");
 }
 
+/// The deterministic backward of `x` twice: the same bits both times, within the rule.
+fn deterministic_twice<T: Element>(backend: &Backend, x: &Inputs<T>, what: &str) {
+    let a = backward(backend, x, true);
+    assert_eq!(
+        bits(&a),
+        bits(&backward(backend, x, true)),
+        "{what}: two runs differ"
+    );
+    judge(x, &a, what);
+}
+
 fn bits<T: Element>(g: &[Vec<T>; 3]) -> Vec<u32> {
     g.iter().flatten().map(|x| x.to_f32().to_bits()).collect()
 }
@@ -661,13 +670,7 @@ fn deterministic_mode_gives_the_same_bits_and_passes_the_rule() {
         ),
     ] {
         let x = inputs::<bf16>(d, mask, None, 11 + d as u64);
-        let a = backward(&backend, &x, true);
-        assert_eq!(
-            bits(&a),
-            bits(&backward(&backend, &x, true)),
-            "varlen d{d} {mask:?}"
-        );
-        judge(&x, &a, &format!("deterministic varlen d{d} {mask:?}"));
+        deterministic_twice(&backend, &x, &format!("deterministic varlen d{d} {mask:?}"));
     }
     let x = inputs::<f16>(128, Mask::Causal, None, 7);
     let a = backward(&backend, &x, true);

@@ -63,6 +63,9 @@ Method, the same for every library:
   the calls (1.25 × the library's host time per call × calls + 50 µs), so the round measures
   the GPU's time for the calls, not a host path slower than the kernels (in eager decode
   SDPA's host path, 50–80 µs per call, is longer than cuDNN's 40 µs kernel; bench/README.md).
+  A round whose head start ended before the host had queued its last call is run again with
+  twice the head start (the sleep's length comes from a clock calibration, which another
+  clock during the rounds would cut short);
   The host time per call is measured too (a clock around the enqueueing) and printed; `h`
   marks a library whose host path is slower than its kernels. --no-head-start drops the
   sleep: the host path is then timed too, as in eager use;
@@ -673,6 +676,9 @@ class Gpu:
     def __init__(self, torch, calls, head_start=True):
         self.torch, self.calls, self.head_start = torch, calls, head_start
         self.cycles_per_us = None
+        # Grows (×2) each time a head start ended before the host had queued the round's calls
+        # (a calibration taken at another clock, a host path slower than measured).
+        self.head_start_scale = 1.0
 
     def event(self):
         return self.torch.cuda.Event(enable_timing=True)
@@ -688,24 +694,33 @@ class Gpu:
         t.cuda.synchronize()
         self.cycles_per_us = 1_000_000 / max(1e-3, e0.elapsed_time(e1) * 1e3)
 
-    def round(self, call, host_us):
+    def round(self, call, host_us, tries=4):
         """One round: (GPU ms per call, host µs per call). `host_us` is the library's host time
-        per call so far, for the head start."""
+        per call so far, for the head start. When the head start has already ended as the host
+        queues the last call (the first event has completed), the GPU may have waited on the host
+        inside the round: the round is run again with twice the head start, up to `tries` times
+        (the last one is kept)."""
         t = self.torch
-        t.cuda.synchronize()
-        if self.head_start:
-            if self.cycles_per_us is None:
-                self.calibrate()
-            t.cuda._sleep(int(self.cycles_per_us * (1.25 * self.calls * host_us + HEAD_START_US)))
-        e0, e1 = self.event(), self.event()
-        e0.record()
-        h0 = time.perf_counter()
-        for _ in range(self.calls):
-            call()
-        host = (time.perf_counter() - h0) * 1e6 / self.calls
-        e1.record()
-        t.cuda.synchronize()
-        return e0.elapsed_time(e1) / self.calls, host
+        for attempt in range(tries):
+            t.cuda.synchronize()
+            if self.head_start:
+                if self.cycles_per_us is None:
+                    self.calibrate()
+                us = self.head_start_scale * (1.25 * self.calls * host_us + HEAD_START_US)
+                t.cuda._sleep(int(self.cycles_per_us * us))
+            e0, e1 = self.event(), self.event()
+            e0.record()
+            h0 = time.perf_counter()
+            for _ in range(self.calls):
+                call()
+            host = (time.perf_counter() - h0) * 1e6 / self.calls
+            short = self.head_start and e0.query()
+            e1.record()
+            t.cuda.synchronize()
+            if not short or attempt == tries - 1:
+                return e0.elapsed_time(e1) / self.calls, host
+            self.head_start_scale *= 2
+            host_us = max(host_us, host)
 
     def warm(self, call, n):
         """`n` untimed calls after the first; (first call's seconds, host µs per call)."""

@@ -177,6 +177,7 @@ class FakeTorch:
 
     class cuda:
         log = []
+        done = []  # what successive Event.query calls answer (then False)
 
         @staticmethod
         def synchronize():
@@ -196,10 +197,15 @@ class FakeTorch:
             def elapsed_time(self, other):
                 return 12.0
 
+            def query(self):
+                FakeTorch.cuda.log.append("query")
+                return FakeTorch.cuda.done.pop(0) if FakeTorch.cuda.done else False
+
 
 class Timing(unittest.TestCase):
     def setUp(self):
         FakeTorch.cuda.log = []
+        FakeTorch.cuda.done = []
 
     def test_a_round_is_one_event_pair_around_the_calls_after_a_head_start(self):
         calls = []
@@ -211,7 +217,24 @@ class Timing(unittest.TestCase):
         self.assertGreaterEqual(host, 0.0)
         # synchronize, the sleep (1.25 · 4 calls · 100 µs + 50 µs at 2000 cycles/µs), events
         # around the calls, synchronize.
-        self.assertEqual(FakeTorch.cuda.log, ["sync", ("sleep", 1_100_000), "record", "record", "sync"])
+        self.assertEqual(FakeTorch.cuda.log, ["sync", ("sleep", 1_100_000), "record", "query", "record", "sync"])
+
+    def test_a_head_start_that_ended_too_soon_is_doubled_and_the_round_run_again(self):
+        calls = []
+        gpu = peers.Gpu(FakeTorch, 4)
+        gpu.cycles_per_us = 2000.0
+        FakeTorch.cuda.done = [True, True]
+        gpu.round(lambda: calls.append(1), host_us=100.0)
+        self.assertEqual(len(calls), 12)  # two short rounds, then one that held
+        sleeps = [x[1] for x in FakeTorch.cuda.log if isinstance(x, tuple)]
+        self.assertEqual(sleeps[0], 1_100_000)
+        self.assertEqual(sleeps[1] / sleeps[0], 2.0)
+        self.assertEqual(gpu.head_start_scale, 4.0)
+        # Never more than `tries` rounds, the last one kept.
+        FakeTorch.cuda.done = [True] * 9
+        calls.clear()
+        gpu.round(lambda: calls.append(1), host_us=100.0, tries=2)
+        self.assertEqual(len(calls), 8)
 
     def test_no_head_start_no_sleep(self):
         gpu = peers.Gpu(FakeTorch, 2, head_start=False)

@@ -457,9 +457,10 @@ impl fmt::Display for Spec {
 /// head_dim`, e.g. 192/128) on the Hopper backward. The kernel computes them (its variants
 /// compile in CI, the planner is tested), but its GPU tests (`tests/cuda_backward.rs`,
 /// `hopper_backward_with_a_narrower_v_passes_the_rule`; the `bwd-sm90` sanitizer cases
-/// `*-v128-*`, `*-v64-*`) have not run on a Hopper GPU yet. Until they pass, `auto` leaves such
-/// problems to the Ampere-class backward, which refuses them naming `v`, and only an explicit
-/// choice (`FA4_BWD_KERNEL=sm90`, `KernelChoice::Sm90`) runs them.
+/// `*-v128-*`, `*-v64-*`) have not run on a Hopper GPU yet. Until they pass, `auto` refuses such
+/// problems ([`auto_takes`], naming `v` and the way in; the Ampere-class backward needs equal
+/// head dims), and only an explicit choice (`FA4_BWD_KERNEL=sm90`, `KernelChoice::Sm90`) runs
+/// them.
 pub const NARROWER_V_BY_DEFAULT: bool = false;
 
 /// Whether the default choice (`auto`) takes the Hopper backward for `p` on `arch` (where it

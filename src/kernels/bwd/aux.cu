@@ -2,8 +2,8 @@
 // lanes (the prelude's: HEAD_DIM / 8, at most 32) share a query row, lane l of them the 16-byte
 // chunks l, l + ROW_LANES, … (8 columns each), so no lane idles at head dims below 256.
 //
-// - fa4_bwd_pre: D_i = Σ_d dO_id·O_id over V's head dim in f32 (from the stored, rounded O, as FlashAttention
-//   does), and the row's dQ accumulator zeroed (when there is one). For the Hopper main kernel
+// - fa4_bwd_pre: D_i = Σ_d dO_id·O_id over V's head dim in f32 (from the stored, rounded O, as
+//   FlashAttention does), and the row's dQ accumulator zeroed (when there is one). For the Hopper main kernel
 //   (`stats_rows` > 0) D and LSE·LOG2E go to a padded layout instead (`stats_base`), the
 //   grid covering every padded row of the longest sequence.
 // - fa4_bwd_convert: dQ = scale · accumulator, rounded to the storage dtype. (dK and dV are

@@ -559,8 +559,9 @@ def write_tables(tables, directory, meta):
 
 
 def method_line(a):
-    sleep = ("after a GPU sleep that lets the host queue them (GPU time; host time per call "
-             "printed apart)" if a.head_start else "(host path included: no head start)")
+    sleep = ("after a GPU sleep that lets the host queue them (a round whose sleep ran out first is run "
+             "again with it doubled; GPU time; host time per call printed apart)" if a.head_start
+             else "(host path included: no head start)")
     if a.pass_ == "fp8":
         what = ("bench/peers.py fp8: one process, one stream; e4m3 inputs quantized per (batch, KV head) from "
                 "standard normal draws; fa4 and FlashAttention-3 with those descales and bf16 O, cuDNN through "

@@ -27,6 +27,7 @@ use fa4::npy::{self, Data, NpyDType};
 use fa4::tensor::Layout;
 use fa4::{Backend, BackwardOptions, DType, Element, Error, Options, Problem, Result};
 
+use super::bench_cuda::Shape;
 use super::run::{skip_reason, CheckPolicy};
 use super::BackendArg;
 
@@ -389,76 +390,19 @@ pub fn check(
     })
 }
 
-/// One shape of `fa4 bench --backward`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct BenchShape {
-    pub seqlen: usize,
-    pub head_dim: usize,
-    /// Head dim of V, O and dO (`--grid`'s `D/DV`; `head_dim` where not given).
-    pub head_dim_v: usize,
-    pub causal: bool,
-    pub batch: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-}
-
-impl BenchShape {
-    /// The shape's problem (seqlen_q = seqlen_k), or with `lengths` a packed varlen batch of
-    /// them (the shape's batch and seqlen then their count and the longest,
-    /// [`BenchShape::packed`]); `flag` names what set the shape in a layout's error.
-    fn problem(&self, dtype: DType, flag: &str, lengths: Option<&[usize]>) -> Result<Problem> {
-        let (b, s, d, dv) = (self.batch, self.seqlen, self.head_dim, self.head_dim_v);
-        let opts = if self.causal {
-            Options::new().causal()
-        } else {
-            Options::new()
-        };
-        if let Some(lens) = lengths {
-            let total: usize = lens.iter().sum();
-            let cu = super::bench_cuda::offsets_of(lens);
-            let lq = Layout::new(flag, &[total, self.heads, d], None)?;
-            let lk = Layout::new(flag, &[total, self.kv_heads, d], None)?;
-            let lv = Layout::new(flag, &[total, self.kv_heads, dv], None)?;
-            let lo = Layout::new(flag, &[total, self.heads, dv], None)?;
-            return Problem::new(dtype, &lq, &lk, &lv, &lo, Some(&cu), Some(&cu), &opts);
-        }
-        let lq = Layout::new(flag, &[b, s, self.heads, d], None)?;
-        let lk = Layout::new(flag, &[b, s, self.kv_heads, d], None)?;
-        let lv = Layout::new(flag, &[b, s, self.kv_heads, dv], None)?;
-        let lo = Layout::new(flag, &[b, s, self.heads, dv], None)?;
-        Problem::new(dtype, &lq, &lk, &lv, &lo, None, None, &opts)
-    }
-
-    /// The shape with packed sequences of `lengths`: batch their count, seqlen the longest.
-    pub fn packed(mut self, lengths: &[usize]) -> BenchShape {
-        self.batch = lengths.len();
-        self.seqlen = lengths.iter().copied().max().unwrap_or(0);
-        self
-    }
-
-    /// The `d` column: the head dim, and `/head_dim_v` where V's differs.
-    fn d(&self) -> String {
-        if self.head_dim_v == self.head_dim {
-            self.head_dim.to_string()
-        } else {
-            format!("{}/{}", self.head_dim, self.head_dim_v)
-        }
-    }
-
-    /// The `b×h` column: `batch×heads`, and `/kv_heads` where they differ.
-    fn bh(&self) -> String {
-        if self.kv_heads == self.heads {
-            format!("{}×{}", self.batch, self.heads)
-        } else {
-            format!("{}×{}/{}", self.batch, self.heads, self.kv_heads)
-        }
+/// `b×h` for a shape: `batch×heads`, and `/kv_heads` where they differ.
+fn bh(s: &Shape) -> String {
+    if s.kv_heads == s.heads {
+        format!("{}×{}", s.batch, s.heads)
+    } else {
+        format!("{}×{}/{}", s.batch, s.heads, s.kv_heads)
     }
 }
 
 /// The grid of `fa4 bench --backward`, from `fa4 bench`'s flags: `--seqlens` × `--head-dims` ×
 /// `--causal` ([`BenchGrid::product`]) or, on CUDA, the shapes `--grid` names.
 pub struct BenchGrid {
-    pub shapes: Vec<BenchShape>,
+    pub shapes: Vec<Shape>,
     /// The flag that set the shapes (`--seqlens` or `--grid`), for errors about their size.
     pub flag: &'static str,
     pub dtype: DType,
@@ -484,16 +428,16 @@ impl BenchGrid {
         masks: &[bool],
         batch: usize,
         heads: Option<usize>,
-    ) -> Vec<BenchShape> {
+    ) -> Vec<Shape> {
         let mut shapes = Vec::new();
         for &head_dim in head_dims {
             for &seqlen in seqlens {
                 for &causal in masks {
                     let heads = heads.unwrap_or((DEFAULT_ROWS / seqlen.max(1)).max(1));
-                    shapes.push(BenchShape {
+                    shapes.push(Shape {
                         seqlen,
-                        head_dim,
-                        head_dim_v: head_dim,
+                        d: head_dim,
+                        dv: head_dim,
                         causal,
                         batch,
                         heads,
@@ -584,7 +528,7 @@ pub fn bench_cuda(g: &BenchGrid, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
                 {
                     return Err(Error::invalid(
                         g.flag,
-                        format!("d {} seqlen {}: {name}: {reason}", s.d(), s.seqlen),
+                        format!("d {} seqlen {}: {name}: {reason}", s.d_label(), s.seqlen),
                     ));
                 }
                 Err(e) => return Err(e),
@@ -625,9 +569,9 @@ pub fn bench_cuda(g: &BenchGrid, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
             println!(
                 "{:>7} {:>7} {:>6} {:>9} {:>9.3} {:>9.1} {:>9.1}",
                 s.seqlen,
-                s.d(),
+                s.d_label(),
                 if s.causal { "yes" } else { "no" },
-                s.bh(),
+                bh(s),
                 ms,
                 flops / ms / 1e9,
                 flops / det / 1e9
@@ -635,8 +579,8 @@ pub fn bench_cuda(g: &BenchGrid, cuda: &fa4::cuda::CudaBackend) -> Result<()> {
         }
         rows.push(CudaBenchRow {
             seqlen: s.seqlen,
-            head_dim: s.head_dim,
-            head_dim_v: s.head_dim_v,
+            head_dim: s.d,
+            head_dim_v: s.dv,
             causal: s.causal,
             batch: s.batch,
             heads: s.heads,
@@ -723,9 +667,9 @@ pub fn bench(g: &BenchGrid) -> Result<()> {
             println!(
                 "{:>7} {:>4} {:>6} {:>7} {:>9.2} {:>11.1} {:>11.1} {:>8.2} {:>5.1}%",
                 s.seqlen,
-                s.head_dim,
+                s.d,
                 if s.causal { "yes" } else { "no" },
-                s.bh(),
+                bh(s),
                 row.backward_ms,
                 row.backward_gflops,
                 row.forward_gflops,
@@ -765,8 +709,8 @@ pub fn bench(g: &BenchGrid) -> Result<()> {
     Ok(())
 }
 
-fn bench_shape<T: Element>(g: &BenchGrid, shape: &BenchShape, peak: f64) -> Result<BenchRow> {
-    let (b, s, h, d) = (shape.batch, shape.seqlen, shape.heads, shape.head_dim);
+fn bench_shape<T: Element>(g: &BenchGrid, shape: &Shape, peak: f64) -> Result<BenchRow> {
+    let (b, s, h, d) = (shape.batch, shape.seqlen, shape.heads, shape.d);
     let l = Layout::new(g.flag, &[b, s, h, d], None)?;
     let lk = Layout::new(g.flag, &[b, s, shape.kv_heads, d], None)?;
     // Size the shape before allocating, as the forward bench does: Q, O, dO, dQ and K, V, dK,
@@ -777,7 +721,7 @@ fn bench_shape<T: Element>(g: &BenchGrid, shape: &BenchShape, peak: f64) -> Resu
     let rows = (b as f64) * (s as f64) * (h as f64);
     super::memory::ensure(
         g.flag,
-        &format!("seqlen {s}, d {d}, b×h {}", shape.bh()),
+        &format!("seqlen {s}, d {d}, b×h {}", bh(shape)),
         q_elems * (4.0 * size + 4.0) + k_elems * 4.0 * size + 16.0 * rows,
     )?;
     let p = shape.problem(T::DTYPE, g.flag, None)?;

@@ -380,18 +380,7 @@ impl BenchArgs {
                      --grid or --seqlens/--head-dims/--causal/--batch/--heads, not both",
                 ));
             }
-            let shapes = super::bench_cuda::parse_grid(&c.grid, c.tokens(), c.hidden())?
-                .into_iter()
-                .map(|s| super::backward::BenchShape {
-                    seqlen: s.seqlen,
-                    head_dim: s.d,
-                    head_dim_v: s.dv,
-                    causal: s.causal,
-                    batch: s.batch,
-                    heads: s.heads,
-                    kv_heads: s.kv_heads,
-                })
-                .collect::<Vec<_>>();
+            let shapes = super::bench_cuda::parse_grid(&c.grid, c.tokens(), c.hidden())?;
             (shapes, "--grid")
         } else {
             if let Some(flag) = [("--tokens", c.tokens), ("--hidden", c.hidden)]

@@ -385,7 +385,11 @@ impl Shape {
         self
     }
 
-    fn problem(&self, dtype: DType, lengths: Option<&[usize]>) -> Result<Problem> {
+    /// The shape's problem (seqlen_q = seqlen_k), or with `lengths` a packed varlen batch of
+    /// them ([`Shape::packed`] first); `flag` names what set the shape in a layout's error
+    /// (`--grid`, or `fa4 bench --backward`'s `--seqlens`).
+    pub fn problem(&self, dtype: DType, flag: &str, lengths: Option<&[usize]>) -> Result<Problem> {
+        let (b, s, d, dv) = (self.batch, self.seqlen, self.d, self.dv);
         let opts = if self.causal {
             Options::new().causal()
         } else {
@@ -394,21 +398,26 @@ impl Shape {
         if let Some(lens) = lengths {
             let total: usize = lens.iter().sum();
             let cu = offsets_of(lens);
-            let lq = Layout::new("q", &[total, self.heads, self.d], None)?;
-            let lk = Layout::new("k", &[total, self.kv_heads, self.d], None)?;
-            let lv = Layout::new("v", &[total, self.kv_heads, self.dv], None)?;
-            let lo = Layout::new("out", &[total, self.heads, self.dv], None)?;
+            let lq = Layout::new(flag, &[total, self.heads, d], None)?;
+            let lk = Layout::new(flag, &[total, self.kv_heads, d], None)?;
+            let lv = Layout::new(flag, &[total, self.kv_heads, dv], None)?;
+            let lo = Layout::new(flag, &[total, self.heads, dv], None)?;
             return Problem::new(dtype, &lq, &lk, &lv, &lo, Some(&cu), Some(&cu), &opts);
         }
-        let lq = Layout::new("q", &[self.batch, self.seqlen, self.heads, self.d], None)?;
-        let lk = Layout::new("k", &[self.batch, self.seqlen, self.kv_heads, self.d], None)?;
-        let lv = Layout::new(
-            "v",
-            &[self.batch, self.seqlen, self.kv_heads, self.dv],
-            None,
-        )?;
-        let lo = Layout::new("out", &[self.batch, self.seqlen, self.heads, self.dv], None)?;
+        let lq = Layout::new(flag, &[b, s, self.heads, d], None)?;
+        let lk = Layout::new(flag, &[b, s, self.kv_heads, d], None)?;
+        let lv = Layout::new(flag, &[b, s, self.kv_heads, dv], None)?;
+        let lo = Layout::new(flag, &[b, s, self.heads, dv], None)?;
         Problem::new(dtype, &lq, &lk, &lv, &lo, None, None, &opts)
+    }
+
+    /// The head dim column: `d`, and `d/dv` where V's differs.
+    pub fn d_label(&self) -> String {
+        if self.dv == self.d {
+            self.d.to_string()
+        } else {
+            format!("{}/{}", self.d, self.dv)
+        }
     }
 }
 
@@ -488,11 +497,7 @@ pub fn run(a: &CudaBenchArgs, dtype: DType, warmup: usize, reps: usize, json: bo
         if !json {
             println!(
                 "{:>7} {:>6} {:>5} {:>9} {:>6} {:>9.3} {:>6.1}% {:>8.1} {:>9.3}  {}",
-                if s.dv == s.d {
-                    s.d.to_string()
-                } else {
-                    format!("{}/{}", s.d, s.dv)
-                },
+                s.d_label(),
                 s.seqlen,
                 s.batch,
                 format!("{}/{}", s.heads, s.kv_heads),
@@ -545,7 +550,7 @@ fn measure<T: Element>(
     calls: usize,
     reps: usize,
 ) -> Result<Row> {
-    let p = s.problem(dtype, lengths)?;
+    let p = s.problem(dtype, "--grid", lengths)?;
     let mut head = prepare(cuda, s, &p, lengths)?;
     let t = time_forward::<T>(cuda, &p, warmup, calls, reps, SEED)?;
     head.input_sets = t.input_sets;
@@ -574,7 +579,7 @@ fn serve<T: Element>(
     warmup: usize,
     lines: &mut impl Iterator<Item = std::io::Result<String>>,
 ) -> Result<bool> {
-    let p = s.problem(dtype, lengths)?;
+    let p = s.problem(dtype, "--grid", lengths)?;
     let mut head = prepare(cuda, s, &p, lengths)?;
     let mut b = Bench::<T>::new(cuda, &p, SEED)?;
     b.warm_up(warmup)?;
@@ -617,7 +622,7 @@ mod tests {
         // D/DV: V's head dim apart (heads from D).
         let s = parse_shape("192/128,4096,1,4,16", 16384, 2048).unwrap();
         assert_eq!((s.d, s.dv, s.heads), (192, 128, 16));
-        let p = s.problem(DType::Bf16, None).unwrap();
+        let p = s.problem(DType::Bf16, "--grid", None).unwrap();
         assert_eq!((p.head_dim(), p.head_dim_v()), (192, 128));
         for bad in ["192/,4096,1", "192/0,4096,1", "/128,4096,1"] {
             assert!(parse_shape(bad, 16384, 2048).is_err(), "{bad}");
@@ -662,7 +667,9 @@ mod tests {
             .unwrap()
             .packed(&[300, 0, 513]);
         assert_eq!((s.batch, s.seqlen), (3, 513));
-        let p = s.problem(DType::Bf16, Some(&[300, 0, 513])).unwrap();
+        let p = s
+            .problem(DType::Bf16, "--grid", Some(&[300, 0, 513]))
+            .unwrap();
         assert!(p.is_varlen());
         let seqs = p.sequences();
         assert_eq!(seqs.len(), 3);

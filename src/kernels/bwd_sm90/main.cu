@@ -899,11 +899,14 @@ __device__ __forceinline__ void consumer(const Sm90BwdParams& P, const Smem& sm,
         __syncwarp();
         if (lane == 0) mbar_arrive(sm.work_empty[slot]);
     }
-    // The deterministic mode: the writer has read the last tiles out; then consumer 0 ends its
-    // walk (a negative turn).
+    // The deterministic mode: consumer 0 ends the writer's walk with a negative turn in note g
+    // (free, as for a step's note: the writer read it for step g − 2 before the DQ_EMPTY that
+    // consumer 0 synced on at step g − 1), written before the last DQ_EMPTY as a step's note is
+    // (written after it, compute-sanitizer's racecheck did not follow the write through the
+    // DQ_FULL arrival to the writer's read); then the writer has read the last tiles out.
     if constexpr (DQ_WRITER) {
-        dq_empty_sync(c);
         if (c == 0 && thread_index() % WG_THREADS == 0) st_shared_b32(dq_info_slot(sm, g) + 16, static_cast<u32>(-1));
+        dq_empty_sync(c);
         dq_full_arrive(c);
     }
     // The last reduce-adds have read their buffer before the CTA's shared memory goes (their

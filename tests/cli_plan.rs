@@ -564,39 +564,27 @@ fn backward_plan_names_its_family_and_plans_packed_batches() {
     // The same packed batch on the CPU: its work items count every sequence.
     let (f, _) = family(&["--arch", "cpu", "--depth", "64", "--varlen", "--batch", "3"]);
     assert_eq!(f, "cpu");
-    // V narrower than Q (192/128): the plan of what `auto` runs. The Hopper kernel in the
-    // shared-keys tiles, both modes, once it runs such problems by default; until then the
-    // Ampere-class kernels' refusal, naming --depth-v and the explicit choice.
+    // V narrower than Q (192/128): the Hopper kernel in the shared-keys tiles, both modes (the
+    // Ampere-class kernels' refusal below).
     for det in [&[][..], &["--deterministic"][..]] {
         let mut a = vec!["--depth", "192", "--depth-v", "128", "--causal"];
         a.extend_from_slice(det);
-        if fa4::config::bwd_sm90::NARROWER_V_BY_DEFAULT {
-            let (f, v) = family(&a);
-            assert_eq!(f, "sm90", "{v}");
-            assert!(
-                v["problem"]
-                    .as_str()
-                    .unwrap()
-                    .contains("head_dim 192 (v: 128)"),
-                "{v}"
-            );
-            assert!(
-                v["kernels"]
-                    .as_str()
-                    .unwrap()
-                    .contains("d192/128 (tiles d256)"),
-                "{v}"
-            );
-        } else {
-            let mut args = vec!["plan", "--backward"];
-            args.extend_from_slice(&a);
-            let (code, _, err) = fa4(&args);
-            assert_eq!(code, 2, "{err}");
-            assert!(
-                err.contains("`--depth-v`") && err.contains("FA4_BWD_KERNEL=sm90"),
-                "{err}"
-            );
-        }
+        let (f, v) = family(&a);
+        assert_eq!(f, "sm90", "{v}");
+        assert!(
+            v["problem"]
+                .as_str()
+                .unwrap()
+                .contains("head_dim 192 (v: 128)"),
+            "{v}"
+        );
+        assert!(
+            v["kernels"]
+                .as_str()
+                .unwrap()
+                .contains("d192/128 (tiles d256)"),
+            "{v}"
+        );
     }
     for a in [
         &["--depth", "192", "--depth-v", "128", "--arch", "sm80"][..],

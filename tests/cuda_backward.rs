@@ -295,9 +295,8 @@ fn hopper_backward_on_varlen_batches_passes_the_rule() {
 
 /// V narrower than Q and K (head_dim_v < head_dim, e.g. 192/128) on the Hopper kernel, forced:
 /// ragged varlen GQA batches with each mask and the softcap, in the shared-keys tiles and in the
-/// tiles of 128 and 64; the deterministic mode the same bits twice; the Ampere-class backward
-/// refuses such problems naming `v`, and so does the default until it takes the Hopper kernel
-/// for them (`bwd_sm90::NARROWER_V_BY_DEFAULT`).
+/// tiles of 128 and 64; the deterministic mode the same bits twice; the default takes the Hopper
+/// kernel for them, and the Ampere-class backward refuses them naming `v`.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn hopper_backward_with_a_narrower_v_passes_the_rule() {
@@ -346,12 +345,7 @@ fn hopper_backward_with_a_narrower_v_passes_the_rule() {
     let refused = |backend: &Backend| try_backward(backend, &x, false).map(drop);
     let ampere = refused(&Backend::Cuda(cuda.with_kernel(KernelChoice::Sm80)));
     assert_eq!(arg_of(ampere.unwrap_err()), "v");
-    let auto = refused(&Backend::Cuda(cuda.clone()));
-    if fa4::config::bwd_sm90::NARROWER_V_BY_DEFAULT {
-        auto.unwrap();
-    } else {
-        assert_eq!(arg_of(auto.unwrap_err()), "v");
-    }
+    refused(&Backend::Cuda(cuda.clone())).unwrap();
 }
 
 /// A varlen query block that crosses its sequence's end loads the next sequence's rows (the

@@ -105,10 +105,6 @@ pub fn run(args: &PlanArgs) -> Result<()> {
         }
         PlanArch::Sm80 | PlanArch::Sm90 => {
             let gpu = Gpu::of(arch);
-            if gpu.flag == "sm90" {
-                // What `auto` refuses on a Hopper GPU that the Ampere-class kernels would too.
-                fa4::config::bwd_sm90::auto_takes(&p, &gpu.arch).map_err(flag_error)?;
-            }
             // Where the Hopper kernel covers the problem it runs both modes, with the row
             // kernels of the non-deterministic plan (pre, then convert).
             let plan = |det: bool| {
@@ -272,7 +268,7 @@ impl Gpu {
     /// on an sm90 target, else `sm80` (the Ampere-class kernels).
     fn family(&self, p: &Problem, deterministic: bool) -> &'static str {
         let hopper = self.flag == "sm90"
-            && fa4::config::bwd_sm90::auto_takes(p, &self.arch).unwrap_or(false)
+            && fa4::config::bwd_sm90::uncovered(p, &self.arch).is_none()
             && fa4::config::bwd_sm90::plan(p, &self.arch, self.target, deterministic).is_ok();
         if hopper {
             "sm90"

@@ -453,39 +453,6 @@ impl fmt::Display for Spec {
     }
 }
 
-/// Whether the default choice (`auto`) runs problems with V narrower than Q (`head_dim_v <
-/// head_dim`, e.g. 192/128) on the Hopper backward. The kernel computes them (its variants
-/// compile in CI, the planner is tested), but its GPU tests (`tests/cuda_backward.rs`,
-/// `hopper_backward_with_a_narrower_v_passes_the_rule`; the `bwd-sm90` sanitizer cases
-/// `*-v128-*`, `*-v64-*`) have not run on a Hopper GPU yet. Until they pass, `auto` refuses such
-/// problems ([`auto_takes`], naming `v` and the way in; the Ampere-class backward needs equal
-/// head dims), and only an explicit choice (`FA4_BWD_KERNEL=sm90`, `KernelChoice::Sm90`) runs
-/// them.
-pub const NARROWER_V_BY_DEFAULT: bool = false;
-
-/// Whether the default choice (`auto`) takes the Hopper backward for `p` on `arch` (where it
-/// covers the problem, [`uncovered`]; else the Ampere-class backward runs it), or, for a V
-/// narrower than Q while [`NARROWER_V_BY_DEFAULT`] is off, an error naming `v` and the way to
-/// choose the Hopper kernel (the Ampere-class backward would refuse it too).
-pub fn auto_takes(p: &Problem, arch: &GpuArch) -> Result<bool> {
-    if uncovered(p, arch).is_some() {
-        return Ok(false);
-    }
-    if !NARROWER_V_BY_DEFAULT && p.head_dim_v() != p.head_dim() {
-        return Err(Error::invalid(
-            "v",
-            format!(
-                "head_dim_v {} < head_dim {}: the Hopper backward runs it only when chosen \
-                 (FA4_BWD_KERNEL=sm90): its GPU tests have not run yet; the Ampere-class \
-                 backward needs head_dim_v == head_dim",
-                p.head_dim_v(),
-                p.head_dim()
-            ),
-        ));
-    }
-    Ok(true)
-}
-
 /// Why the Hopper backward does not cover a problem on `arch` (the argument to blame and the
 /// reason), or `None`. What it refuses runs the Ampere-class backward.
 pub fn uncovered(p: &Problem, arch: &GpuArch) -> Option<(&'static str, String)> {

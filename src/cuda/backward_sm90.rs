@@ -7,9 +7,8 @@
 //! Which backward runs: `FA4_BWD_KERNEL` (`auto`, `sm80`, `sm90`) where set, for A/B runs of
 //! one binary; else the backend's [`KernelChoice`] (`Sm80`/`Sm90` force the family, anything
 //! else is `auto`). `auto` takes the Hopper kernel where it covers the problem
-//! ([`bwd_sm90::auto_takes`]: V narrower than Q only when forced, see
-//! [`bwd_sm90::NARROWER_V_BY_DEFAULT`]), the Ampere-class one elsewhere; a forced `sm90` on a
-//! problem it does not cover is an error naming the argument to change.
+//! ([`bwd_sm90::uncovered`]), the Ampere-class one elsewhere; a forced `sm90` on a problem it
+//! does not cover is an error naming the argument to change.
 
 use std::borrow::Cow;
 
@@ -230,7 +229,7 @@ impl CudaBackend {
         let plan = match choice {
             BwdChoice::Sm80 => return Ok(None),
             BwdChoice::Auto => {
-                if !bwd_sm90::auto_takes(p, &arch)? {
+                if bwd_sm90::uncovered(p, &arch).is_some() {
                     return Ok(None);
                 }
                 bwd_sm90::plan(p, &arch, info.target, deterministic)?

@@ -105,17 +105,12 @@ fn run_backward_refusals_come_before_the_forward() {
     let (rc, out, err) = fa4(&shape("128", "cpu"));
     assert_eq!(rc, 0, "{out}{err}");
     assert!(out.contains("grads    pass"), "{out}");
+    // V wider than Q: no CUDA backward takes it.
     let gpu = fa4::Backend::cuda(0).is_ok();
-    let mut refused = vec!["128"];
-    if !fa4::config::bwd_sm90::NARROWER_V_BY_DEFAULT {
-        refused.push("32");
-    }
-    for dv in refused {
-        let (rc, out, err) = fa4(&shape(dv, "cuda"));
-        assert_eq!(rc, 2, "d_v {dv}: {out}{err}");
-        assert!(out.is_empty(), "d_v {dv}: {out}");
-        one_error_line(&err, if gpu { "--head-dim-v" } else { "--backend" });
-    }
+    let (rc, out, err) = fa4(&shape("128", "cuda"));
+    assert_eq!(rc, 2, "{out}{err}");
+    assert!(out.is_empty(), "{out}");
+    one_error_line(&err, if gpu { "--head-dim-v" } else { "--backend" });
 }
 
 #[test]
@@ -504,27 +499,23 @@ fn bench_backward_on_cuda_times_the_grid_it_is_given() {
         assert!(r["deterministic_tflops"].as_f64().unwrap() > 0.0, "{r}");
         assert_eq!(r["head_dim_v"], r["head_dim"], "{r}");
     }
-    // A shape the backward cannot plan (V wider than Q; V narrower than Q while the default
-    // leaves it out) is one line naming --grid before the table, whatever the GPU.
-    let mut shapes = vec!["64/128,256,0,1,2"];
-    if !fa4::config::bwd_sm90::NARROWER_V_BY_DEFAULT {
-        shapes.push("192/128,256,0,1,2");
-    }
-    for shape in shapes {
-        let (code, out, err) = fa4(&[
-            "bench",
-            "--backward",
-            "--backend",
-            "cuda",
-            "--grid",
-            shape,
-            "--reps",
-            "1",
-            "--calls",
-            "1",
-        ]);
-        assert_eq!(code, 2, "{shape}: {out}{err}");
-        assert!(out.is_empty(), "{shape}: {out}");
-        one_error_line(&err, "--grid");
-    }
+    // A shape the backward cannot plan (V wider than Q) is one line naming --grid before the
+    // table, whatever the GPU.
+    let (code, out, err) = fa4(&[
+        "bench",
+        "--backward",
+        "--backend",
+        "cuda",
+        "--dtype",
+        "bf16",
+        "--grid",
+        "64/128,256,0,1,2",
+        "--reps",
+        "1",
+        "--calls",
+        "1",
+    ]);
+    assert_eq!(code, 2, "{out}{err}");
+    assert!(out.is_empty(), "{out}");
+    one_error_line(&err, "--grid");
 }

@@ -361,6 +361,14 @@ pub(crate) fn sixteen_bit_head(
     let d = p.head_dim();
     if narrower_v && p.head_dim_v() < d {
         aligned("v", "head_dim_v", p.head_dim_v(), who)?;
+    } else if p.head_dim_v() > d {
+        return Err(Error::invalid(
+            "v",
+            format!(
+                "head_dim_v {} exceeds head_dim {d}: no CUDA {who} takes V wider than Q",
+                p.head_dim_v()
+            ),
+        ));
     } else if p.head_dim_v() != d {
         return Err(Error::invalid(
             "v",

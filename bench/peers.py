@@ -538,6 +538,9 @@ class Table:
             "unit": self.unit, "higher_is_better": self.higher_is_better, "libs": self.libs,
             "lib_names": {lib: names.get(lib, lib) for lib in self.libs},
         }
+        if "head_start_reruns" in meta:
+            # Of the whole run (every table of one run shares one head start).
+            out["head_start_reruns"] = meta["head_start_reruns"]
         if self.ratios:
             out["ratios"] = [r.json() for r in self.ratios]
         out["rows"] = [{k: r[k] for k in ("case", "values", "spread", "rounds")} for r in self.rows]
@@ -680,6 +683,7 @@ class Gpu:
         # Grows (×2) each time a head start ended before the host had queued the round's calls
         # (a calibration taken at another clock, a host path slower than measured).
         self.head_start_scale = 1.0
+        self.reruns = 0  # rounds run again for a short head start, printed and in the JSON
 
     def event(self):
         return self.torch.cuda.Event(enable_timing=True)
@@ -721,6 +725,7 @@ class Gpu:
             if not short or attempt == tries - 1:
                 return e0.elapsed_time(e1) / self.calls, host
             self.head_start_scale *= 2
+            self.reruns += 1
             host_us = max(host_us, host)
 
     def warm(self, call, n):
@@ -1795,9 +1800,12 @@ def main(argv=None):
         return
     for table in tables:
         summarise(table)
+    print(f"head start: {r.gpu.reruns} rounds run again for a short head start (scale now "
+          f"{r.gpu.head_start_scale:g})", flush=True)
     if a.json:
         meta = dict(date=datetime.date.today().isoformat(), gpu=t.cuda.get_device_name(), driver=driver_version(),
-                    versions=m.versions, method=method_line(a), lib_names=m.lib_names())
+                    versions=m.versions, method=method_line(a), lib_names=m.lib_names(),
+                    head_start_reruns=r.gpu.reruns)
         for p in write_tables(tables, a.json, meta):
             print(f"wrote {p}", flush=True)
     print(f"done in {time.time() - r.t0:.0f} s", flush=True)

@@ -230,6 +230,7 @@ class Timing(unittest.TestCase):
         self.assertEqual(sleeps[0], 1_100_000)
         self.assertEqual(sleeps[1] / sleeps[0], 2.0)
         self.assertEqual(gpu.head_start_scale, 4.0)
+        self.assertEqual(gpu.reruns, 2)
         # Never more than `tries` rounds, the last one kept.
         FakeTorch.cuda.done = [True] * 9
         calls.clear()

@@ -450,13 +450,13 @@ fn backward_cpu<'py>(
 fn paged_cpu<'py>(
     py: Python<'py>,
     dtype: &str,
-    q: (Bound<'py, PyBytes>, Vec<usize>),
-    k_cache: (Bound<'py, PyBytes>, Vec<usize>),
-    v_cache: (Bound<'py, PyBytes>, Vec<usize>),
+    q: HostArg<'py>,
+    k_cache: HostArg<'py>,
+    v_cache: HostArg<'py>,
     block_table: (Bound<'py, PyBytes>, usize),
     cache_seqlens: Vec<i32>,
-    k_new: Option<(Bound<'py, PyBytes>, Vec<usize>)>,
-    v_new: Option<(Bound<'py, PyBytes>, Vec<usize>)>,
+    k_new: Option<HostArg<'py>>,
+    v_new: Option<HostArg<'py>>,
     causal: bool,
     window: (i64, i64),
     scale: Option<f32>,
@@ -465,56 +465,33 @@ fn paged_cpu<'py>(
     threads: usize,
 ) -> PyResult<Vec<Bound<'py, PyByteArray>>> {
     let dt = dtype_of(dtype)?;
-    let attn = options(causal, window, scale, softcap)?;
-    let mut popts = PagedOptions::new(attn);
-    if num_splits > 0 {
-        popts = popts.num_splits(num_splits);
-    }
-    let block_table = block_table_arg(&block_table)?;
+    let popts = paged_options(causal, window, scale, softcap, num_splits)?;
+    let (table, max_pages) = block_table_arg(&block_table)?;
     let parts = by_dtype!(dt, T => {
-        let qd: Vec<T> = elems("q", q.0.as_bytes(), numel(&q.1))?;
+        let mut c = PagedHost::<T>::new(&q, &v_cache.1, &k_new, &v_new)?;
         let mut kc: Vec<T> = elems("k_cache", k_cache.0.as_bytes(), numel(&k_cache.1))?;
         let mut vc: Vec<T> = elems("v_cache", v_cache.0.as_bytes(), numel(&v_cache.1))?;
-        let appended = match (&k_new, &v_new) {
-            (Some(kn), Some(vn)) => Some((
-                elems::<T>("k", kn.0.as_bytes(), numel(&kn.1))?,
-                elems::<T>("v", vn.0.as_bytes(), numel(&vn.1))?,
-                kn.1.clone(),
-            )),
-            (None, None) => None,
-            _ => return Err(PyValueError::new_err("invalid argument `v`: give k and v together")),
-        };
-        let mut o_shape = q.1.clone();
-        if let (Some(last), Some(dv)) = (o_shape.last_mut(), v_cache.1.last()) {
-            *last = *dv;
-        }
-        let mut od = vec![T::default(); numel(&o_shape)];
-        let mut lse = vec![0f32; q.1.first().copied().unwrap_or(0) * q.1.get(1).copied().unwrap_or(0) * q.1.get(2).copied().unwrap_or(0)];
         let backend = cpu_backend(threads);
         py.detach(|| -> fa4::Result<()> {
-            let kl = Layout::new("k_cache", &k_cache.1, None)?;
-            let vl = Layout::new("v_cache", &v_cache.1, None)?;
             let mut seqlens = cache_seqlens.clone();
-            if let Some((kn, vn, shape)) = &appended {
-                let cache = PagedCache::new(&kl, &vl, &block_table.0, block_table.1, &seqlens)?;
-                let (b, s) = new_rows(shape)?;
-                let cu: Vec<i32> = (0..=b).map(|i| (i * s) as i32).collect();
-                seqlens = fa4::paged::append(&cache, &mut kc, &mut vc, kn, vn, &cu)?;
+            if let Some((kn, vn, cu)) = &c.new {
+                let (kl, vl) = (Layout::new("k_cache", &k_cache.1, None)?, Layout::new("v_cache", &v_cache.1, None)?);
+                let cache = PagedCache::new(&kl, &vl, &table, max_pages, &seqlens)?;
+                seqlens = fa4::paged::append(&cache, &mut kc, &mut vc, kn, vn, cu)?;
             }
             let kv = PagedKv::new(
                 Tensor::new(&kc, &k_cache.1)?,
                 Tensor::new(&vc, &v_cache.1)?,
-                &block_table.0,
-                block_table.1,
+                &table,
+                max_pages,
                 &seqlens,
             )?;
-            let qt = Tensor::new(&qd, &q.1)?;
-            let mut ot = TensorMut::new(&mut od, &o_shape)?;
-            backend.forward_paged(&qt, &kv, None, &mut ot, Some(&mut lse), &popts)?;
-            Ok(())
+            let qt = Tensor::new(&c.q, &q.1)?;
+            let mut ot = TensorMut::new(&mut c.out, &c.o_shape)?;
+            backend.forward_paged(&qt, &kv, None, &mut ot, Some(&mut c.lse), &popts).map(drop)
         })
         .map_err(py_err_paged)?;
-        Ok::<_, PyErr>(vec![to_bytes(&od), to_bytes(&lse), to_bytes(&kc), to_bytes(&vc)])
+        Ok::<_, PyErr>(vec![to_bytes(&c.out), to_bytes(&c.lse), to_bytes(&kc), to_bytes(&vc)])
     })?;
     Ok(parts.iter().map(|b| PyByteArray::new(py, b)).collect())
 }
@@ -530,15 +507,15 @@ fn paged_cpu<'py>(
 fn paged_fp8_cpu<'py>(
     py: Python<'py>,
     dtype: &str,
-    q: (Bound<'py, PyBytes>, Vec<usize>),
-    k_cache: (Bound<'py, PyBytes>, Vec<usize>),
-    v_cache: (Bound<'py, PyBytes>, Vec<usize>),
+    q: HostArg<'py>,
+    k_cache: HostArg<'py>,
+    v_cache: HostArg<'py>,
     k_scale: Bound<'py, PyBytes>,
     v_scale: Bound<'py, PyBytes>,
     block_table: (Bound<'py, PyBytes>, usize),
     cache_seqlens: Vec<i32>,
-    k_new: Option<(Bound<'py, PyBytes>, Vec<usize>)>,
-    v_new: Option<(Bound<'py, PyBytes>, Vec<usize>)>,
+    k_new: Option<HostArg<'py>>,
+    v_new: Option<HostArg<'py>>,
     causal: bool,
     window: (i64, i64),
     scale: Option<f32>,
@@ -547,44 +524,22 @@ fn paged_fp8_cpu<'py>(
     threads: usize,
 ) -> PyResult<Vec<Bound<'py, PyByteArray>>> {
     let dt = dtype_of(dtype)?;
-    let attn = options(causal, window, scale, softcap)?;
-    let mut popts = PagedOptions::new(attn);
-    if num_splits > 0 {
-        popts = popts.num_splits(num_splits);
-    }
+    let popts = paged_options(causal, window, scale, softcap, num_splits)?;
     let (table, max_pages) = block_table_arg(&block_table)?;
     let ks: Vec<f32> = elems("k_scale", k_scale.as_bytes(), k_scale.as_bytes().len() / 4)?;
     let vs: Vec<f32> = elems("v_scale", v_scale.as_bytes(), v_scale.as_bytes().len() / 4)?;
     let mut kc: Vec<F8E4M3> = elems("k_cache", k_cache.0.as_bytes(), numel(&k_cache.1))?;
     let mut vc: Vec<F8E4M3> = elems("v_cache", v_cache.0.as_bytes(), numel(&v_cache.1))?;
     let parts = by_dtype!(dt, T => {
-        let qd: Vec<T> = elems("q", q.0.as_bytes(), numel(&q.1))?;
-        let appended = match (&k_new, &v_new) {
-            (Some(kn), Some(vn)) => Some((
-                elems::<T>("k", kn.0.as_bytes(), numel(&kn.1))?,
-                elems::<T>("v", vn.0.as_bytes(), numel(&vn.1))?,
-                kn.1.clone(),
-            )),
-            (None, None) => None,
-            _ => return Err(PyValueError::new_err("invalid argument `v`: give k and v together")),
-        };
-        let mut o_shape = q.1.clone();
-        if let (Some(last), Some(dv)) = (o_shape.last_mut(), v_cache.1.last()) {
-            *last = *dv;
-        }
-        let mut od = vec![T::default(); numel(&o_shape)];
-        let mut lse = vec![0f32; q.1.iter().take(3).product::<usize>()];
+        let mut c = PagedHost::<T>::new(&q, &v_cache.1, &k_new, &v_new)?;
         let backend = cpu_backend(threads);
         py.detach(|| -> fa4::Result<()> {
-            let kl = Layout::new("k_cache", &k_cache.1, None)?;
-            let vl = Layout::new("v_cache", &v_cache.1, None)?;
             let scales = KvScales { k: &ks, v: &vs };
             let mut seqlens = cache_seqlens.clone();
-            if let Some((kn, vn, shape)) = &appended {
+            if let Some((kn, vn, cu)) = &c.new {
+                let (kl, vl) = (Layout::new("k_cache", &k_cache.1, None)?, Layout::new("v_cache", &v_cache.1, None)?);
                 let cache = PagedCache::new(&kl, &vl, &table, max_pages, &seqlens)?;
-                let (b, s) = new_rows(shape)?;
-                let cu: Vec<i32> = (0..=b).map(|i| (i * s) as i32).collect();
-                seqlens = fa4::paged::append_fp8(&cache, &mut kc, &mut vc, kn, vn, &cu, &scales)?;
+                seqlens = fa4::paged::append_fp8(&cache, &mut kc, &mut vc, kn, vn, cu, &scales)?;
             }
             let kv = PagedKv::new(
                 Tensor::new(&kc, &k_cache.1)?,
@@ -593,19 +548,81 @@ fn paged_fp8_cpu<'py>(
                 max_pages,
                 &seqlens,
             )?;
-            let qt = Tensor::new(&qd, &q.1)?;
-            let mut ot = TensorMut::new(&mut od, &o_shape)?;
-            backend.forward_paged_fp8(&qt, &kv, &scales, None, &mut ot, Some(&mut lse), &popts)?;
-            Ok(())
+            let qt = Tensor::new(&c.q, &q.1)?;
+            let mut ot = TensorMut::new(&mut c.out, &c.o_shape)?;
+            backend.forward_paged_fp8(&qt, &kv, &scales, None, &mut ot, Some(&mut c.lse), &popts).map(drop)
         })
         .map_err(py_err_paged)?;
-        Ok::<_, PyErr>(vec![to_bytes(&od), to_bytes(&lse)])
+        Ok::<_, PyErr>(vec![to_bytes(&c.out), to_bytes(&c.lse)])
     })?;
     let mut out: Vec<Bound<'py, PyByteArray>> =
         parts.iter().map(|b| PyByteArray::new(py, b)).collect();
     out.push(PyByteArray::new(py, &to_bytes(&kc)));
     out.push(PyByteArray::new(py, &to_bytes(&vc)));
     Ok(out)
+}
+
+/// A host array as the Python side passes it: its bytes and its shape.
+type HostArg<'py> = (Bound<'py, PyBytes>, Vec<usize>);
+
+/// A paged call's options (`num_splits` 0: the planner's choice).
+fn paged_options(
+    causal: bool,
+    window: (i64, i64),
+    scale: Option<f32>,
+    softcap: f32,
+    num_splits: usize,
+) -> PyResult<PagedOptions> {
+    let popts = PagedOptions::new(options(causal, window, scale, softcap)?);
+    Ok(if num_splits > 0 {
+        popts.num_splits(num_splits)
+    } else {
+        popts
+    })
+}
+
+/// What the paged CPU entries share for queries and outputs of `T`: the query, the new K/V rows
+/// (both or neither) with their offsets, and the output and LSE buffers.
+struct PagedHost<T> {
+    q: Vec<T>,
+    new: Option<(Vec<T>, Vec<T>, Vec<i32>)>,
+    o_shape: Vec<usize>,
+    out: Vec<T>,
+    lse: Vec<f32>,
+}
+
+impl<T: FromBits + Default> PagedHost<T> {
+    /// `q` `[batch, seqlen_q, heads, dim]`, the cache of V of shape `v_shape` (its last entry is
+    /// O's head dim), new rows `[batch, seqlen_new, heads_kv, dim]`.
+    fn new(
+        q: &HostArg<'_>,
+        v_shape: &[usize],
+        k_new: &Option<HostArg<'_>>,
+        v_new: &Option<HostArg<'_>>,
+    ) -> PyResult<Self> {
+        let new = match new_pair(k_new, v_new).map_err(py_err_paged)? {
+            Some((kn, vn)) => {
+                let (b, s) = new_rows(&kn.1).map_err(py_err_paged)?;
+                Some((
+                    elems::<T>("k", kn.0.as_bytes(), numel(&kn.1))?,
+                    elems::<T>("v", vn.0.as_bytes(), numel(&vn.1))?,
+                    (0..=b).map(|i| (i * s) as i32).collect(),
+                ))
+            }
+            None => None,
+        };
+        let mut o_shape = q.1.clone();
+        if let (Some(last), Some(dv)) = (o_shape.last_mut(), v_shape.last()) {
+            *last = *dv;
+        }
+        Ok(PagedHost {
+            q: elems("q", q.0.as_bytes(), numel(&q.1))?,
+            new,
+            out: vec![T::default(); numel(&o_shape)],
+            o_shape,
+            lse: vec![0f32; q.1.iter().take(3).product::<usize>()],
+        })
+    }
 }
 
 /// `(batch, seqlen_new)` of new K/V rows `[batch, seqlen_new, heads_kv, dim]`.
@@ -1078,10 +1095,7 @@ fn block_table_arg(bt: &(Bound<'_, PyBytes>, usize)) -> PyResult<(Vec<i32>, usiz
 }
 
 /// The new K/V rows, both or neither.
-fn new_pair<'a>(
-    k: &'a Option<DevArg>,
-    v: &'a Option<DevArg>,
-) -> fa4::Result<Option<(&'a DevArg, &'a DevArg)>> {
+fn new_pair<'a, A>(k: &'a Option<A>, v: &'a Option<A>) -> fa4::Result<Option<(&'a A, &'a A)>> {
     match (k, v) {
         (Some(k), Some(v)) => Ok(Some((k, v))),
         (None, None) => Ok(None),

@@ -286,8 +286,7 @@ def _paged_dev_args(q, k_cache, v_cache, k_new, v_new):
     return args[0], args[1], args[2], new, [t for t, _ in held]
 
 
-@torch.library.custom_op("fa4::kvcache", mutates_args=("k_cache", "v_cache"))
-def _kvcache(
+def _kvcache_body(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -322,6 +321,9 @@ def _kvcache(
     return _paged_host_results(parts, q, k_cache, v_cache, k_new is not None)
 
 
+_kvcache = torch.library.custom_op("fa4::kvcache", _kvcache_body, mutates_args=("k_cache", "v_cache"))
+
+
 def _paged_host_results(parts, q, k_cache, v_cache, appended):
     """(out, lse) of a paged CPU call; with `appended` the caches the extension returned are
     copied back into k_cache and v_cache."""
@@ -342,8 +344,7 @@ def _kvcache_fake(q, k_cache, v_cache, k_new, v_new, block_table, cache_seqlens,
     return q.new_empty((b, s, h, v_cache.shape[-1])), q.new_empty((b, h, s), dtype=torch.float32)
 
 
-@torch.library.custom_op("fa4::kvcache_fp8", mutates_args=("k_cache", "v_cache"))
-def _kvcache_fp8(
+def _kvcache_fp8_body(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -382,6 +383,9 @@ def _kvcache_fp8(
         causal, window, softmax_scale, softcap, num_splits, 0,
     )
     return _paged_host_results(parts, q, k_cache, v_cache, k_new is not None)
+
+
+_kvcache_fp8 = torch.library.custom_op("fa4::kvcache_fp8", _kvcache_fp8_body, mutates_args=("k_cache", "v_cache"))
 
 
 @_kvcache_fp8.register_fake
@@ -480,7 +484,36 @@ def kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, scale, causal
     if cache_seqlens.dtype.is_floating_point:
         raise TypeError(f"cache_seqlens: expected an int32 tensor, got {cache_seqlens.dtype}")
     opts = (float(scale), bool(causal), window[0], window[1], float(softcap), num_splits)
+    tensors = (q, k_cache, v_cache, k, v, block_table, cache_seqlens)
     if scales is None:
-        return _kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, *opts)
-    ks, vs = (_kv_scale(n, s, k_cache) for n, s in zip(("k_scale", "v_scale"), scales))
-    return _kvcache_fp8(q, k_cache, v_cache, ks, vs, k, v, block_table, cache_seqlens, *opts)
+        args = (q, k_cache, v_cache, k, v, block_table, cache_seqlens, *opts)
+        op, body = _kvcache, _kvcache_body
+    else:
+        ks, vs = (_kv_scale(n, s, k_cache) for n, s in zip(("k_scale", "v_scale"), scales))
+        args = (q, k_cache, v_cache, ks, vs, k, v, block_table, cache_seqlens, *opts)
+        op, body = _kvcache_fp8, _kvcache_fp8_body
+        tensors += (ks, vs)
+    if not _plain_eager(tensors):
+        return op(*args)
+    out = body(*args)
+    if k is not None:
+        # What the op's in-place layer does for its mutated arguments (a no-op on inference tensors).
+        torch.autograd.graph.increment_version([k_cache, v_cache])
+    return out
+
+
+def _plain_eager(tensors):
+    """Whether a paged call may run its op's body directly instead of through PyTorch's dispatcher,
+    whose custom-op layers cost about 50 µs of host time per call (docs/perf.md, "An fp8 cache"),
+    more than a decode step's GPU time at one sequence: outside torch.compile's tracing (which
+    needs the registered op and its fake), on plain tensors (no fake or other subclass, as under
+    make_fx), none of which autograd records (the op has no backward)."""
+    if torch.compiler.is_compiling():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is None:
+            continue
+        if type(t) is not torch.Tensor or (grad and t.requires_grad):
+            return False
+    return True

@@ -316,6 +316,59 @@ def test_cpu_fp8_kvcache_scales_and_compile():
     assert torch.equal(f(q, kc, vc, torch.tensor(0.02), torch.tensor([0.5])), want.float())
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_kvcache_eager_call_matches_the_registered_op(device, fp8, monkeypatch):
+    """Outside torch.compile a paged call runs its op's body directly (the dispatcher's custom-op
+    layers cost more host time than a decode step's GPU time): the same bits and the same appended
+    rows as the registered op, and the append bumps both caches' version counters as the op's
+    in-place layer does. With an input that autograd records it goes through the op."""
+    g = torch.Generator().manual_seed(41)
+    page, hk, d = 16, 2, 32
+    kc, vc = (torch.randn(4, page, hk, d, generator=g) for _ in range(2))
+    ks = vs = None
+    if fp8:
+        (kc, ks), (vc, vs) = quantize_cache_fp8(kc), quantize_cache_fp8(vc)
+    else:
+        kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    q = torch.randn(2, 1, 4, d, generator=g).to(torch.bfloat16)
+    kn, vn = (torch.randn(2, 1, hk, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    kc, vc, q, kn, vn = (t.to(device) for t in (kc, vc, q, kn, vn))
+    ks, vs = (None if s is None else s.to(device) for s in (ks, vs))
+    table = torch.tensor([[0, 1], [3, 2]], dtype=torch.int32)
+    lens = torch.tensor([20, 5], dtype=torch.int32)
+    k2, v2 = kc.clone(), vc.clone()
+    versions = kc._version, vc._version
+    out, lse = fa4.flash_attn_with_kvcache(q, kc, vc, k=kn, v=vn, cache_seqlens=lens, block_table=table,
+                                           return_softmax_lse=True, k_scale=ks, v_scale=vs)
+    assert kc._version > versions[0] and vc._version > versions[1]
+    opts = (d**-0.5, False, -1, -1, 0.0, 0)
+    if fp8:
+        want = torch.ops.fa4.kvcache_fp8(q, k2, v2, ks, vs, kn, vn, table, lens, *opts)
+    else:
+        want = torch.ops.fa4.kvcache(q, k2, v2, kn, vn, table, lens, *opts)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    assert torch.equal(kc.view(torch.uint8), k2.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), v2.view(torch.uint8))
+    # Which path a call takes: the body directly (counted) or the op (which holds the original).
+    from fa4 import _torch as ft
+
+    name = "_kvcache_fp8_body" if fp8 else "_kvcache_body"
+    calls = []
+    body = getattr(ft, name)
+    monkeypatch.setattr(ft, name, lambda *a: calls.append(1) or body(*a))
+    run = lambda q: fa4.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, k_scale=ks,
+                                                v_scale=vs)
+    plain = run(q)
+    assert len(calls) == 1
+    tracked = run(q.detach().clone().requires_grad_())
+    assert len(calls) == 1, "an input that autograd records must go through the op"
+    with torch.no_grad():
+        run(q.detach().clone().requires_grad_())
+    assert len(calls) == 2
+    assert torch.equal(plain, tracked.detach())
+
+
 def test_fp8_kvcache_errors_name_the_argument():
     g = torch.Generator().manual_seed(32)
     kc, ks = quantize_cache_fp8(torch.randn(2, 16, 2, 32, generator=g))

@@ -89,8 +89,7 @@ def _out_shapes(q, v):
     return (t, h, v.shape[-1]), (h, t)
 
 
-@torch.library.custom_op("fa4::fwd", mutates_args=())
-def _fwd(
+def _fwd_body(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -121,6 +120,9 @@ def _fwd(
     return _from_host(o, q.dtype, o_shape), _from_host(l, torch.float32, lse_shape)
 
 
+_fwd = torch.library.custom_op("fa4::fwd", _fwd_body, mutates_args=())
+
+
 @_fwd.register_fake
 def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window_left, window_right, softcap,
               deterministic):
@@ -128,8 +130,7 @@ def _fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window
     return q.new_empty(o_shape), q.new_empty(lse_shape, dtype=torch.float32)
 
 
-@torch.library.custom_op("fa4::fwd_fp8", mutates_args=())
-def _fwd_fp8(
+def _fwd_fp8_body(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -164,6 +165,9 @@ def _fwd_fp8(
         out_dtype, _host(q), _host(k), _host(v), cq, ck, *ds, causal, window, softmax_scale, softcap, 0
     )
     return _from_host(o, _OUT_DTYPES[out_dtype], o_shape), _from_host(l, torch.float32, lse_shape)
+
+
+_fwd_fp8 = torch.library.custom_op("fa4::fwd_fp8", _fwd_fp8_body, mutates_args=())
 
 
 @_fwd_fp8.register_fake
@@ -406,8 +410,9 @@ def _cu(name, t):
 
 
 def forward(q, k, v, cu_q, cu_k, scale, causal, window, softcap, deterministic):
-    return _fwd(q, k, v, _cu("cu_seqlens_q", cu_q), _cu("cu_seqlens_k", cu_k), float(scale), bool(causal),
-                window[0], window[1], float(softcap), deterministic)
+    cu_q, cu_k = _cu("cu_seqlens_q", cu_q), _cu("cu_seqlens_k", cu_k)
+    fwd = _fwd_body if _plain_eager((q, k, v, cu_q, cu_k)) else _fwd
+    return fwd(q, k, v, cu_q, cu_k, float(scale), bool(causal), window[0], window[1], float(softcap), deterministic)
 
 
 def _descale(name, d, q, shape):
@@ -436,8 +441,8 @@ def forward_fp8(q, k, v, cu_q, cu_k, descales, out_dtype, scale, causal, window,
     sequences = q.shape[0] if cu_q is None else cu_q.shape[0] - 1
     shape = (sequences, k.shape[-2])
     ds = [_descale(n, d, q, shape) for n, d in zip(("q_descale", "k_descale", "v_descale"), descales)]
-    return _fwd_fp8(q, k, v, cu_q, cu_k, *ds, float(scale), bool(causal), window[0], window[1], float(softcap),
-                    out_dtype)
+    fwd = _fwd_fp8_body if _plain_eager((q, k, v, cu_q, cu_k, *ds)) else _fwd_fp8
+    return fwd(q, k, v, cu_q, cu_k, *ds, float(scale), bool(causal), window[0], window[1], float(softcap), out_dtype)
 
 
 def backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, window, softcap, deterministic):
@@ -503,11 +508,12 @@ def kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, scale, causal
 
 
 def _plain_eager(tensors):
-    """Whether a paged call may run its op's body directly instead of through PyTorch's dispatcher,
-    whose custom-op layers cost about 50 µs of host time per call (docs/perf.md, "An fp8 cache"),
-    more than a decode step's GPU time at one sequence: outside torch.compile's tracing (which
-    needs the registered op and its fake), on plain tensors (no fake or other subclass, as under
-    make_fx), none of which autograd records (the op has no backward)."""
+    """Whether a call may run its op's body directly instead of through PyTorch's dispatcher, whose
+    custom-op layers cost about 50 µs of host time per call (docs/perf.md, "An fp8 cache"), more
+    than a decode step's GPU time at one sequence: outside torch.compile's tracing (which needs
+    the registered op and its fake), on plain tensors (no fake or other subclass, as under
+    make_fx), none of which autograd records (the forward's backward is the op's; the paged op
+    has none)."""
     if torch.compiler.is_compiling():
         return False
     grad = torch.is_grad_enabled()

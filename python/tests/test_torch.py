@@ -242,6 +242,39 @@ def test_fp8_errors_name_the_argument():
         out.float().sum().backward()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=cuda)])
+def test_forward_eager_call_matches_the_registered_op(device, monkeypatch):
+    """Outside torch.compile, with no input autograd records, flash_attn_func runs the op's body
+    directly (16-bit and fp8): the same bits as the registered op. An input that autograd records
+    goes through the op, whose backward it needs; under no_grad it does not."""
+    from fa4 import _torch as ft
+
+    g = torch.Generator().manual_seed(42)
+    q, k, v = (torch.randn(2, 40, 4, 64, generator=g).to(device, torch.bfloat16) for _ in range(3))
+    out, lse, _ = fa4.flash_attn_func(q, k, v, causal=True, return_attn_probs=True)
+    want = torch.ops.fa4.fwd(q, k, v, None, None, 64**-0.5, True, -1, -1, 0.0, False)
+    assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    calls = []
+    body = ft._fwd_body
+    monkeypatch.setattr(ft, "_fwd_body", lambda *a: calls.append(1) or body(*a))
+    fa4.flash_attn_func(q, k, v, causal=True)
+    assert len(calls) == 1
+    qg = q.detach().clone().requires_grad_()
+    tracked = fa4.flash_attn_func(qg, k, v, causal=True)
+    assert len(calls) == 1 and tracked.grad_fn is not None
+    tracked.float().sum().backward()
+    assert qg.grad is not None and qg.grad.shape == q.shape
+    with torch.no_grad():
+        fa4.flash_attn_func(qg, k, v, causal=True)
+    assert len(calls) == 2
+    if device == "cuda" and torch.cuda.get_device_capability()[0] != 9:
+        return  # the fp8 forward runs on Hopper GPUs and the CPU
+    q8, dq, k8, dk, v8, dv = make_fp8(2, 33, 40, 4, 2, 64, device, seed=43)
+    out8 = fa4.flash_attn_func(q8, k8, v8, q_descale=dq, k_descale=dk, v_descale=dv)
+    want8 = torch.ops.fa4.fwd_fp8(q8, k8, v8, None, None, dq, dk, dv, 64**-0.5, False, -1, -1, 0.0, "bf16")
+    assert torch.equal(out8, want8[0])
+
+
 # ---------------------------------------------------------------------------------------------
 # fp8 KV caches (vLLM's kv_cache_dtype="fp8_e4m3"): docs/decode.md, "An fp8 cache"
 # ---------------------------------------------------------------------------------------------

@@ -410,9 +410,9 @@ def _cu(name, t):
 
 
 def forward(q, k, v, cu_q, cu_k, scale, causal, window, softcap, deterministic):
-    cu_q, cu_k = _cu("cu_seqlens_q", cu_q), _cu("cu_seqlens_k", cu_k)
-    fwd = _fwd_body if _plain_eager((q, k, v, cu_q, cu_k)) else _fwd
-    return fwd(q, k, v, cu_q, cu_k, float(scale), bool(causal), window[0], window[1], float(softcap), deterministic)
+    args = (q, k, v, _cu("cu_seqlens_q", cu_q), _cu("cu_seqlens_k", cu_k), float(scale), bool(causal), window[0],
+            window[1], float(softcap), deterministic)
+    return (_fwd_body if _plain_eager(args) else _fwd)(*args)
 
 
 def _descale(name, d, q, shape):
@@ -441,8 +441,8 @@ def forward_fp8(q, k, v, cu_q, cu_k, descales, out_dtype, scale, causal, window,
     sequences = q.shape[0] if cu_q is None else cu_q.shape[0] - 1
     shape = (sequences, k.shape[-2])
     ds = [_descale(n, d, q, shape) for n, d in zip(("q_descale", "k_descale", "v_descale"), descales)]
-    fwd = _fwd_fp8_body if _plain_eager((q, k, v, cu_q, cu_k, *ds)) else _fwd_fp8
-    return fwd(q, k, v, cu_q, cu_k, *ds, float(scale), bool(causal), window[0], window[1], float(softcap), out_dtype)
+    args = (q, k, v, cu_q, cu_k, *ds, float(scale), bool(causal), window[0], window[1], float(softcap), out_dtype)
+    return (_fwd_fp8_body if _plain_eager(args) else _fwd_fp8)(*args)
 
 
 def backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, window, softcap, deterministic):
@@ -489,7 +489,6 @@ def kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, scale, causal
     if cache_seqlens.dtype.is_floating_point:
         raise TypeError(f"cache_seqlens: expected an int32 tensor, got {cache_seqlens.dtype}")
     opts = (float(scale), bool(causal), window[0], window[1], float(softcap), num_splits)
-    tensors = (q, k_cache, v_cache, k, v, block_table, cache_seqlens)
     if scales is None:
         args = (q, k_cache, v_cache, k, v, block_table, cache_seqlens, *opts)
         op, body = _kvcache, _kvcache_body
@@ -497,8 +496,7 @@ def kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, scale, causal
         ks, vs = (_kv_scale(n, s, k_cache) for n, s in zip(("k_scale", "v_scale"), scales))
         args = (q, k_cache, v_cache, ks, vs, k, v, block_table, cache_seqlens, *opts)
         op, body = _kvcache_fp8, _kvcache_fp8_body
-        tensors += (ks, vs)
-    if not _plain_eager(tensors):
+    if not _plain_eager(args):
         return op(*args)
     out = body(*args)
     if k is not None:
@@ -507,8 +505,8 @@ def kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, scale, causal
     return out
 
 
-def _plain_eager(tensors):
-    """Whether a call may run its op's body directly instead of through PyTorch's dispatcher, whose
+def _plain_eager(args):
+    """Whether a call with these arguments may run its op's body directly instead of through PyTorch's dispatcher, whose
     custom-op layers cost about 50 µs of host time per call (docs/perf.md, "An fp8 cache"), more
     than a decode step's GPU time at one sequence: outside torch.compile's tracing (which needs
     the registered op and its fake), on plain tensors (no fake or other subclass, as under
@@ -517,9 +515,7 @@ def _plain_eager(tensors):
     if torch.compiler.is_compiling():
         return False
     grad = torch.is_grad_enabled()
-    for t in tensors:
-        if t is None:
-            continue
-        if type(t) is not torch.Tensor or (grad and t.requires_grad):
+    for t in args:
+        if isinstance(t, torch.Tensor) and (type(t) is not torch.Tensor or (grad and t.requires_grad)):
             return False
     return True

@@ -39,7 +39,8 @@
 #   FA4_CHECK_KNOWN      tests whose failure is a documented known limit: reported, not counted
 #   FA4_CHECK_FAMILIES   sanitized families (default `sm80 sm90 decode backward`; also
 #                        `decode-fp8`: `fa4 run --paged --kv-dtype fp8`, the all-heads kernel with
-#                        bulk copies (auto) and the split kernel (plain, causal, fp16 queries);
+#                        bulk copies (auto) and the split kernel (plain, causal, fp16 and
+#                        bf16 queries: the bf16 form writes its rows' factors into the ring);
 #                        `bwd-sm90`: eleven Hopper backward problems, nine of them walking more
 #                        steps than the ring has stages, three at head dims narrower than the
 #                        tiles, three in the shared-keys form (d256, d192, 192/128), two with V
@@ -204,6 +205,7 @@ sm90-fp8|sm90-fp8-d192-v128|FA4_KERNEL=auto|run --backend cuda --dtype fp8 --bat
 decode|decode|FA4_KERNEL=auto|run --backend cuda --paged --num-splits 3 --dtype fp16 --batch 4 --seqlen-k 700 --heads-q 8 --heads-kv 2 --head-dim 128
 decode-fp8|decode-fp8-heads|FA4_DECODE_VARIANT=auto|run --backend cuda --paged --kv-dtype fp8 --num-splits 3 --dtype bf16 --batch 4 --seqlen-k 700 --heads-q 8 --heads-kv 2 --head-dim 128
 decode-fp8|decode-fp8-split|FA4_DECODE_VARIANT=plain|run --backend cuda --paged --kv-dtype fp8 --num-splits 3 --dtype fp16 --batch 4 --seqlen-q 2 --seqlen-k 700 --heads-q 8 --heads-kv 2 --head-dim 128 --causal
+decode-fp8|decode-fp8-split-bf16|FA4_DECODE_VARIANT=plain|run --backend cuda --paged --kv-dtype fp8 --num-splits 3 --dtype bf16 --batch 4 --seqlen-q 2 --seqlen-k 700 --heads-q 8 --heads-kv 2 --head-dim 128 --causal
 backward|backward|FA4_KERNEL=auto|run --backend cuda --backward --dtype bf16 --batch 1 --seqlen-q 200 --seqlen-k 200 --heads-q 2 --head-dim 64 --causal
 bwd-sm90|bwd-sm90-d64-gqa|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype bf16 --batch 2 --seqlen-q 150 --seqlen-k 190 --heads-q 4 --heads-kv 2 --head-dim 64 --causal
 bwd-sm90|bwd-sm90-d128-window|FA4_BWD_KERNEL=sm90|run --backend cuda --backward --dtype fp16 --batch 1 --seqlen-q 150 --seqlen-k 190 --heads-q 2 --heads-kv 1 --head-dim 128 --window 40,10 --softcap 8

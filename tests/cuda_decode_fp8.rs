@@ -648,19 +648,57 @@ fn fp8_every_byte_widens_to_its_value() {
             );
             if bf {
                 let c = byte_case::<bf16>(&mut rng, bytes, lambda);
-                run_variants(&cuda, &c, &what);
+                run_variants(&cuda, &c, &Options::new(), &what);
             } else {
                 let c = byte_case::<f16>(&mut rng, bytes, lambda);
-                run_variants(&cuda, &c, &what);
+                run_variants(&cuda, &c, &Options::new(), &what);
             }
         }
     }
 }
 
-/// The split kernel (`plain`) and the all-heads kernel (`heads`) on one problem, one split and
-/// the planner's, device entry.
-fn run_variants<T: Element>(cuda: &CudaBackend, c: &Fp8Inputs<T>, what: &str) {
-    let p = c.x.problem(&Options::new()).unwrap();
+/// bf16 queries outside f16's range, and rows of one tile whose magnitudes differ by up to
+/// 2^6: Q·Kᵀ runs in f16 on a copy of each query row scaled by a power of two of its own
+/// (`kernels/decode/fp8.cuh`), so a row left unscaled flushes to zero (queries of 2^-30) or
+/// overflows (2^24), and a factor applied to the wrong row moves its scores by a power of two.
+/// Each problem's softmax scale brings the scores back to a few units, where those errors show
+/// in O and the LSE. The split and the all-heads kernel, one split and the planner's.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fp8_bf16_queries_of_any_magnitude_match_the_oracle() {
+    let cuda = gpu();
+    let mut rng = StdRng::seed_from_u64(83);
+    let spec = PagedSpec {
+        seqlens_q: vec![2, 2],
+        seqlens_k: vec![300, 45],
+        heads_q: 8,
+        heads_kv: 2,
+        head_dim: 128,
+        head_dim_v: 128,
+        page_size: 16,
+        varlen: false,
+    };
+    for (mag, scale) in [
+        (2f32.powi(-30), 2f32.powi(27)),
+        (2f32.powi(24), 2f32.powi(-27)),
+        (1.0, 0.088),
+    ] {
+        let mut c = fp8_inputs::<bf16>(&mut rng, &spec);
+        for (i, q) in c.x.q.iter_mut().enumerate() {
+            // The four query heads of a KV head at 2^-3, 2^-1, 2^1 and 2^3 times mag.
+            let head = (i / spec.head_dim) % spec.heads_q;
+            let f = mag * 2f32.powi(2 * (head % 4) as i32 - 3);
+            *q = bf16::from_f32(q.to_f32() * f);
+        }
+        let what = format!("bf16 queries of about {mag:e}, scale {scale:e}");
+        run_variants(&cuda, &c, &Options::new().scale(scale), &what);
+    }
+}
+
+/// The split kernel (`plain`) and the all-heads kernel (`heads`) on one problem under `opts`,
+/// one split and the planner's, device entry.
+fn run_variants<T: Element>(cuda: &CudaBackend, c: &Fp8Inputs<T>, opts: &Options, what: &str) {
+    let p = c.x.problem(opts).unwrap();
     let p8 = p.clone().with_fp8_cache();
     let mut tables = cuda.paged_tables(&p8).unwrap();
     let mut d = Device::new(cuda, c, p.lse_len());

@@ -34,16 +34,22 @@
 //   O. Byte permutes pair the rows, and the pairs widen to f16x2. O's columns are thus
 //   permuted: column n of n8 tile jd is dim o_col(jd, n), and the epilogues write by it.
 //
-// P·V runs in f16 whatever the queries' type: P ≤ 2^8 (the lazy rescale's bound) fits f16 with
-// three more mantissa bits than bf16, and e4m3 widens to f16 in one instruction on sm_89 and
-// later (`cvt.rn.f16x2.e4m3x2`; before, bit operations and a multiply by 2^8). K widens to the
-// queries' type: f16 as V, or bf16 by bit operations and a multiply by 2^120 (no sm_90
-// instruction converts e4m3 to bf16).
+// Both products run in f16 whatever the queries' type, because e4m3 widens to f16 in one
+// instruction on sm_89 and later (`cvt.rn.f16x2.e4m3x2`; before, bit operations and a multiply
+// by 2^8) and to bf16 in none: the bit-operation widening of K to bf16 cost about 14
+// instructions per MMA of Q·Kᵀ, most of the decode step's issue slots. P·V: P ≤ 2^8 (the lazy
+// rescale's bound) fits f16 with three more mantissa bits than bf16. Q·Kᵀ with bf16 queries:
+// the tile holds each row times 2^-e_r (`q_row_exp`: its largest finite |q| lands in
+// [2^14, 2^15)), rounded to f16, and S's row is multiplied back by 2^e_r (`q_row_factor`) before
+// anything reads it. Scaling by a power of two is exact, and a bf16 value (8 significant bits)
+// is an f16 exactly wherever the scaled value is a normal f16 (≥ 2^-14): only elements under
+// 2^-28 of their row's largest round, by at most 2^-25 · 2^e_r, a 2^-38 share of that largest
+// |q| in the score. So S is the bf16 product's, up to the MMA's own accumulation order. Infinities
+// and NaN are left out of the largest |q| and stay what they are.
 
 constexpr int VW = HEAD_DIM >= 128 ? 16 : 8;  // bytes of a V row one lane loads per group
 constexpr int V_GROUPS = HEAD_DIM / (8 * VW);  // such groups per row (8 lanes' columns each)
 constexpr u32 SIGN_PAIR = 0x80008000u;         // sign bits of a 16-bit pair
-constexpr u32 BF16_2P120 = 0x7b807b80u;        // 2^120, a bf16 pair
 constexpr u32 NAN_HALF = 0x7fffu;              // a NaN in f16 and in bf16
 constexpr u32 NEG_ZERO_HALF = 0x8000u;         // −0 in f16
 static_assert(HEAD_DIM % 64 == 0, "Q·Kᵀ takes the head dim in groups of 64");
@@ -71,12 +77,6 @@ __device__ __forceinline__ u32 mul_f16x2(u32 a, u32 b) {
     asm("mul.rn.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
     return d;
 }
-__device__ __forceinline__ u32 fma_bf16x2(u32 a, u32 b, u32 c) {
-    u32 d;
-    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-
 // The four e4m3 bytes of w widened to f16 pairs: lo = (byte 0, byte 1), hi = (byte 2, byte 3),
 // the lower byte in the lower half.
 __device__ __forceinline__ void e4m3x4_to_f16x2(u32 w, u32& lo, u32& hi) {
@@ -94,21 +94,6 @@ __device__ __forceinline__ void e4m3x4_to_f16x2(u32 w, u32& lo, u32& hi) {
     const u32 nan = e4m3_nan_bytes(w);
     if (nan != 0u) set_nan_halves(nan, lo, hi);
 #endif
-}
-
-// The four e4m3 bytes of w widened to the queries' 16-bit type, pairs as e4m3x4_to_f16x2.
-__device__ __forceinline__ void e4m3x4_to_q(u32 w, u32& lo, u32& hi) {
-    if constexpr (IS_BF16) {
-        // bf16 has E at 10..7 (of 14..7) and M at 6..4, bias 127: from the high byte of a half
-        // the magnitude moves down four bits, ×2^120 (exact, subnormals included).
-        const u32 x01 = __byte_perm(w, 0u, 0x1404), x23 = __byte_perm(w, 0u, 0x3424);
-        lo = fma_bf16x2(((x01 >> 4) & 0x07f007f0u) | (x01 & SIGN_PAIR), BF16_2P120, SIGN_PAIR);
-        hi = fma_bf16x2(((x23 >> 4) & 0x07f007f0u) | (x23 & SIGN_PAIR), BF16_2P120, SIGN_PAIR);
-        const u32 nan = e4m3_nan_bytes(w);
-        if (nan != 0u) set_nan_halves(nan, lo, hi);
-    } else {
-        e4m3x4_to_f16x2(w, lo, hi);
-    }
 }
 
 // One e4m3 byte (the low 8 bits of b) as f32.
@@ -169,7 +154,71 @@ __device__ __forceinline__ void ld_q_chunk_fp8(u32 (&x)[4], const u16* row, int 
     for (int e = 0; e < 4; ++e) x[e] = ld_global_nc_b32(src + 8 * e);
 }
 
-// S (MT MMA tiles of 16 rows × NT n8 tiles of keys) = Q·Kᵀ over the warp's 8·NT keys.
+// 2^e as f32, for −126 ≤ e ≤ 127.
+__device__ __forceinline__ float exp2_int(int e) { return __int_as_float((127 + e) << 23); }
+
+// The largest finite |x| of a chunk's eight bf16 values (two per word), 0 if none.
+__device__ __forceinline__ float chunk_amax_bf16(const u32 (&x)[4]) {
+    constexpr float MAX_FINITE = 3.40282347e38f;
+    float m = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float lo = fabsf(__uint_as_float(x[k] << 16)), hi = fabsf(__uint_as_float(x[k] & 0xffff0000u));
+        if (lo <= MAX_FINITE) m = fmaxf(m, lo);  // false for NaN and ∞
+        if (hi <= MAX_FINITE) m = fmaxf(m, hi);
+    }
+    return m;
+}
+
+// e_r of a Q row whose largest finite |q| is amax (see the header): amax · 2^-e_r lands in
+// [2^14, 2^15), 2^15 short of f16's largest; 0 for a row of zeros (or of infinities and NaN).
+// Held at −100 and above so that 2^-e_r is an f32 (a row under 2^-86 keeps its elements
+// above 2^-124 exactly, and the others add under 2^-109 to a score); at most 113 (bf16's
+// largest is under 2^128).
+__device__ __forceinline__ int q_row_exp(float amax) {
+    if (!(amax > 0.0f)) return 0;
+    const int e = ((__float_as_int(amax) >> 23) & 0xff) - 127;  // ⌊log2 amax⌋; −127 for an f32 subnormal
+    return max(e - 14, -100);
+}
+
+// Chunk x of a Q row, as ld_q_chunk_fp8 loaded it (16-bit pairs of the queries' type), made
+// the f16 pairs that Q·Kᵀ takes: with bf16 queries, times 2^-e_r of its row and rounded to f16
+// (see the header); f16 queries are kept. The row's chunks are held by ROW_LANES consecutive
+// lanes (a power of two dividing 32), which share its largest |q| by shuffles, so every lane of
+// the warp calls this, each with its own chunk (zeros for rows past the valid ones). Returns e_r
+// (0 for f16 queries).
+template <int ROW_LANES>
+__device__ __forceinline__ int q_chunk_to_f16(u32 (&x)[4]) {
+    static_assert(ROW_LANES >= 1 && ROW_LANES <= 32 && 32 % ROW_LANES == 0, "a row's lanes share a warp");
+    if constexpr (!IS_BF16) {
+        return 0;
+    } else {
+        float m = chunk_amax_bf16(x);
+#pragma unroll
+        for (int o = 1; o < ROW_LANES; o <<= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        const int e = q_row_exp(m);
+        const float f = exp2_int(-e);
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+            x[k] = pack_f16x2(__uint_as_float(x[k] << 16) * f, __uint_as_float(x[k] & 0xffff0000u) * f);
+        return e;
+    }
+}
+
+// S's rows back at the queries' scale: row slot r (row g + 8·(r % 2) of MMA tile r / 2) times
+// factor[r] = 2^e_r of its row (exact).
+template <int MT, int NT>
+__device__ __forceinline__ void unscale_rows(float (&rS)[MT][NT][4], const float (&factor)[2 * MT]) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int i = 0; i < NT; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) rS[mt][i][e] *= factor[2 * mt + e / 2];
+}
+
+// S (MT MMA tiles of 16 rows × NT n8 tiles of keys) = Q·Kᵀ over the warp's 8·NT keys, f16 (Q's
+// tile as q_chunk_to_f16 made it: for bf16 queries, unscale_rows restores S's rows).
 // q_addr(mt, kk) is this lane's ldmatrix address of Q's A fragment (tile mt, k16 step kk);
 // k_row(key) the shared address of dim 0 of key row `key` (of the warp's keys).
 template <int MT, int NT, class QAddr, class KRow>
@@ -189,9 +238,9 @@ __device__ __forceinline__ void qk_fp8(float (&rS)[MT][NT][4], QAddr q_addr, KRo
 #pragma unroll
             for (int s = 0; s < 4; ++s) {
                 u32 b0, b1;
-                e4m3x4_to_q(w[s], b0, b1);
+                e4m3x4_to_f16x2(w[s], b0, b1);
 #pragma unroll
-                for (int mt = 0; mt < MT; ++mt) mma_16816(rS[mt][i], qa[s][mt], b0, b1);
+                for (int mt = 0; mt < MT; ++mt) mma_16816_f16(rS[mt][i], qa[s][mt], b0, b1);
             }
         }
     }

@@ -235,12 +235,16 @@ __device__ __forceinline__ void pv_skip_zero(float (&rO)[M_TILES][NTILES_D][4], 
 #endif
 
 // This warp's KV head's packed rows into its Q tile (rows past `valid` zero), negated for a
-// negative scale.
+// negative scale. With an fp8 cache the tile takes the f16 form of fp8.cuh's Q·Kᵀ, and
+// factor[r] receives 2^e_r of this lane's row slot r (row g + 8·(r % 2) of MMA tile r / 2).
 __device__ __forceinline__ void load_q_tile(const DecodeParams& d, const Seq& s, int b, int kv_head, int m0,
-                                            int valid, u32 sQ, int lane) {
+                                            int valid, u32 sQ, int lane, float (&factor)[ROW_SLOTS]) {
     const FwdParams& p = d.p;
     const bool packed = p.cu_seqlens_q != nullptr;
     const u32 flip = p.negate_q ? SIGN_BITS : 0u;
+    static_assert(32 % CHUNKS == 0 && BLOCK_M * CHUNKS % 32 == 0, "a pass holds whole rows; the warp runs every pass");
+#pragma unroll
+    for (int r = 0; r < ROW_SLOTS; ++r) factor[r] = 1.0f;
     for (int idx = lane; idx < BLOCK_M * CHUNKS; idx += 32) {
         const int r = idx / CHUNKS, c = idx % CHUNKS;
         u32 x[4] = {0u, 0u, 0u, 0u};
@@ -254,9 +258,23 @@ __device__ __forceinline__ void load_q_tile(const DecodeParams& d, const Seq& s,
 #else
             ld_global_v4(x, row + c * CHUNK_ELEMS);
 #endif
-#pragma unroll
-            for (int e = 0; e < 4; ++e) x[e] ^= flip;
         }
+#if KV_FP8
+        const int e_r = q_chunk_to_f16<CHUNKS>(x);  // the row's CHUNKS lanes together
+        if constexpr (IS_BF16) {
+            // Each lane takes its rows' factors from the first lane of the row in this pass.
+            const float f = exp2_int(e_r);
+            const int pass = idx / 32;
+#pragma unroll
+            for (int slot = 0; slot < ROW_SLOTS; ++slot) {
+                const int row = 16 * (slot / 2) + lane / 4 + 8 * (slot % 2);
+                const float v = __shfl_sync(0xffffffffu, f, row * CHUNKS % 32);
+                if (row * CHUNKS / 32 == pass) factor[slot] = v;
+            }
+        }
+#endif
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[e] ^= flip;
         st_shared_v4(sQ + q_swizzle(r, c), x[0], x[1], x[2], x[3]);
     }
 }
@@ -321,7 +339,8 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
         cp_async_commit();
     }
 #endif
-    load_q_tile(d, s, b, kv_head, m0, valid_m, sQ, lane);
+    float q_factor[ROW_SLOTS];  // 2^e_r of this thread's rows (fp8.cuh's Q·Kᵀ with bf16 queries)
+    load_q_tile(d, s, b, kv_head, m0, valid_m, sQ, lane, q_factor);
 
     float rO[M_TILES][NTILES_D][4];  // O accumulator, (BLOCK_M, HEAD_DIM) of this warp's head
     float row_max[ROW_SLOTS];        // raw scores (before scale_log2)
@@ -376,6 +395,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_heads(co
         const auto k_row = [&](int key) { return sKs + static_cast<u32>(key * ROW_PITCH + warp * HEAD_BYTES); };
         const auto v_row = [&](int key) { return sVs + static_cast<u32>(key * ROW_PITCH + warp * HEAD_BYTES); };
         qk_fp8(rS, [&](int mt, int kk) { return sQ + q_swizzle(16 * mt + a_row, 2 * kk + a_chunk); }, k_row, g, t);
+        if constexpr (IS_BF16) unscale_rows(rS, q_factor);
 #else
 #pragma unroll
         for (int kk = 0; kk < KSTEPS_D; ++kk) {

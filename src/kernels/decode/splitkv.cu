@@ -196,9 +196,23 @@ __device__ __forceinline__ void pv_skip_zero(float (&rO)[M_TILES][NTILES_D][4], 
     __syncwarp();
 }
 
-// The tile's packed rows into sQ (rows past `valid` zero), negated for a negative scale.
+#if KV_FP8
+// Shared address of row r's 2^e_r (fp8.cuh's Q·Kᵀ with bf16 queries): the 16 pad bytes that
+// follow each K row of stage 0 hold four rows' factors. Neither the copies (a row's HEAD_DIM
+// bytes) nor the staged P of pv_skip_zero_fp8 touch the pad, so the factors written before
+// the key loop hold through it; the merge's reuse of the ring comes after.
+__device__ __forceinline__ u32 q_factor_at(u32 sK, int r) {
+    return sK + static_cast<u32>((r / 4) * KV_PITCH + HEAD_DIM + 4 * (r % 4));
+}
+static_assert(BLOCK_M <= 4 * BLOCK_N, "stage 0's K rows have pad for every row's factor");
+static_assert(BLOCK_M % (32 / CHUNKS) == 0 && ROW_STEP % (32 / CHUNKS) == 0,
+              "a warp's lanes run load_q_tile's passes together (its shuffles take the whole warp)");
+#endif
+
+// The tile's packed rows into sQ (rows past `valid` zero), negated for a negative scale; with
+// an fp8 cache in the f16 form of fp8.cuh's Q·Kᵀ, each row's 2^e_r at q_factor_at(sK, row).
 __device__ __forceinline__ void load_q_tile(const DecodeParams& d, const Seq& s, int b, int kv_head, int m0,
-                                            int valid, u32 sQ, int tid) {
+                                            int valid, u32 sQ, u32 sK, int tid) {
     const FwdParams& p = d.p;
     const bool packed = p.cu_seqlens_q != nullptr;
     const u32 flip = p.negate_q ? SIGN_BITS : 0u;
@@ -216,9 +230,13 @@ __device__ __forceinline__ void load_q_tile(const DecodeParams& d, const Seq& s,
 #else
             ld_global_v4(x, row + c * CHUNK_ELEMS);
 #endif
-#pragma unroll
-            for (int e = 0; e < 4; ++e) x[e] ^= flip;
         }
+#if KV_FP8
+        const int e_r = q_chunk_to_f16<CHUNKS>(x);  // the row's CHUNKS lanes together
+        if (IS_BF16 && c == 0) st_shared_f32(q_factor_at(sK, r), exp2_int(e_r));
+#endif
+#pragma unroll
+        for (int e = 0; e < 4; ++e) x[e] ^= flip;
         st_shared_v4(sQ + swizzle(r, c), x[0], x[1], x[2], x[3]);
     }
 }
@@ -259,7 +277,7 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_splitkv(
     constexpr float k_scale = 1.0f;  // a 16-bit cache has no scales
 #endif
 
-    load_q_tile(d, s, b, kv_head, m0, valid_m, sQ, tid);
+    load_q_tile(d, s, b, kv_head, m0, valid_m, sQ, sK, tid);
 #pragma unroll
     for (int st = 0; st < STAGES - 1; ++st) {
         if (n_begin + st < n_end)
@@ -313,6 +331,12 @@ extern "C" __global__ void __launch_bounds__(NUM_THREADS, 1) fa4_decode_splitkv(
         const auto k_row = [&](int key) { return sKs + static_cast<u32>((wk0 + key) * KV_PITCH); };
         const auto v_row = [&](int key) { return sVs + static_cast<u32>((wk0 + key) * KV_PITCH); };
         qk_fp8(rS, [&](int mt, int kk) { return sQ + swizzle(16 * mt + a_row, 2 * kk + a_chunk); }, k_row, g, t);
+        if constexpr (IS_BF16) {
+            float factor[ROW_SLOTS];  // 2^e_r of this thread's rows (load_q_tile)
+#pragma unroll
+            for (int r = 0; r < ROW_SLOTS; ++r) factor[r] = ld_shared_f32(q_factor_at(sK, 16 * (r / 2) + g + 8 * (r % 2)));
+            unscale_rows(rS, factor);
+        }
 #else
 #pragma unroll
         for (int kk = 0; kk < KSTEPS_D; ++kk) {

@@ -680,3 +680,44 @@ fn run_over_an_fp8_paged_cache_from_files() {
     let (code, _, err) = fa4(&["run", "--paged", "--k-scale", "2"]);
     assert!(code == 2 && err.contains("`--k-scale`"), "{err}");
 }
+
+/// `paged::quantize_cache` (rows in parallel) against a serial reading of its rule: head h's scale
+/// is its largest finite |x| / 448 (1 for a head with none: here head 2 holds only zeros, NaN and
+/// infinities), and every byte is `x / scale[h]` rounded to e4m3. Thousands of rows, so rayon
+/// splits them; the heads' magnitudes are 2^±10 apart, so a scale taken from the wrong head shows.
+#[test]
+fn quantize_cache_takes_each_heads_largest_finite_magnitude() {
+    use rand::Rng;
+    let (rows, heads, width) = (3001, 3, 8);
+    let mut rng = StdRng::seed_from_u64(29);
+    let cache: Vec<bf16> = (0..rows * heads * width)
+        .map(|i| {
+            let h = (i / width) % heads;
+            let x = match h {
+                0 => rng.random_range(-1.0f32..1.0) * 1024.0,
+                1 => rng.random_range(-1.0f32..1.0) / 1024.0,
+                _ => [0.0, f32::NAN, f32::INFINITY, -f32::INFINITY][i % 4],
+            };
+            bf16::from_f32(x)
+        })
+        .collect();
+    let mut amax = [0f32; 3];
+    for (i, e) in cache.iter().enumerate() {
+        let x = e.to_f32();
+        if x.is_finite() {
+            let h = (i / width) % heads;
+            amax[h] = amax[h].max(x.abs());
+        }
+    }
+    let (bytes, scales) = fa4::paged::quantize_cache(&cache, heads, width);
+    assert_eq!(scales.len(), heads);
+    assert_eq!(scales[0], amax[0] / 448.0);
+    assert_eq!(scales[1], amax[1] / 448.0);
+    assert!(scales[0] > 1.0 && scales[1] < 1e-3, "{scales:?}");
+    assert_eq!(scales[2], 1.0);
+    assert_eq!(bytes.len(), cache.len());
+    for (i, (b, e)) in bytes.iter().zip(&cache).enumerate() {
+        let want = F8E4M3::from_f32(e.to_f32() / scales[(i / width) % heads]);
+        assert_eq!(b.to_bits(), want.to_bits(), "element {i}: {e}");
+    }
+}

@@ -533,6 +533,20 @@ fn compile_ahead(
     });
 }
 
+/// Fixed-length sequences of 8 query heads on 2 KV heads, d128, pages of 16 keys.
+fn gqa_d128(seqlens_q: Vec<usize>, seqlens_k: Vec<usize>) -> PagedSpec {
+    PagedSpec {
+        seqlens_q,
+        seqlens_k,
+        heads_q: 8,
+        heads_kv: 2,
+        head_dim: 128,
+        head_dim_v: 128,
+        page_size: 16,
+        varlen: false,
+    }
+}
+
 /// The non-finite rule over an fp8 cache: a NaN byte (S.1111.111) in V at a key that some rows
 /// mask reaches exactly the rows that allow it (0·NaN must not leak through a masked P = 0), in
 /// a causal speculative decode and a window; a NaN byte in K makes the rows that allow that key
@@ -542,16 +556,7 @@ fn compile_ahead(
 fn fp8_nan_bytes_reach_only_the_rows_that_allow_them() {
     let cuda = gpu();
     let mut rng = StdRng::seed_from_u64(57);
-    let spec = PagedSpec {
-        seqlens_q: vec![4, 4],
-        seqlens_k: vec![300, 129],
-        heads_q: 8,
-        heads_kv: 2,
-        head_dim: 128,
-        head_dim_v: 128,
-        page_size: 16,
-        varlen: false,
-    };
+    let spec = gqa_d128(vec![4, 4], vec![300, 129]);
     let mut c = fp8_inputs::<bf16>(&mut rng, &spec);
     // Causal bottom-right: key 299 is seen by query row 3 only, key 127 of the second sequence
     // by rows 2 and 3.
@@ -668,16 +673,7 @@ fn fp8_every_byte_widens_to_its_value() {
 fn fp8_bf16_queries_of_any_magnitude_match_the_oracle() {
     let cuda = gpu();
     let mut rng = StdRng::seed_from_u64(83);
-    let spec = PagedSpec {
-        seqlens_q: vec![2, 2],
-        seqlens_k: vec![300, 45],
-        heads_q: 8,
-        heads_kv: 2,
-        head_dim: 128,
-        head_dim_v: 128,
-        page_size: 16,
-        varlen: false,
-    };
+    let spec = gqa_d128(vec![2, 2], vec![300, 45]);
     for (mag, scale) in [
         (2f32.powi(-30), 2f32.powi(27)),
         (2f32.powi(24), 2f32.powi(-27)),

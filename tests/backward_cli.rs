@@ -441,25 +441,23 @@ fn bench_backward_sizes_its_shapes_first() {
 /// `--grid` first; on a GPU so does a shape its backward cannot plan, before the table).
 #[test]
 fn bench_backward_on_cuda_times_the_grid_it_is_given() {
-    let (code, out, err) = fa4(&[
-        "bench",
-        "--backward",
-        "--backend",
-        "cuda",
-        "--dtype",
-        "bf16",
-        "--grid",
-        "64,100,0",
-    ]);
+    // `fa4 bench --backward --backend cuda --dtype bf16` with `rest` (the grid first).
+    let bench = |rest: &[&str]| {
+        let mut args = vec![
+            "bench",
+            "--backward",
+            "--backend",
+            "cuda",
+            "--dtype",
+            "bf16",
+        ];
+        args.extend_from_slice(rest);
+        fa4(&args)
+    };
+    let (code, out, err) = bench(&["--grid", "64,100,0"]);
     assert_eq!(code, 2, "{out}{err}");
     one_error_line(&err, "--grid");
-    let args = [
-        "bench",
-        "--backward",
-        "--backend",
-        "cuda",
-        "--dtype",
-        "bf16",
+    let (code, out, err) = bench(&[
         "--grid",
         "64,256,1,2,4,2",
         "128,512,0,1,2",
@@ -470,8 +468,7 @@ fn bench_backward_on_cuda_times_the_grid_it_is_given() {
         "--calls",
         "1",
         "--json",
-    ];
-    let (code, out, err) = fa4(&args);
+    ]);
     if fa4::Backend::cuda(0).is_err() {
         assert_eq!(code, 2, "{out}{err}");
         one_error_line(&err, "--backend");
@@ -501,20 +498,7 @@ fn bench_backward_on_cuda_times_the_grid_it_is_given() {
     }
     // A shape the backward cannot plan (V wider than Q) is one line naming --grid before the
     // table, whatever the GPU.
-    let (code, out, err) = fa4(&[
-        "bench",
-        "--backward",
-        "--backend",
-        "cuda",
-        "--dtype",
-        "bf16",
-        "--grid",
-        "64/128,256,0,1,2",
-        "--reps",
-        "1",
-        "--calls",
-        "1",
-    ]);
+    let (code, out, err) = bench(&["--grid", "64/128,256,0,1,2", "--reps", "1", "--calls", "1"]);
     assert_eq!(code, 2, "{out}{err}");
     assert!(out.is_empty(), "{out}");
     one_error_line(&err, "--grid");

@@ -506,12 +506,12 @@ def kvcache(q, k_cache, v_cache, k, v, block_table, cache_seqlens, scale, causal
 
 
 def _plain_eager(args):
-    """Whether a call with these arguments may run its op's body directly instead of through PyTorch's dispatcher, whose
-    custom-op layers cost about 50 µs of host time per call (docs/perf.md, "An fp8 cache"), more
-    than a decode step's GPU time at one sequence: outside torch.compile's tracing (which needs
-    the registered op and its fake), on plain tensors (no fake or other subclass, as under
-    make_fx), none of which autograd records (the forward's backward is the op's; the paged op
-    has none)."""
+    """Whether a call with these arguments may run its op's body directly instead of through
+    PyTorch's dispatcher, whose custom-op layers cost about 50 µs of host time per call
+    (docs/perf.md, "An fp8 cache"), more than a decode step's GPU time at one sequence: outside
+    torch.compile's tracing (which needs the registered op and its fake), on plain tensors (no
+    fake or other subclass, as under make_fx), none of which autograd records (the forward's
+    backward is the op's; the paged op has none)."""
     if torch.compiler.is_compiling():
         return False
     grad = torch.is_grad_enabled()

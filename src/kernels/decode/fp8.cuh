@@ -40,7 +40,7 @@
 // instructions per MMA of Q·Kᵀ, most of the decode step's issue slots. P·V: P ≤ 2^8 (the lazy
 // rescale's bound) fits f16 with three more mantissa bits than bf16. Q·Kᵀ with bf16 queries:
 // the tile holds each row times 2^-e_r (`q_row_exp`: its largest finite |q| lands in
-// [2^14, 2^15)), rounded to f16, and S's row is multiplied back by 2^e_r (`q_row_factor`) before
+// [2^14, 2^15)), rounded to f16, and S's row is multiplied back by 2^e_r (`unscale_rows`) before
 // anything reads it. Scaling by a power of two is exact, and a bf16 value (8 significant bits)
 // is an f16 exactly wherever the scaled value is a normal f16 (≥ 2^-14): only elements under
 // 2^-28 of their row's largest round, by at most 2^-25 · 2^e_r, a 2^-38 share of that largest
